@@ -1,0 +1,1 @@
+"""The forklm program language (see issue 5)."""

@@ -1,0 +1,1 @@
+"""Triton kernels, each beside a torch reference twin (see issue 7)."""

@@ -1,0 +1,37 @@
+"""ForwardBatch: the tensors one model forward needs, built by the ModelRunner from scheduled requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """A ragged batch of requests, each contributing q_len new tokens after a cached context.
+
+    Request b's new tokens sit at positions [prefix_len_b, prefix_len_b + q_len_b) and attend to its
+    whole context kv_len_b = prefix_len_b + q_len_b, read from the KV pool through slot_table[b].
+    """
+
+    input_ids: torch.Tensor  # [num_tokens] int64, the new tokens of all requests, packed
+    positions: torch.Tensor  # [num_tokens] int64
+    out_slots: torch.Tensor  # [num_tokens] int64, KV slots the new tokens' K/V are written to
+    q_lens: torch.Tensor  # [batch] int64
+    kv_lens: torch.Tensor  # [batch] int64, prefix + new tokens
+    slot_table: torch.Tensor  # [batch, max_kv_len] int64, context slots per request (padded)
+    # [batch, max_q_len] int64: index into the packed tokens of request b's i-th new token
+    # (padding repeats a valid index; its outputs are dropped).
+    q_index: torch.Tensor
+    logits_indices: torch.Tensor  # [num_logits] int64, packed rows whose logits are wanted
+    max_q_len: int
+    is_decode: bool
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.q_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

@@ -1,0 +1,84 @@
+"""ModelRunner: turns a ScheduledBatch into a ForwardBatch (positions, KV slots, slot table) and runs
+the model, returning the logits rows the engine needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forklm.runtime.attention import AttentionBackend
+from forklm.runtime.forward_batch import ForwardBatch
+from forklm.runtime.kv_manager import KVCacheManager
+from forklm.runtime.models.llama import LlamaForCausalLM
+from forklm.runtime.request import Req
+from forklm.runtime.scheduler import ScheduledBatch
+
+
+@dataclass
+class LogitsRows:
+    """Where one request's logits sit in the returned tensor."""
+
+    input_start: int  # first row of prompt-logprob logits
+    input_positions: list[int]  # positions t whose token logprob those rows give (row k -> t = input_positions[k])
+    sample_row: int | None  # row to sample the next token from
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, kv: KVCacheManager):
+        self.model, self.attn, self.kv = model, attn, kv
+
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[LogitsRows]]:
+        """-> (logits [num_rows, vocab] fp32, per-request row layout)."""
+        fb, layout = self._build(batch)
+        return self.model(fb, self.attn), layout
+
+    def _build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[LogitsRows]]:
+        ids, positions, logit_rows, layout = [], [], [], []
+        q_lens, kv_lens, q_index = [], [], []
+        offset = 0
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            start = req.num_computed - n  # KV for [start, start + n) is computed now
+            ids.extend(req.fill_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            rows = _input_logprob_positions(req, start, n)
+            layout.append(LogitsRows(len(logit_rows), rows, None))
+            logit_rows.extend(offset + t - 1 - start for t in rows)
+            if batch.samples[i]:
+                layout[-1].sample_row = len(logit_rows)
+                logit_rows.append(offset + n - 1)
+            q_lens.append(n)
+            kv_lens.append(req.num_computed)
+            q_index.append(offset)
+            offset += n
+        max_q = max(q_lens)
+        q_lens_t = torch.tensor(q_lens)
+        q_index_t = torch.tensor(q_index)[:, None] + torch.arange(max_q)[None, :]
+        q_index_t = torch.minimum(q_index_t, (torch.tensor(q_index) + q_lens_t - 1)[:, None])
+        rows_t = torch.tensor([r.row for r in batch.reqs])
+        kv_lens_t = torch.tensor(kv_lens)
+        slot_table = self.kv.req_to_token[rows_t, : int(kv_lens_t.max())]
+        positions_t = torch.tensor(positions)
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids),
+            positions=positions_t,
+            out_slots=self.kv.req_to_token[torch.repeat_interleave(rows_t, q_lens_t), positions_t],
+            q_lens=q_lens_t,
+            kv_lens=kv_lens_t,
+            slot_table=slot_table,
+            q_index=q_index_t,
+            logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
+            max_q_len=max_q,
+            is_decode=batch.is_decode,
+        )
+        return fb, layout
+
+
+def _input_logprob_positions(req: Req, start: int, n: int) -> list[int]:
+    """Prompt positions t (>= 1, >= logprob_start_len) whose token logprob the hidden state at t-1,
+    computed in this chunk [start, start + n), gives."""
+    if not req.wants_input_logprobs:
+        return []
+    lo = max(start + 1, req.logprob_start_len, 1)
+    hi = min(start + n, len(req.origin_input_ids) - 1)
+    return list(range(lo, hi + 1))

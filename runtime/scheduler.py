@@ -1,0 +1,213 @@
+"""Scheduler: picks each step's batch (continuous batching): a prefill batch of waiting requests
+within the token budgets, or one decode step for every running request, retracting on KV shortage."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from forklm.runtime.config import EngineConfig
+from forklm.runtime.kv_manager import KVCacheManager
+from forklm.runtime.request import FinishReason, Req
+
+logger = logging.getLogger(__name__)
+
+# A request's future tokens counted when admitting others are clipped to this (SGLang's CLIP).
+RESERVE_CLIP = 4096
+# Waiting requests that share at least this many uncached tokens with one already in the batch
+# wait one step, so they hit the cache instead of computing the shared part again.
+IN_BATCH_SHARE_THRESHOLD = 32
+# lpm sorts the queue by cached-prefix length; beyond this many waiting requests it is fcfs.
+LPM_MAX_QUEUE = 128
+# Fraction of a running request's remaining tokens reserved at admission: starts high, decays
+# every decode step, and jumps back after a retraction (SGLang's new_token_ratio).
+INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]
+    extend_lens: list[int]  # new tokens computed per request this step (1 each for decode)
+    is_decode: bool
+    # Per request: this step ends its prefill (or is a decode), so a token is sampled for it.
+    samples: list[bool]
+
+    @classmethod
+    def prefill(cls, reqs: list[Req], extend_lens: list[int]) -> ScheduledBatch:
+        samples = [r.num_computed == len(r.fill_ids) for r in reqs]
+        return cls(reqs, extend_lens, False, samples)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config, self.kv = config, kv
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
+        self.aborted: list[Req] = []  # requests the scheduler had to give up on (drained by the engine)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def active_reqs(self) -> list[Req]:
+        extra = [self.chunked_req] if self.chunked_req else []
+        return self.running + extra
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Prefill has priority; otherwise decode every running request."""
+        batch = self._schedule_prefill()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        return batch
+
+    # -- prefill -------------------------------------------------------------------------------
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        if (not self.waiting or len(self.running) >= self.config.max_running_requests) and self.chunked_req is None:
+            return None
+        reqs, lens = [], []
+        token_budget = self.config.max_prefill_tokens
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            n = self._chunk_len(req, token_budget)
+            if not self._make_room(n):
+                self._give_up(req, "out of KV cache memory during chunked prefill")
+                return None
+            self.kv.extend(req, n)
+            reqs.append(req), lens.append(n)
+            token_budget -= n
+            if req.num_computed < len(req.fill_ids):
+                self.chunked_req = req
+        deferred: list[Req] = []
+        in_batch: dict[int, list[int]] = {}
+        for req in self._ordered_waiting():
+            if len(self.running) + len(reqs) >= self.config.max_running_requests or token_budget <= 0:
+                deferred.append(req)
+                continue
+            if self.chunked_req is not None or self._shares_with_batch(req, in_batch):
+                deferred.append(req)
+                continue
+            n = self._try_admit(req, token_budget, reqs)
+            if n == 0:
+                deferred.append(req)
+                token_budget = 0  # out of KV: stop admitting, keep fcfs/lpm order for next time
+                continue
+            reqs.append(req), lens.append(n)
+            in_batch[id(req)] = req.fill_ids
+            token_budget -= n
+            if req.num_computed < len(req.fill_ids):
+                self.chunked_req = req
+        self.waiting = deferred
+        return ScheduledBatch.prefill(reqs, lens) if reqs else None
+
+    def _ordered_waiting(self) -> list[Req]:
+        queue = sorted(self.waiting, key=lambda r: r.arrival)
+        if self.config.schedule_policy == "lpm" and self.kv.cache is not None and len(queue) <= LPM_MAX_QUEUE:
+            queue.sort(key=lambda r: -self.kv.match_len(r))  # stable: fcfs among equals
+        return queue
+
+    def _shares_with_batch(self, req: Req, in_batch: dict[int, list[int]]) -> bool:
+        if self.kv.cache is None or not in_batch:
+            return False
+        cached = self.kv.match_len(req)
+        ids = req.fill_ids
+        for other in in_batch.values():
+            n = min(len(ids), len(other), cached + IN_BATCH_SHARE_THRESHOLD)
+            if n - cached >= IN_BATCH_SHARE_THRESHOLD and ids[:n] == other[:n]:
+                return True
+        return False
+
+    def _chunk_len(self, req: Req, token_budget: int) -> int:
+        n = len(req.fill_ids) - req.num_computed
+        if self.config.chunked_prefill_size > 0:
+            n = min(n, self.config.chunked_prefill_size)
+        return max(1, min(n, token_budget))
+
+    def _try_admit(self, req: Req, token_budget: int, batch: list[Req]) -> int:
+        """Admit req (lock its cached prefix, allocate its first chunk) if KV allows; returns the
+        number of tokens to compute now, or 0 when it must keep waiting."""
+        self.kv.admit(req)
+        n = self._chunk_len(req, token_budget)
+        full = req.num_computed + n == len(req.fill_ids)
+        need = n + (self._reserve(req) if full else 0)
+        if need > self.kv.available_tokens - self._reserved_for(self.running + batch):
+            self.kv.release(req)
+            return 0
+        if req.num_retractions == 0:
+            req.cached_tokens = req.prefix_len
+        self.kv.extend(req, n)
+        return n
+
+    def _reserve(self, req: Req) -> int:
+        return int(min(req.remaining_new_tokens(), RESERVE_CLIP) * self.new_token_ratio)
+
+    def _reserved_for(self, reqs: list[Req]) -> int:
+        return sum(self._reserve(r) for r in reqs)
+
+    # -- decode --------------------------------------------------------------------------------
+    def _make_room(self, num_tokens: int, keep: int = 0) -> bool:
+        """Retract running requests until num_tokens slots are obtainable (keeping at least `keep`
+        running); returns whether that worked."""
+        while self.kv.available_tokens < num_tokens and len(self.running) > keep:
+            self._retract_one()
+        return self.kv.available_tokens >= num_tokens
+
+    def _give_up(self, req: Req, message: str) -> None:
+        self.abort(req)
+        req.finish_reason = FinishReason("abort", message=message)
+        self.aborted.append(req)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        while self.kv.available_tokens < len(self.running) and len(self.running) > 1:
+            self._retract_one()
+        if self.kv.available_tokens < len(self.running):  # one request alone does not fit
+            self._give_up(self.running[0], "out of KV cache memory")
+            return None
+        for req in self.running:
+            self.kv.extend(req, 1)
+        self.new_token_ratio = max(
+            self.new_token_ratio - NEW_TOKEN_RATIO_DECAY,
+            MIN_NEW_TOKEN_RATIO * self.config.schedule_conservativeness,
+        )
+        n = len(self.running)
+        return ScheduledBatch(list(self.running), [1] * n, True, [True] * n)
+
+    def _retract_one(self) -> None:
+        """Free the KV of the request with the fewest outputs (longest prompt on ties) and requeue it
+        at the front; it re-prefills later (mostly from the cache) and continues where it was."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.num_retractions += 1
+        victim.arrival = -1 - victim.num_retractions  # ahead of every new request
+        self.waiting.append(victim)
+        total_max = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+        decoded = sum(len(r.output_ids) for r in self.running)
+        self.new_token_ratio = min(1.0, (decoded + 20 * len(self.running)) / total_max)
+        logger.info("retracted %s (KV short); %d running", victim.rid, len(self.running))
+
+    # -- after the forward ---------------------------------------------------------------------
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Finished requests leave (KV to the cache); freshly prefilled ones join the running set."""
+        for i, req in enumerate(batch.reqs):
+            if req.finished:
+                self.kv.release(req)
+                if req in self.running:
+                    self.running.remove(req)
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                continue
+            if not batch.is_decode:
+                self.kv.cache_unfinished(req)
+                if batch.samples[i]:
+                    self.running.append(req)
+
+    def abort(self, req: Req) -> None:
+        """Remove req wherever it is and release its KV (the caller sets its finish reason)."""
+        for queue in (self.waiting, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self.kv.release(req)

