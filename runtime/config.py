@@ -36,7 +36,9 @@ class EngineConfig:
     # --schedule-conservativeness); lower admits more and relies on retraction.
     schedule_conservativeness: float = 1.0
     num_threads: int | None = None
-    max_total_tokens_fraction: float = 0.3
+    max_total_tokens_fraction: float = 0.1
+    # Check the KV accounting after every step (tests; costs a pass over all slots per step).
+    debug_check_invariants: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,

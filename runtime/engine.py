@@ -45,6 +45,7 @@ class Engine:
                        "forward_s": 0.0, "step_s": 0.0, "steps": 0, "decode_steps": 0,
                        "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0}
         self._closed = False
+        self.last_error: Exception | None = None
         self._thread = threading.Thread(target=self._loop, name="forklm-engine", daemon=True)
         self._thread.start()
 
@@ -197,7 +198,19 @@ class Engine:
         while not self._closed:
             self._drain_inbox(block=not self.parts.scheduler.has_work)
             if not self._closed:
-                self._step()
+                self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        """A bug in a step must not hang callers: fail every active request loudly instead."""
+        try:
+            self._step()
+            if self.config.debug_check_invariants:
+                self.parts.kv.check_invariants(self.parts.scheduler.active_reqs())
+        except Exception as e:
+            logger.exception("engine step failed; aborting all requests")
+            self.last_error = e
+            for rid in list(self._reqs):
+                self._abort_now(rid, f"internal error: {e!r}")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
