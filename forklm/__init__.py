@@ -5,7 +5,28 @@ Public API re-exports live here; the engine is in forklm.runtime, the language i
 
 from __future__ import annotations
 
-from forklm.runtime.config import EngineConfig
-from forklm.runtime.errors import ForkLMError, InvalidArgumentError, ModelNotFoundError
+import os
 
-__all__ = ["EngineConfig", "ForkLMError", "InvalidArgumentError", "ModelNotFoundError"]
+# OpenMP threads that spin while idle make the engine ~15x slower when another process (or the
+# HTTP server's threads) share the cores; this must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from forklm.runtime.config import EngineConfig  # noqa: E402
+from forklm.runtime.engine import Engine  # noqa: E402
+from forklm.runtime.errors import (  # noqa: E402
+    EngineShutdownError,
+    ForkLMError,
+    InvalidArgumentError,
+    ModelNotFoundError,
+)
+from forklm.runtime.sampling import SamplingParams  # noqa: E402
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineShutdownError",
+    "ForkLMError",
+    "InvalidArgumentError",
+    "ModelNotFoundError",
+    "SamplingParams",
+]
