@@ -34,8 +34,13 @@ class ModelRunner:
         return self.model(fb, self.attn), layout
 
     def _build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[LogitsRows]]:
-        ids, positions, logit_rows, layout = [], [], [], []
-        q_lens, kv_lens, q_index = [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        layout: list[LogitsRows] = []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        q_index: list[int] = []
         offset = 0
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.num_computed - n  # KV for [start, start + n) is computed now

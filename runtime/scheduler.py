@@ -75,48 +75,49 @@ class Scheduler:
                 self._give_up(req, "out of KV cache memory during chunked prefill")
                 return None
             self.kv.extend(req, n)
-            reqs.append(req), lens.append(n)
+            reqs.append(req)
+            lens.append(n)
             token_budget -= n
             if req.num_computed < len(req.fill_ids):
                 self.chunked_req = req
-        deferred: list[Req] = []
-        in_batch: dict[int, list[int]] = {}
-        for req in self._ordered_waiting():
-            if len(self.running) + len(reqs) >= self.config.max_running_requests or token_budget <= 0:
-                deferred.append(req)
-                continue
-            if self.chunked_req is not None or self._shares_with_batch(req, in_batch):
-                deferred.append(req)
-                continue
+        queue = self._ordered_waiting()
+        in_batch: list[list[int]] = []
+        for req, cached in queue:
+            full = len(self.running) + len(reqs) >= self.config.max_running_requests
+            if full or token_budget <= 0 or self.chunked_req is not None:
+                break
+            if self._shares_with_batch(req, cached, in_batch):
+                continue  # waits one step, then hits the cache
             n = self._try_admit(req, token_budget, reqs)
-            if n == 0:
-                deferred.append(req)
-                token_budget = 0  # out of KV: stop admitting, keep fcfs/lpm order for next time
-                continue
-            reqs.append(req), lens.append(n)
-            in_batch[id(req)] = req.fill_ids
+            if n == 0:  # out of KV: stop here, keeping the policy's order for next time
+                break
+            reqs.append(req)
+            lens.append(n)
+            in_batch.append(req.fill_ids)
             token_budget -= n
             if req.num_computed < len(req.fill_ids):
                 self.chunked_req = req
-        self.waiting = deferred
+        admitted = {id(r) for r in reqs}
+        self.waiting = [r for r, _ in queue if id(r) not in admitted]
         return ScheduledBatch.prefill(reqs, lens) if reqs else None
 
-    def _ordered_waiting(self) -> list[Req]:
+    def _ordered_waiting(self) -> list[tuple[Req, int]]:
+        """Waiting requests in policy order, each with its cached-prefix length (matched once)."""
         queue = sorted(self.waiting, key=lambda r: r.arrival)
-        if self.config.schedule_policy == "lpm" and self.kv.cache is not None and len(queue) <= LPM_MAX_QUEUE:
-            queue.sort(key=lambda r: -self.kv.match_len(r))  # stable: fcfs among equals
-        return queue
+        use_cache = self.kv.cache is not None and len(queue) <= LPM_MAX_QUEUE
+        pairs = [(r, self.kv.match_len(r) if use_cache else 0) for r in queue]
+        if self.config.schedule_policy == "lpm":
+            pairs.sort(key=lambda p: -p[1])  # stable: fcfs among equals
+        return pairs
 
-    def _shares_with_batch(self, req: Req, in_batch: dict[int, list[int]]) -> bool:
-        if self.kv.cache is None or not in_batch:
+    def _shares_with_batch(self, req: Req, cached: int, in_batch: list[list[int]]) -> bool:
+        """Whether req shares >= IN_BATCH_SHARE_THRESHOLD uncached tokens with a request admitted
+        in this batch (it then waits one step, when that prefix is in the cache)."""
+        if self.kv.cache is None:
             return False
-        cached = self.kv.match_len(req)
+        n = cached + IN_BATCH_SHARE_THRESHOLD
         ids = req.fill_ids
-        for other in in_batch.values():
-            n = min(len(ids), len(other), cached + IN_BATCH_SHARE_THRESHOLD)
-            if n - cached >= IN_BATCH_SHARE_THRESHOLD and ids[:n] == other[:n]:
-                return True
-        return False
+        return len(ids) >= n and any(len(o) >= n and o[:n] == ids[:n] for o in in_batch)
 
     def _chunk_len(self, req: Req, token_budget: int) -> int:
         n = len(req.fill_ids) - req.num_computed

@@ -17,9 +17,12 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 # Length of the long requests a short one overtakes: it needs ~5 steps, so 64 is a wide margin.
 LONG_NEW = 64
 # Varied words, so that prompts built from them tokenize to about one token per word.
-WORDS = ("river stone lantern orange quiet mountain paper silver window garden thunder violet "
-         "candle forest harbor marble saddle copper meadow pebble falcon canyon velvet ember "
-         "glacier orchard tulip beacon compass lagoon").split()
+WORDS = [
+    "river", "stone", "lantern", "orange", "quiet", "mountain", "paper", "silver", "window",
+    "garden", "thunder", "violet", "candle", "forest", "harbor", "marble", "saddle", "copper",
+    "meadow", "pebble", "falcon", "canyon", "velvet", "ember", "glacier", "orchard", "tulip",
+    "beacon", "compass", "lagoon",
+]
 
 
 def assert_idle_and_clean(engine: Engine) -> None:

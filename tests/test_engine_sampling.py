@@ -74,8 +74,9 @@ def test_seed_makes_sampling_reproducible(engine, story_prompt):
 # -- stop conditions -------------------------------------------------------------------------
 def test_stop_string_trims_output(engine, tokenizer, story_prompt, story_greedy):
     text, ids = story_greedy["text"], story_greedy["output_ids"]
-    word = text[len(text) // 2 :].split()[1]  # a whole word from the middle of the output
-    stop = " " + word
+    # A whole word from the second half whose first occurrence is past the first third.
+    stop = next(" " + w for w in text[len(text) // 2 :].split()[1:]
+                if text.index(" " + w) > len(text) // 3)
     cut = text.index(stop)
 
     result = engine.generate(story_prompt, {**GREEDY, "max_new_tokens": 40, "stop": [stop]})
@@ -92,16 +93,18 @@ def test_stop_string_trims_output(engine, tokenizer, story_prompt, story_greedy)
 
 def test_stop_string_spanning_tokens(engine, tokenizer, story_prompt, story_greedy):
     text, ids = story_greedy["text"], story_greedy["output_ids"]
-    # A token boundary in the middle; the stop string takes 2 characters on each side of it.
-    k = len(ids) // 2
-    while True:
+    # From the middle on, the first token boundary such that the 4 characters around it (2 from
+    # each token) occur there first: that stop string can only match across the two tokens.
+    for k in range(len(ids) // 2, len(ids) - 1):
         boundary = len(tokenizer.decode(ids[:k], clean_up_tokenization_spaces=False))
-        if len(tokenizer.decode(ids[k - 1 : k])) >= 2 and len(tokenizer.decode(ids[k : k + 1])) >= 2:
+        stop = text[boundary - 2 : boundary + 2]
+        if (len(tokenizer.decode(ids[k - 1 : k])) >= 2 and len(tokenizer.decode(ids[k : k + 1])) >= 2
+                and text.index(stop) == boundary - 2):
             break
-        k += 1
+    else:
+        pytest.fail("no suitable token boundary in the greedy output")
     assert text.startswith(tokenizer.decode(ids[:k], clean_up_tokenization_spaces=False))
-    stop = text[boundary - 2 : boundary + 2]
-    cut = text.index(stop)
+    cut = boundary - 2
 
     result = engine.generate(story_prompt, {**GREEDY, "max_new_tokens": 40, "stop": stop})
     assert result["text"] == text[:cut]
