@@ -120,16 +120,21 @@ class Scheduler:
         return len(ids) >= n and any(len(o) >= n and o[:n] == ids[:n] for o in in_batch)
 
     def _chunk_len(self, req: Req, token_budget: int) -> int:
+        """Tokens of req to compute this step: all that remain, or with chunked prefill on, at most
+        one chunk and what is left of the step's prefill budget."""
         n = len(req.fill_ids) - req.num_computed
         if self.config.chunked_prefill_size > 0:
-            n = min(n, self.config.chunked_prefill_size)
-        return max(1, min(n, token_budget))
+            n = max(1, min(n, self.config.chunked_prefill_size, token_budget))
+        return n
 
     def _try_admit(self, req: Req, token_budget: int, batch: list[Req]) -> int:
         """Admit req (lock its cached prefix, allocate its first chunk) if KV allows; returns the
         number of tokens to compute now, or 0 when it must keep waiting."""
         self.kv.admit(req)
         n = self._chunk_len(req, token_budget)
+        if n > token_budget and batch:  # no chunking: only a batch's first request may exceed it
+            self.kv.release(req)
+            return 0
         full = req.num_computed + n == len(req.fill_ids)
         need = n + (self._reserve(req) if full else 0)
         if need > self.kv.available_tokens - self._reserved_for(self.running + batch):
