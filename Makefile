@@ -22,14 +22,14 @@ $(STAMP): pyproject.toml
 demo: setup
 	OMP_WAIT_POLICY=PASSIVE $(PY) examples/shared_system_prompt.py
 
-test: setup
+test: setup lint
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q
 
 test-fast: setup
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -m "not slow"
 
 lint: setup
-	$(VENV)/bin/ruff check runtime frontend_dsl kernels forklm tests examples
+	$(VENV)/bin/ruff check runtime frontend_dsl kernels forklm tests examples benchmarks
 	$(VENV)/bin/mypy
 
 clean:

@@ -128,11 +128,16 @@ class Engine:
 
         def sink(out: ReqOutput) -> None:
             text_parts.append(out.delta_text)
-            if out.finished:
+            if out.finished and not fut.done():
                 fut.set_result(build_result(out.req, "".join(text_parts), self.tokenizer))
+
+        def on_done(f: Future) -> None:
+            if f.cancelled() and not self._closed:  # the caller gave up: stop computing for it
+                self.abort(item.rid)
 
         item.sink = sink
         self._post(lambda: self._add_now(item))
+        fut.add_done_callback(on_done)
         return fut
 
     def _stream_sync(self, item: Req) -> Iterator[dict[str, Any]]:
@@ -238,8 +243,9 @@ class Engine:
         except Exception as e:  # a failing batch must not hang its callers or stop the engine
             logger.exception("engine step failed")
             for req in batch.reqs:
+                sched.abort(req)  # idempotent; also removes requests that finished mid-step
+                self._reqs.pop(req.rid, None)
                 if not req.finished:
-                    sched.abort(req)
                     finish(req, FinishReason("abort", message=f"engine error: {e}"))
             return
         sched.after_step(batch)

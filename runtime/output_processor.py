@@ -3,12 +3,16 @@ and the events streamed back to callers."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from forklm.runtime.model_runner import LogitsRows
 from forklm.runtime.request import FinishReason, Req, ReqOutput
 from forklm.runtime.sampling import sample
 from forklm.runtime.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
 
 
 def process_logits(batch: ScheduledBatch, logits: torch.Tensor, layout: list[LogitsRows]) -> int:
@@ -66,27 +70,37 @@ def append_token(req: Req, token_id: int, logprob: float, top: list | None) -> N
         req.output_token_logprobs.append([logprob, token_id])
         if top is not None:
             req.output_top_logprobs.append(top)
-    step = req.detokenizer.add([token_id])
     params = req.sampling_params
+    stop_id = token_id in (params.stop_token_ids or ()) or (
+        not params.ignore_eos and token_id in req.eos_token_ids)
+    # A matched stop token's text is left out of the output unless no_stop_trim (as SGLang does).
+    step = req.detokenizer.add([] if stop_id and not params.no_stop_trim else [token_id])
     reason = None
-    if token_id in (params.stop_token_ids or ()) or (
-        not params.ignore_eos and token_id in req.eos_token_ids
-    ):
+    if stop_id:
         reason = FinishReason("stop", matched=token_id)
     elif step.matched_stop is not None:
         reason = FinishReason("stop", matched=step.matched_stop)
     elif len(req.output_ids) >= params.max_new_tokens or len(req.fill_ids) >= req.max_total_len:
         reason = FinishReason("length", length=len(req.output_ids))
     if reason is None:
-        req.sink(ReqOutput(req.rid, step.delta, [token_id], False, req))
+        _send(req, ReqOutput(req.rid, step.delta, [token_id], False, req))
         return
     tail = "" if step.matched_stop is not None else req.detokenizer.flush()
     req.finish_reason = reason
-    req.sink(ReqOutput(req.rid, step.delta + tail, [token_id], True, req))
+    _send(req, ReqOutput(req.rid, step.delta + tail, [token_id], True, req))
 
 
 def finish(req: Req, reason: FinishReason) -> None:
     """Finish req for a reason found outside sampling (abort, score-only), sending the final event."""
     req.finish_reason = reason
     tail = req.detokenizer.flush()
-    req.sink(ReqOutput(req.rid, tail, [], True, req))
+    _send(req, ReqOutput(req.rid, tail, [], True, req))
+
+
+def _send(req: Req, out: ReqOutput) -> None:
+    """Hand the caller its event. A caller that went away (a cancelled future, a closed event
+    loop) makes its sink raise; that must not fail the step, and so every other request."""
+    try:
+        req.sink(out)
+    except Exception:
+        logger.exception("could not deliver an event of request %s (caller gone?)", req.rid)

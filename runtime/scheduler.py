@@ -136,7 +136,10 @@ class Scheduler:
             self.kv.release(req)
             return 0
         full = req.num_computed + n == len(req.fill_ids)
-        need = n + (self._reserve(req) if full else 0)
+        # Alone (nothing running, nothing admitted yet) there is no one to wait for: a reserve
+        # larger than the whole pool would otherwise keep req waiting forever.
+        alone = not self.running and not batch
+        need = n + (self._reserve(req) if full and not alone else 0)
         if need > self.kv.available_tokens - self._reserved_for(self.running + batch):
             self.kv.release(req)
             return 0

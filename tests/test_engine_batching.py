@@ -13,6 +13,8 @@ import pytest
 from forklm.runtime.engine import Engine
 from tests.conftest import chat_prompt
 
+pytestmark = pytest.mark.slow
+
 GREEDY = {"temperature": 0, "ignore_eos": True}
 # Length of the long requests a short one overtakes: it needs ~5 steps, so 64 is a wide margin.
 LONG_NEW = 64
@@ -193,7 +195,7 @@ def test_abort_running_request(make_engine, tokenizer):
 def test_streaming_matches_generate(make_engine, tokenizer):
     engine = make_engine()
     prompt = chat_prompt(tokenizer, "Say hello in French, Spanish and Japanese.")
-    params = {"temperature": 0, "max_new_tokens": 40}
+    params = {"temperature": 0, "max_new_tokens": 32}
     whole = engine.generate(prompt, params)
 
     chunks = list(engine.generate(prompt, params, stream=True))
@@ -232,3 +234,86 @@ def test_n_samples(make_engine, tokenizer):
     again = engine.generate(prompt, params)  # seeded: reproducible
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in results]
     assert_idle_and_clean(engine)
+
+
+def generate_or_abort(engine: Engine, prompt: str, params: dict, timeout_s: float) -> dict:
+    """generate(), but a request still unfinished after timeout_s is aborted and the test fails
+    (instead of hanging the suite)."""
+    rid = f"bounded-{time.monotonic_ns()}"
+
+    async def run() -> dict:
+        return await asyncio.wait_for(engine.async_generate(prompt, params, rid=rid), timeout_s)
+
+    try:
+        return asyncio.run(run())
+    except TimeoutError:
+        engine.abort(rid)
+        pytest.fail(f"the request did not finish within {timeout_s} s")
+
+
+def test_lone_request_starts_although_its_reserve_exceeds_the_pool(make_engine, tokenizer):
+    # ~30 prompt tokens + 0.7 * 60 KV slots reserved for future tokens > 48 slots. With nothing
+    # else running there is no one to wait for, so it must start; the 40-token context ends it.
+    engine = make_engine(max_total_tokens=48, context_length=40)
+    prompt = "Note 0: " + word_text(0, 24)
+    num_prompt = len(tokenizer.encode(prompt))
+    assert 26 <= num_prompt <= 34
+    params = {**GREEDY, "max_new_tokens": 60}
+    result = generate_or_abort(engine, prompt, params, timeout_s=60)
+    assert result["meta_info"]["finish_reason"] == {"type": "length", "length": 40 - num_prompt}
+    assert_idle_and_clean(engine)
+
+    # Without the context limit it runs until the pool is full, then gives up (no hang, no leak).
+    engine = make_engine(max_total_tokens=48)
+    result = generate_or_abort(engine, prompt, params, timeout_s=60)
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "out of KV cache memory" in result["meta_info"]["finish_reason"]["message"]
+    assert 0 < result["meta_info"]["completion_tokens"] < 60
+    assert_idle_and_clean(engine)
+
+
+def test_caller_going_away_does_not_break_the_engine(make_engine):
+    # A cancelled future (wait_for timed out) and a stream whose event loop has closed make their
+    # requests' sinks raise inside the engine thread; a batch neighbour must not notice.
+    engine = make_engine(max_total_tokens=1024)
+    params = {**GREEDY, "max_new_tokens": 12}
+    solo = engine.generate("The weather today is", params)
+
+    async def cancel_one_beside_another() -> dict:
+        neighbour = asyncio.ensure_future(engine.async_generate("The weather today is", params))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(engine.async_generate(
+                "Once upon a time", {**GREEDY, "max_new_tokens": 8}), timeout=0.2)
+        return await neighbour
+
+    assert asyncio.run(cancel_one_beside_another())["output_ids"] == solo["output_ids"]
+
+    async def read_one_chunk() -> None:
+        stream = await engine.async_generate("Once upon a time", {**GREEDY, "max_new_tokens": 30},
+                                             stream=True)
+        async for _ in stream:
+            break
+
+    asyncio.run(read_one_chunk())  # its loop closes while the request may still be running
+    assert engine.generate("The weather today is", params)["output_ids"] == solo["output_ids"]
+    assert_idle_and_clean(engine)
+
+
+def test_cancelled_async_generate_aborts_its_request(make_engine):
+    engine = make_engine(max_total_tokens=1024)
+
+    async def cancel() -> None:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(engine.async_generate(
+                "Once upon a time", {**GREEDY, "max_new_tokens": 200}, rid="cancelled"), 0.3)
+
+    asyncio.run(cancel())
+    try:
+        deadline = time.monotonic() + 3
+        while engine.stats()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.stats()["running"] == 0
+    finally:
+        engine.abort("cancelled")
+        while engine.stats()["running"]:
+            time.sleep(0.05)
