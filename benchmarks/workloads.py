@@ -1,0 +1,67 @@
+"""Deterministic benchmark workloads (see shared/workloads.md): raw prompts from a fixed word list,
+seeded, greedy with ignore_eos so every system generates the same number of tokens."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+# ~200 common English words; with the default tokenizer one " word" is about one token.
+WORDS = """the of and to in is you that it he was for on are as with his they at be this have from
+or one had by word but not what all were we when your can said there use an each which she do how
+their if will up other about out many then them these so some her would make like him into time has
+look two more write go see number no way could people my than first water been call who oil its now
+find long down day did get come made may part over new sound take only little work know place year
+live me back give most very after thing our just name good sentence man think say great where help
+through much before line right too mean old any same tell boy follow came want show also around form
+three small set put end does another well large must big even such because turn here why ask went
+men read need land different home us move try kind hand picture again change off play spell air away
+animal house point page letter mother answer found study still learn should america world""".split()
+
+
+@dataclass
+class Request:
+    prompt: str
+    max_new_tokens: int = 64
+    conversation: int | None = None  # W3: requests of one conversation run in turn order
+    turn: int = 0
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[Request]
+    max_in_flight: int = 16
+    multi_turn: bool = False
+    meta: dict = field(default_factory=dict)
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def shared_prefix(num_requests: int = 64, seed: int = 0) -> Workload:
+    """W1: one ~400-token few-shot prefix (instruction + 8 Q/A pairs) + a distinct question."""
+    rng = random.Random(seed)
+    shots = "".join(f"Q: {_words(rng, 14)}?\nA: {_words(rng, 25)}.\n\n" for _ in range(8))
+    prefix = "Answer each question in one short sentence.\n\n" + shots
+    reqs = [Request(prefix + f"Q: {_words(rng, 18)}?\nA:") for _ in range(num_requests)]
+    return Workload("W1 shared prefix", reqs)
+
+
+def no_sharing(num_requests: int = 64, seed: int = 1) -> Workload:
+    """W2: distinct random ~400-token prompts."""
+    rng = random.Random(seed)
+    return Workload("W2 no sharing", [Request(_words(rng, 400)) for _ in range(num_requests)])
+
+
+def multi_turn(num_conversations: int = 16, num_turns: int = 4, seed: int = 2) -> Workload:
+    """W3: each turn's prompt is the previous prompt + its answer + a new question. The runner
+    fills in answers as turns finish; here each request holds the question of its turn."""
+    rng = random.Random(seed)
+    reqs = [Request(f"Q: {_words(rng, 18)}?\nA:", conversation=c, turn=t)
+            for c in range(num_conversations) for t in range(num_turns)]
+    return Workload("W3 multi-turn", reqs, multi_turn=True)
+
+
+WORKLOADS = {"W1": shared_prefix, "W2": no_sharing, "W3": multi_turn}
