@@ -1,1 +1,40 @@
-"""The forklm program language (see issue 5)."""
+"""The forklm program language (see issue 5): SGLang's frontend API over forklm backends."""
+
+from forklm.frontend_dsl.api import (
+    assistant,
+    assistant_begin,
+    assistant_end,
+    function,
+    gen,
+    gen_int,
+    gen_string,
+    get_default_backend,
+    select,
+    set_default_backend,
+    system,
+    system_begin,
+    system_end,
+    user,
+    user_begin,
+    user_end,
+)
+from forklm.frontend_dsl.backends import Backend, BackendError, EngineBackend
+from forklm.frontend_dsl.choices import (
+    ChoicesDecision,
+    ChoicesSamplingMethod,
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
+from forklm.frontend_dsl.primitives import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from forklm.frontend_dsl.program import Program
+from forklm.frontend_dsl.state import ProgramState, ProgramStateGroup
+
+__all__ = [
+    "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "Backend", "BackendError",
+    "ChoicesDecision", "ChoicesSamplingMethod", "EngineBackend", "Program", "ProgramState",
+    "ProgramStateGroup", "assistant", "assistant_begin", "assistant_end", "function", "gen",
+    "gen_int", "gen_string", "get_default_backend", "greedy_token_selection", "select",
+    "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
+    "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
+]

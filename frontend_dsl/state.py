@@ -1,0 +1,172 @@
+"""ProgramState (the `s` a program appends to, and what `run` returns) and ProgramStateGroup."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from forklm.frontend_dsl.executor import Executor, JoinNode
+from forklm.frontend_dsl.primitives import (
+    RoleBegin,
+    RoleEnd,
+    SetVar,
+    VarScopeBegin,
+    VarScopeEnd,
+)
+
+_JOIN_MODES = ("gather_variable", "concate_and_append")
+
+
+class ProgramState:
+    """`s += "text" | gen(...) | select(...)` queues work and returns at once; `s[name]` blocks
+    until that variable is produced. An error in a gen or select is raised (with its original
+    type and message) at the next `s[...]`, `text()`, `messages()` or `sync()`."""
+
+    def __init__(self, executor: Executor):
+        self._ex = executor
+
+    def __iadd__(self, expr: Any) -> ProgramState:
+        self._ex.submit(expr)
+        return self
+
+    def __getitem__(self, name: str) -> Any:
+        return self._ex.get(name)
+
+    def get_var(self, name: str) -> Any:
+        return self._ex.get(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._ex.submit(SetVar(name, value))
+
+    def set_var(self, name: str, value: Any) -> None:
+        self[name] = value
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ex.variables  # does not wait, like SGLang
+
+    def get_meta_info(self, name: str) -> Any:
+        """The backend's meta_info for a gen, or the choices method's for a select."""
+        return self._ex.get(name, table="meta_info")
+
+    def sync(self) -> None:
+        """Wait until everything appended so far has run."""
+        self._ex.sync()
+
+    def error(self) -> BaseException | None:
+        """Wait until the queue is drained and return the error that stopped the program, if any."""
+        self._ex.wait()
+        return self._ex.error
+
+    def text(self) -> str:
+        self._ex.sync()
+        return self._ex.text
+
+    def messages(self) -> list[dict[str, str]]:
+        """The chat so far as role/content dicts (contents left-stripped, as SGLang's)."""
+        self._ex.sync()
+        return [dict(m) for m in self._ex.messages]
+
+    def variables(self) -> dict[Any, Any]:
+        self._ex.sync()
+        return dict(self._ex.variables)
+
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """The final text (or one variable) once it is ready; not incremental yet."""
+        yield self.text() if var_name is None else self[var_name]
+
+    # -- roles and scopes ----------------------------------------------------------------------
+    def _role(self, role: str, expr: Any) -> contextlib.AbstractContextManager[None] | None:
+        if expr is not None:
+            self._ex.submit(RoleBegin(role))
+            self._ex.submit(expr)
+            self._ex.submit(RoleEnd(role))
+            return None
+        return self._scope(RoleBegin(role), RoleEnd(role))
+
+    def system(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
+        """`s.system("...")` appends a system message; `with s.system():` wraps a block."""
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
+        return self._role("assistant", expr)
+
+    def var_scope(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """`with s.var_scope("x"):` makes everything appended inside the block variable `x`."""
+        return self._scope(VarScopeBegin(name), VarScopeEnd(name))
+
+    @contextlib.contextmanager
+    def _scope(self, begin: Any, end: Any) -> Iterator[None]:
+        self._ex.submit(begin)
+        yield
+        self._ex.submit(end)
+
+    # -- fork ----------------------------------------------------------------------------------
+    def fork(self, size: int = 1) -> ProgramStateGroup:
+        """`size` copies of this state (text, messages, variables) that run independently, in the
+        same engine batches; waits for this state's queued work first."""
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"fork size must be an int >= 1, got {size!r}")
+        return ProgramStateGroup([ProgramState(c) for c in self._ex.fork(size)], self)
+
+    @contextlib.contextmanager
+    def copy(self) -> Iterator[ProgramState]:
+        """`with s.copy() as c:` a single fork, joined on exit."""
+        group = self.fork(1)
+        yield group[0]
+        group.join()
+
+    def __repr__(self) -> str:
+        self._ex.wait()
+        return f"ProgramState({self._ex.text!r})"
+
+
+class ProgramStateGroup:
+    """What `s.fork(n)` returns: `group[i]`, `group += lambda i: ...`, a list (one item per
+    branch) or one expression for every branch, and `join()`."""
+
+    def __init__(self, states: list[ProgramState], parent: ProgramState):
+        self.states, self.parent = states, parent
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def __iadd__(self, other: Any) -> ProgramStateGroup:
+        if callable(other) and not isinstance(other, str):
+            exprs = [other(i) for i in range(len(self.states))]
+        elif isinstance(other, (list, tuple)):
+            if len(other) != len(self.states):
+                raise ValueError(f"got {len(other)} expressions for {len(self.states)} branches")
+            exprs = list(other)
+        else:
+            exprs = [other] * len(self.states)
+        for state, expr in zip(self.states, exprs):
+            state += expr
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """Wait for every branch; each variable a branch set becomes a list (branch order) on the
+        parent. `concate_and_append` also appends each branch's new text to the parent's."""
+        if mode not in _JOIN_MODES:
+            raise ValueError(f"Invalid join mode: {mode!r}; expected one of {_JOIN_MODES}")
+        executors = [state._ex for state in self.states]
+        for ex in executors:
+            ex.sync()  # a branch's error is raised here, in the caller's thread
+        names = list(dict.fromkeys(n for ex in executors for n in ex.produced if n is not None))
+        text = ""
+        if mode == "concate_and_append":
+            text = "".join(ex.text[ex.fork_start:] for ex in executors)
+        self.parent._ex.submit(JoinNode(
+            variables={n: [ex.variables.get(n) for ex in executors] for n in names},
+            meta_info={n: [ex.meta_info.get(n) for ex in executors] for n in names},
+            text=text))
+
