@@ -40,8 +40,9 @@ class TorchAttention:
     def prepare(self, batch: ForwardBatch) -> None:
         # Query i of request b sits at position prefix_b + i and sees keys j <= prefix_b + i.
         prefix = (batch.kv_lens - batch.q_lens)[:, None, None]  # [batch, 1, 1]
-        q_pos = torch.arange(batch.max_q_len)[None, :, None] + prefix  # [batch, max_q, 1]
-        k_pos = torch.arange(batch.slot_table.shape[1])[None, None, :]  # [1, 1, max_kv]
+        device = batch.q_lens.device
+        q_pos = torch.arange(batch.max_q_len, device=device)[None, :, None] + prefix  # [batch, max_q, 1]
+        k_pos = torch.arange(batch.slot_table.shape[1], device=device)[None, None, :]  # [1, 1, max_kv]
         mask = k_pos <= q_pos  # [batch, max_q, max_kv]; padded queries still see key 0
         # The GQA group is folded into the query axis: row g * max_q + i.
         self.mask = mask.repeat(1, self.group, 1)[:, None]  # [batch, 1, group*max_q, max_kv]
@@ -65,12 +66,20 @@ class TorchAttention:
 
 def _packed_rows(batch: ForwardBatch) -> torch.Tensor:
     """Rows of the flattened [batch * max_q] output that hold real (non-padding) tokens, in order."""
-    i = torch.arange(batch.max_q_len)[None, :]
+    i = torch.arange(batch.max_q_len, device=batch.q_lens.device)[None, :]
     keep = i < batch.q_lens[:, None]  # [batch, max_q]
     return keep.flatten().nonzero().squeeze(1)
 
 
-_BACKENDS = {"torch": TorchAttention}
+def _triton_attention(pool: KVPool, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> AttentionBackend:
+    # Imported only when chosen: it imports Triton, which the CPU path never needs.
+    from forklm.runtime.attention_triton import TritonAttention
+
+    return TritonAttention(pool, num_heads, num_kv_heads, head_dim)
+
+
+_BACKENDS = {"torch": TorchAttention, "triton": _triton_attention}
 
 
 def create_attention_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int,

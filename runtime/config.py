@@ -39,6 +39,9 @@ class EngineConfig:
     max_total_tokens_fraction: float = 0.1
     # Check the KV accounting after every step (tests; costs a pass over all slots per step).
     debug_check_invariants: bool = False
+    # Constrained requests append the text their grammar forces next (a JSON key, say) without
+    # sampling it token by token. Off by default: see runtime/constrained.py for why.
+    enable_jump_forward: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
@@ -57,8 +60,8 @@ class EngineConfig:
                "expected 'lpm' or 'fcfs'")
         _check(self.page_size == 1, "page_size", self.page_size,
                "only page_size=1 is implemented so far")
-        _check(self.attention_backend in ("auto", "torch"), "attention_backend",
-               self.attention_backend, "expected auto or torch (the Triton backend is not built yet)")
+        _check(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+               self.attention_backend, "expected auto, torch or triton")
         _check(self.context_length is None or self.context_length >= 1, "context_length",
                self.context_length, "must be >= 1")
         _check(self.schedule_conservativeness > 0, "schedule_conservativeness",
@@ -78,7 +81,7 @@ class EngineConfig:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "torch"
+        return "triton" if self.device.startswith("cuda") else "torch"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

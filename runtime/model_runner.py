@@ -25,13 +25,18 @@ class LogitsRows:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, kv: KVCacheManager):
+    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, kv: KVCacheManager,
+                 device: str = "cpu"):
         self.model, self.attn, self.kv = model, attn, kv
+        self.device = torch.device(device)
 
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[LogitsRows]]:
         """-> (logits [num_rows, vocab] fp32, per-request row layout)."""
         fb, layout = self._build(batch)
-        return self.model(fb, self.attn), layout
+        logits = self.model(fb, self.attn)
+        # Sampling, grammar masks and logprobs run on the CPU; on a GPU this costs one copy of
+        # [rows, vocab] per step (a GPU-side sampler is future work).
+        return logits.cpu(), layout
 
     def _build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[LogitsRows]]:
         ids: list[int] = []
@@ -64,7 +69,8 @@ class ModelRunner:
         kv_lens_t = torch.tensor(kv_lens)
         slot_table = self.kv.req_to_token[rows_t, : int(kv_lens_t.max())]
         positions_t = torch.tensor(positions)
-        fb = ForwardBatch(
+        # Built on the CPU (the slot rows live there), then moved to the model's device at once.
+        tensors = dict(
             input_ids=torch.tensor(ids),
             positions=positions_t,
             out_slots=self.kv.req_to_token[torch.repeat_interleave(rows_t, q_lens_t), positions_t],
@@ -73,9 +79,10 @@ class ModelRunner:
             slot_table=slot_table,
             q_index=q_index_t,
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
-            max_q_len=max_q,
-            is_decode=batch.is_decode,
         )
+        if self.device.type != "cpu":
+            tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
+        fb = ForwardBatch(**tensors, max_q_len=max_q, is_decode=batch.is_decode)
         return fb, layout
 
 

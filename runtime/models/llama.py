@@ -48,6 +48,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q [T, heads, d], k [T, kv_heads, d] -> rotated copies."""
+        if self.cos.device != positions.device:  # the tables follow the model to its device once
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, d]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

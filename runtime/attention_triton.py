@@ -1,0 +1,67 @@
+"""TritonAttention: the attention backend for CUDA, reading K/V straight from the paged pool
+through each request's slot table with the kernels in forklm.kernels (no gather, no padding)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from forklm.kernels.decode_attention import decode_attention
+from forklm.kernels.extend_attention import extend_attention
+from forklm.kernels.store_kv import store_kv
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.forward_batch import ForwardBatch
+from forklm.runtime.kv_pool import KVPool
+
+
+class TritonAttention:
+    """Stores the new K/V with store_kv, then runs decode_attention (every request has one new
+    token) or extend_attention (chunks with cached prefixes).
+
+    The kernels take a flattened slot table with per-request start offsets; the engine's padded
+    slot_table [batch, width] is that table with kv_start[b] = b * width, so prepare() only moves
+    the batch's index tensors to the pool's device, once per forward.
+    """
+
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+        if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise InvalidArgumentError("attention_backend", "triton",
+                                       f"needs a CUDA device, the KV pool is on {pool.device} "
+                                       "(TRITON_INTERPRET=1 runs it on the CPU, slowly, for tests)")
+        self.pool = pool
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.meta: dict[str, torch.Tensor] = {}
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        table = batch.slot_table.contiguous()  # [batch, width]
+        width = table.shape[1]
+        meta = {
+            "kv_indices": table.reshape(-1),  # [batch * width]
+            "kv_start": torch.arange(batch.batch_size, dtype=torch.int64) * width,  # [batch]
+            "kv_lens": batch.kv_lens,  # [batch]
+            "q_start": batch.q_index[:, 0].contiguous(),  # [batch]
+            "q_lens": batch.q_lens,  # [batch]
+            "out_slots": batch.out_slots,  # [num_tokens]
+        }
+        device = self.pool.device
+        self.meta = {name: t.to(device, torch.int64, non_blocking=True).contiguous()
+                     for name, t in meta.items()}
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]
+        -> [num_tokens, num_heads * head_dim]."""
+        meta = self.meta
+        k_buffer = self.pool.k_buffer[layer_id]  # [num_slots, num_kv_heads, head_dim]
+        v_buffer = self.pool.v_buffer[layer_id]
+        store_kv(k_buffer, v_buffer, meta["out_slots"], k, v)
+        if batch.is_decode:
+            assert batch.num_tokens == batch.batch_size, "a decode batch has one token per request"
+            out = decode_attention(q, k_buffer, v_buffer, meta["kv_indices"], meta["kv_start"],
+                                   meta["kv_lens"])
+        else:
+            out = extend_attention(q, k_buffer, v_buffer, meta["q_start"], meta["q_lens"],
+                                   meta["kv_indices"], meta["kv_start"], meta["kv_lens"],
+                                   batch.max_q_len)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
