@@ -1,4 +1,5 @@
-"""Builds an engine's parts from an EngineConfig: model weights, KV pool, radix cache, scheduler."""
+"""Builds an engine's parts from an EngineConfig: model weights, KV pool, radix cache, scheduler,
+grammar backend."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from forklm.runtime.attention import create_attention_backend
 from forklm.runtime.config import EngineConfig
+from forklm.runtime.constrained import GrammarBackend
 from forklm.runtime.kv_manager import KVCacheManager
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import load_model
@@ -35,6 +37,7 @@ class EngineParts:
     kv: KVCacheManager
     scheduler: Scheduler
     runner: ModelRunner
+    grammar: GrammarBackend
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -62,7 +65,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         config=config, model_config=hf, tokenizer=loaded.tokenizer,
         eos_token_ids=frozenset(loaded.eos_token_ids), context_len=context_len,
         vocab_size=hf.vocab_size, kv=kv, scheduler=Scheduler(config, kv),
-        runner=ModelRunner(model, attn, kv),
+        runner=ModelRunner(model, attn, kv, config.device),
+        # The logits are vocab_size wide, which may exceed the tokenizer's length.
+        grammar=GrammarBackend.for_tokenizer(loaded.tokenizer, hf.vocab_size, loaded.eos_token_ids,
+                                             jump_forward=config.enable_jump_forward),
     )
 
 

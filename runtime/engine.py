@@ -59,12 +59,17 @@ class Engine:
 
         With stream=True (single prompt), returns an iterator of chunk dicts whose `text` and
         `output_ids` are the increments; the last chunk carries the finish_reason in meta_info.
+        A constraint (regex, json_schema, ebnf, choices) is compiled before anything is submitted,
+        on the grammar thread pool while this call waits; one that does not compile raises a
+        ValueError carrying xgrammar's reason, and no request of the call runs.
         """
         items, single = request_inputs(self, prompt, input_ids, sampling_params, return_logprob,
                                        logprob_start_len, top_logprobs_num, rid)
+        if stream and len(items) != 1:
+            raise InvalidArgumentError("stream", stream, "streaming takes a single prompt with n=1")
+        self.parts.grammar.compile_all(items)
+        self.parts.grammar.attach(items)  # waits for compilation, here and not in the engine loop
         if stream:
-            if len(items) != 1:
-                raise InvalidArgumentError("stream", stream, "streaming takes a single prompt with n=1")
             return self._stream_sync(items[0])
         waiters = [self._submit_collect(item) for item in items]
         results = [w.result() for w in waiters]
@@ -78,9 +83,13 @@ class Engine:
         """Awaitable twin of generate; with stream=True returns an async iterator of chunks."""
         items, single = request_inputs(self, prompt, input_ids, sampling_params, return_logprob,
                                        logprob_start_len, top_logprobs_num, rid)
+        if stream and len(items) != 1:
+            raise InvalidArgumentError("stream", stream, "streaming takes a single prompt with n=1")
+        compiling = self.parts.grammar.compile_all(items)
+        if compiling:  # attach() raises a compile error; gathering here marks it retrieved
+            await asyncio.gather(*map(asyncio.wrap_future, compiling), return_exceptions=True)
+        self.parts.grammar.attach(items)
         if stream:
-            if len(items) != 1:
-                raise InvalidArgumentError("stream", stream, "streaming takes a single prompt with n=1")
             return self._stream_async(items[0])
         futures = [asyncio.wrap_future(self._submit_collect(item)) for item in items]
         results = await asyncio.gather(*futures)
@@ -108,6 +117,7 @@ class Engine:
             return
         self._post(self._stop_now)
         self._thread.join(timeout=30)
+        self.parts.grammar.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -154,7 +164,7 @@ class Engine:
                     if out.finished:
                         return
             finally:
-                if not item.finished:
+                if not item.finished and not self._closed:  # the caller stopped reading
                     self.abort(item.rid)
 
         return chunks()
@@ -172,7 +182,7 @@ class Engine:
                 if out.finished:
                     return
         finally:
-            if not item.finished:
+            if not item.finished and not self._closed:  # the caller stopped reading
                 self.abort(item.rid)
 
     def new_rid(self) -> str:
@@ -239,7 +249,7 @@ class Engine:
             t1 = time.perf_counter()
             logits, layout = self.parts.runner.forward(batch)
             t2 = time.perf_counter()
-            num_generated = process_logits(batch, logits, layout)
+            num_generated = process_logits(batch, logits, layout, self.parts.grammar)
         except Exception as e:  # a failing batch must not hang its callers or stop the engine
             logger.exception("engine step failed")
             for req in batch.reqs:
@@ -257,7 +267,7 @@ class Engine:
         s["step_s"] += step_s
         s["forward_s"] += forward_s
         s["generated_tokens"] += num_generated
-        if batch.is_decode:
+        if batch.is_decode or batch.is_catch_up:
             s["decode_steps"] += 1
             s["decode_tokens"] += num_generated
             s["decode_s"] += step_s

@@ -1,5 +1,5 @@
-"""After each forward: prompt logprobs, sampling, finish checks (stop ids, stop strings, length),
-and the events streamed back to callers."""
+"""After each forward: prompt logprobs, grammar masks, sampling, finish checks (stop ids, stop
+strings, grammar end, length), and the events streamed back to callers."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from forklm.runtime.constrained import GrammarBackend
 from forklm.runtime.model_runner import LogitsRows
 from forklm.runtime.request import FinishReason, Req, ReqOutput
 from forklm.runtime.sampling import sample
@@ -15,8 +16,10 @@ from forklm.runtime.scheduler import ScheduledBatch
 logger = logging.getLogger(__name__)
 
 
-def process_logits(batch: ScheduledBatch, logits: torch.Tensor, layout: list[LogitsRows]) -> int:
-    """Consume one step's logits for every request in the batch; returns tokens generated."""
+def process_logits(batch: ScheduledBatch, logits: torch.Tensor, layout: list[LogitsRows],
+                   grammar: GrammarBackend | None = None) -> int:
+    """Consume one step's logits for every request in the batch; returns tokens generated.
+    Constrained requests need `grammar`, which masks their rows before sampling."""
     for req, rows in zip(batch.reqs, layout):
         if rows.input_positions or (req.wants_input_logprobs and rows.sample_row is not None):
             _record_input_logprobs(req, logits, rows)
@@ -30,11 +33,18 @@ def process_logits(batch: ScheduledBatch, logits: torch.Tensor, layout: list[Log
         return 0
     rows_t = torch.tensor([row for _, row in to_sample])
     reqs = [req for req, _ in to_sample]
-    result = sample(logits[rows_t], reqs)
+    rows_logits = logits[rows_t]  # [B, V], a copy: masking and sampling modify it
+    if any(req.grammar is not None for req in reqs):
+        assert grammar is not None, "constrained requests need the grammar backend"
+        grammar.mask_logits(rows_logits, [req.grammar for req in reqs])
+    result = sample(rows_logits, reqs)
+    num_generated = len(reqs)
     for k, req in enumerate(reqs):
         top = result.top_logprobs[k] if req.top_logprobs_num else None
         append_token(req, result.token_ids[k], result.logprobs[k], top)
-    return len(reqs)
+        if grammar is not None and grammar.jump_forward:
+            num_generated += _jump_forward(req, grammar)
+    return num_generated
 
 
 def _record_input_logprobs(req: Req, logits: torch.Tensor, rows: LogitsRows) -> None:
@@ -71,7 +81,10 @@ def append_token(req: Req, token_id: int, logprob: float, top: list | None) -> N
         if top is not None:
             req.output_top_logprobs.append(top)
     params = req.sampling_params
-    stop_id = token_id in (params.stop_token_ids or ()) or (
+    # A terminated grammar (it accepted its stop token, an EOS) ends the request even with
+    # ignore_eos: nothing may follow.
+    grammar_end = req.grammar is not None and _advance_grammar(req, token_id)
+    stop_id = grammar_end or token_id in (params.stop_token_ids or ()) or (
         not params.ignore_eos and token_id in req.eos_token_ids)
     # A matched stop token's text is left out of the output unless no_stop_trim (as SGLang does).
     step = req.detokenizer.add([] if stop_id and not params.no_stop_trim else [token_id])
@@ -88,6 +101,28 @@ def append_token(req: Req, token_id: int, logprob: float, top: list | None) -> N
     tail = "" if step.matched_stop is not None else req.detokenizer.flush()
     req.finish_reason = reason
     _send(req, ReqOutput(req.rid, step.delta + tail, [token_id], True, req))
+
+
+def _jump_forward(req: Req, grammar: GrammarBackend) -> int:
+    """Append the tokens req's grammar forces next, unsampled (their KV is computed by the next
+    step); returns how many. Requests wanting logprobs sample every token."""
+    if req.grammar is None or req.finished or req.return_logprob:
+        return 0
+    num = 0
+    for token_id in grammar.jump_forward_ids(req.grammar, req.output_ids[-1]):
+        append_token(req, token_id, 0.0, None)
+        num += 1
+        if req.finished:  # a stop string or the length limit
+            break
+    return num
+
+
+def _advance_grammar(req: Req, token_id: int) -> bool:
+    """Feed the sampled token to req's matcher; returns whether the grammar has terminated."""
+    assert req.grammar is not None
+    accepted = req.grammar.accept_token(token_id)
+    assert accepted, f"request {req.rid}: the grammar rejected token {token_id} its mask allowed"
+    return req.grammar.is_terminated()
 
 
 def finish(req: Req, reason: FinishReason) -> None:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from forklm.runtime.detokenizer import IncrementalDetokenizer
 from forklm.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar
 
 _arrival = itertools.count()
 
@@ -74,6 +77,9 @@ class Req:
     output_token_logprobs: list[list[Any]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs_done: bool = False
+    # The constraint's matcher, in the state after output_ids (None = unconstrained). Retraction
+    # keeps output_ids, so the matcher stays valid across it.
+    grammar: xgrammar.GrammarMatcher | None = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -81,11 +87,18 @@ class Req:
         return self.origin_input_ids + self.output_ids if self.output_ids else self.origin_input_ids
 
     @property
+    def num_uncomputed(self) -> int:
+        """Tokens of fill_ids without KV yet: 1 for a running request, more after a jump-forward."""
+        return len(self.origin_input_ids) + len(self.output_ids) - self.num_computed
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
     def min_tokens_stop_ids(self) -> list[int]:
+        if self.grammar is not None and self.grammar.is_completed():
+            return []  # a grammar that can end may end: banning EOS could leave no token at all
         stop_ids = set(self.sampling_params.stop_token_ids or ())
         if not self.sampling_params.ignore_eos:
             stop_ids |= self.eos_token_ids

@@ -18,6 +18,7 @@ fits) instead of sorting the whole vocabulary, which costs ~30x more on CPU.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,14 @@ _FLOAT_RULES = {
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                 "no_stop_trim")
 _ALIASES = {"sampling_seed": "seed"}
+CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf", "choices")
+
+
+class Constraint(NamedTuple):
+    """A decoding constraint in canonical text form; also the grammar compile cache's key."""
+
+    kind: str  # one of CONSTRAINT_KINDS
+    spec: str  # the regex, the schema as JSON text, the EBNF text, or the choices as a JSON list
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,13 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None  # "sampling_seed" in from_dict; None = the engine picks one
+    # Constrained decoding, at most one of: the output fully matches `regex`; is JSON valid under
+    # `json_schema` (a dict or JSON text; stored as text); derives from `ebnf` (xgrammar's EBNF
+    # dialect, start rule `root`); or equals one of `choices`.
+    regex: str | None = None
+    json_schema: str | Mapping[str, Any] | None = None
+    ebnf: str | None = None
+    choices: list[str] | None = None
 
     def __post_init__(self) -> None:
         for name, (ok, why) in _INT_RULES.items():
@@ -93,6 +109,7 @@ class SamplingParams:
                self.seed, "must be None or an int in [0, 2**64)")
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_stop_ids(self.stop_token_ids))
+        _check_constraint(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
@@ -129,6 +146,14 @@ class SamplingParams:
                 or self.presence_penalty != 0.0)
 
     @property
+    def constraint(self) -> Constraint | None:
+        for kind in CONSTRAINT_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return Constraint(kind, value if isinstance(value, str) else json.dumps(value))
+        return None
+
+    @property
     def uses_truncation(self) -> bool:
         """Whether top-k or top-p cut the distribution (min-p alone needs no candidates)."""
         return self.top_k != -1 or self.top_p < 1.0
@@ -155,6 +180,34 @@ def _normalize_stop(stop: object) -> list[str] | None:
         raise InvalidArgumentError("stop", stop, "must be a str or a list of str")
     _check(all(items), "stop", stop, "stop strings must be non-empty")
     return list(items)
+
+
+def _check_constraint(params: SamplingParams) -> None:
+    """At most one constraint, each of the right type; a schema dict is stored as JSON text."""
+    given = [k for k in CONSTRAINT_KINDS if getattr(params, k) is not None]
+    if len(given) > 1:
+        raise InvalidArgumentError(given[1], getattr(params, given[1]),
+                                   f"only one of {', '.join(CONSTRAINT_KINDS)} may be set "
+                                   f"(also got {given[0]})")
+    for kind in ("regex", "ebnf"):
+        value = getattr(params, kind)
+        _check(value is None or (isinstance(value, str) and value != ""), kind, value,
+               "must be a non-empty str")
+    schema = params.json_schema
+    if isinstance(schema, Mapping):
+        try:
+            object.__setattr__(params, "json_schema", json.dumps(schema))
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError("json_schema", schema, f"not JSON-serializable: {e}") from e
+    else:
+        _check(schema is None or (isinstance(schema, str) and schema != ""), "json_schema",
+               schema, "must be a dict or a non-empty JSON str")
+    choices = params.choices
+    if choices is not None:
+        _check(isinstance(choices, (list, tuple)) and len(choices) > 0
+               and all(isinstance(c, str) and c for c in choices), "choices", choices,
+               "must be a non-empty list of non-empty str")
+        object.__setattr__(params, "choices", list(choices))
 
 
 def _normalize_stop_ids(ids: object) -> list[int] | None:

@@ -31,6 +31,9 @@ class ScheduledBatch:
     is_decode: bool
     # Per request: this step ends its prefill (or is a decode), so a token is sampled for it.
     samples: list[bool]
+    # The running requests, some computing several tokens that jump-forward appended: run like
+    # a prefill (several tokens per request) but they stay in the running set.
+    is_catch_up: bool = False
 
     @classmethod
     def prefill(cls, reqs: list[Req], extend_lens: list[int]) -> ScheduledBatch:
@@ -168,19 +171,26 @@ class Scheduler:
         self.aborted.append(req)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
-        while self.kv.available_tokens < len(self.running) and len(self.running) > 1:
+        """Every running request computes its uncomputed tokens: the last sampled one, plus any a
+        jump-forward appended after it."""
+        while self.kv.available_tokens < self._num_uncomputed() and len(self.running) > 1:
             self._retract_one()
-        if self.kv.available_tokens < len(self.running):  # one request alone does not fit
+        if self.kv.available_tokens < self._num_uncomputed():  # one request alone does not fit
             self._give_up(self.running[0], "out of KV cache memory")
             return None
-        for req in self.running:
-            self.kv.extend(req, 1)
+        lens = [req.num_uncomputed for req in self.running]
+        for req, n in zip(self.running, lens):
+            self.kv.extend(req, n)
         self.new_token_ratio = max(
             self.new_token_ratio - NEW_TOKEN_RATIO_DECAY,
             MIN_NEW_TOKEN_RATIO * self.config.schedule_conservativeness,
         )
-        n = len(self.running)
-        return ScheduledBatch(list(self.running), [1] * n, True, [True] * n)
+        is_decode = all(n == 1 for n in lens)
+        return ScheduledBatch(list(self.running), lens, is_decode, [True] * len(lens),
+                              is_catch_up=not is_decode)
+
+    def _num_uncomputed(self) -> int:
+        return sum(req.num_uncomputed for req in self.running)
 
     def _retract_one(self) -> None:
         """Free the KV of the request with the fewest outputs (longest prompt on ties) and requeue it
@@ -207,7 +217,7 @@ class Scheduler:
                 if req is self.chunked_req:
                     self.chunked_req = None
                 continue
-            if not batch.is_decode:
+            if not batch.is_decode and not batch.is_catch_up:
                 self.kv.cache_unfinished(req)
                 if batch.samples[i]:
                     self.running.append(req)
