@@ -101,6 +101,8 @@ def main() -> None:
         for name in args.workloads.split(","):
             wl = WORKLOADS[name]()
             wl.requests = wl.requests[: max(1, int(len(wl.requests) * args.scale))]
+            if not runner.supports(wl):
+                continue
             for _ in range(args.repeats):
                 runs.setdefault((wl.name, system), []).append(runner.run(wl))
         if hasattr(runner, "engine"):

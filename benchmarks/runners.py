@@ -51,6 +51,10 @@ class EngineRunner:
     def __init__(self, engine: Any, system: str = "forklm"):
         self.engine, self.system = engine, system
 
+    @staticmethod
+    def supports(wl: Workload) -> bool:
+        return True
+
     def run(self, wl: Workload) -> Metrics:
         self.engine.flush_cache()
         before = self.engine.stats()
@@ -71,8 +75,10 @@ class EngineRunner:
         async def one(prompt: str, req: Request) -> str:
             async with gate:
                 t0 = time.perf_counter()
-                params = {"temperature": 0, "max_new_tokens": req.max_new_tokens,
-                          "ignore_eos": True}
+                params: dict[str, Any] = {"temperature": 0, "max_new_tokens": req.max_new_tokens,
+                                          "ignore_eos": req.ignore_eos}
+                if req.json_schema is not None:
+                    params["json_schema"] = req.json_schema
                 text, first = [], None
                 async for chunk in await self.engine.async_generate(prompt, params, stream=True):
                     first = first or time.perf_counter()
@@ -112,6 +118,10 @@ class HFRunner:
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.system = f"transformers batch {batch_size}"
 
+    @staticmethod
+    def supports(wl: Workload) -> bool:
+        return all(r.json_schema is None for r in wl.requests)  # no constrained decoding here
+
     def run(self, wl: Workload) -> Metrics:
         import torch
 
@@ -131,7 +141,8 @@ class HFRunner:
             with torch.inference_mode():
                 out = self.model.generate(**enc, do_sample=False,
                                           max_new_tokens=batch[0].max_new_tokens,
-                                          min_new_tokens=batch[0].max_new_tokens,
+                                          min_new_tokens=batch[0].max_new_tokens
+                                          if batch[0].ignore_eos else None,
                                           pad_token_id=tok.pad_token_id)
             new = out[:, enc["input_ids"].shape[1]:]
             out_tokens += new.numel()

@@ -23,6 +23,8 @@ animal house point page letter mother answer found study still learn should amer
 class Request:
     prompt: str
     max_new_tokens: int = 64
+    ignore_eos: bool = True
+    json_schema: dict | None = None  # W4: generate under this schema
     conversation: int | None = None  # W3: requests of one conversation run in turn order
     turn: int = 0
 
@@ -64,4 +66,28 @@ def multi_turn(num_conversations: int = 16, num_turns: int = 4, seed: int = 2) -
     return Workload("W3 multi-turn", reqs, multi_turn=True)
 
 
-WORKLOADS = {"W1": shared_prefix, "W2": no_sharing, "W3": multi_turn}
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+        "email": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "email", "tags", "active"],
+}
+
+
+def json_people(num_requests: int = 32, constrained: bool = True) -> Workload:
+    """W4: "Describe person #i as JSON:", 128 tokens at most, EOS allowed; with the schema
+    constraint (W4) or without it (W4-free, the same prompts)."""
+    reqs = [Request(f"Describe person #{i} as JSON:", max_new_tokens=128, ignore_eos=False,
+                    json_schema=PERSON_SCHEMA if constrained else None)
+            for i in range(num_requests)]
+    return Workload("W4 JSON" + ("" if constrained else " (no constraint)"), reqs)
+
+
+WORKLOADS = {
+    "W1": shared_prefix, "W2": no_sharing, "W3": multi_turn, "W4": json_people,
+    "W4-free": lambda: json_people(constrained=False),
+}
