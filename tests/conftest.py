@@ -60,6 +60,14 @@ def make_engine():
     _engines.clear()
 
 
+def assert_idle_and_clean(engine: Engine) -> None:
+    """No step failed, the KV accounting holds, and no request is left or still owns a slot."""
+    assert engine.last_error is None
+    engine.check_invariants()
+    stats = engine.stats()
+    assert (stats["running"], stats["waiting"], stats["kv_used"]) == (0, 0, 0)
+
+
 def chat_prompt(tokenizer, question: str) -> str:
     return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                          add_generation_prompt=True)

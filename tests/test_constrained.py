@@ -17,7 +17,7 @@ import pytest
 
 from forklm.runtime.engine import Engine
 from forklm.runtime.sampling import SamplingParams
-from tests.conftest import chat_prompt
+from tests.conftest import assert_idle_and_clean, chat_prompt
 
 GREEDY = {"temperature": 0}
 NUM_SAMPLES = 20
@@ -85,10 +85,7 @@ def engine(make_engine) -> Engine:
 @pytest.fixture(autouse=True)
 def engine_stays_clean(engine):
     yield
-    assert engine.last_error is None
-    engine.check_invariants()
-    stats = engine.stats()
-    assert (stats["running"], stats["waiting"], stats["kv_used"]) == (0, 0, 0)
+    assert_idle_and_clean(engine)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from forklm.runtime.engine import Engine
-from tests.conftest import chat_prompt
+from tests.conftest import assert_idle_and_clean, chat_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +25,6 @@ WORDS = [
     "meadow", "pebble", "falcon", "canyon", "velvet", "ember", "glacier", "orchard", "tulip",
     "beacon", "compass", "lagoon",
 ]
-
-
-def assert_idle_and_clean(engine: Engine) -> None:
-    """No step failed, the KV accounting holds, and no request still owns a slot."""
-    assert engine.last_error is None
-    engine.check_invariants()
-    stats = engine.stats()
-    assert (stats["running"], stats["waiting"], stats["kv_used"]) == (0, 0, 0)
 
 
 def word_text(seed: int, num_words: int) -> str:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forklm.runtime.engine import Engine
-from tests.conftest import chat_prompt
+from tests.conftest import assert_idle_and_clean, chat_prompt
 
 GREEDY = {"temperature": 0}
 LOGPROB_TOL = 1e-4
@@ -21,9 +21,7 @@ def engine(make_engine) -> Engine:
 @pytest.fixture(autouse=True)
 def engine_stays_clean(engine):
     yield
-    assert engine.last_error is None
-    engine.check_invariants()
-    assert engine.stats()["kv_used"] == 0
+    assert_idle_and_clean(engine)
 
 
 @pytest.fixture(scope="module")
