@@ -55,7 +55,8 @@ class TorchAttention:
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
         k_ctx = self.pool.k_buffer[layer_id][batch.slot_table]  # [batch, max_kv, kvh, d]
         v_ctx = self.pool.v_buffer[layer_id][batch.slot_table]
-        q_pad = q[batch.q_index]  # [batch, max_q, heads, d]
+        # [batch, max_q, heads, d]; a decode batch is already in that order (one token each)
+        q_pad = q.view(bsz, 1, -1, d) if batch.is_decode else q[batch.q_index]
         q_pad = q_pad.view(bsz, max_q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, kvh, g * max_q, d)
         out = F.scaled_dot_product_attention(
             q_pad, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), attn_mask=self.mask

@@ -45,14 +45,22 @@ class RotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: module.to(bfloat16) must not round the fp32 tables.
         self.cos = emb.cos() * scaling
         self.sin = emb.sin() * scaling
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q [T, heads, d], k [T, kv_heads, d] -> rotated copies."""
-        if self.cos.device != positions.device:  # the tables follow the model to its device once
-            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, d]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        cos, sin = self._tables_for(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def _tables_for(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin rows [T, 1, d] for this forward's positions, looked up once for all layers."""
+        if self._rows is None or self._rows[0] is not positions:
+            if self.cos.device != positions.device:  # the tables follow the model's device
+                self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+            cos = self.cos[positions].to(dtype)[:, None, :]
+            sin = self.sin[positions].to(dtype)[:, None, :]
+            self._rows = (positions, cos, sin)
+        return self._rows[1], self._rows[2]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
