@@ -17,7 +17,7 @@ import torch
 
 from forklm.runtime.builder import EngineParts, build_engine_parts
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.errors import EngineShutdownError, InvalidArgumentError
+from forklm.runtime.errors import EngineShutdownError
 from forklm.runtime.output_processor import finish, process_logits
 from forklm.runtime.request import FinishReason, Req, ReqOutput
 from forklm.runtime.results import build_result, request_inputs
@@ -64,9 +64,7 @@ class Engine:
         ValueError carrying xgrammar's reason, and no request of the call runs.
         """
         items, single = request_inputs(self, prompt, input_ids, sampling_params, return_logprob,
-                                       logprob_start_len, top_logprobs_num, rid)
-        if stream and len(items) != 1:
-            raise InvalidArgumentError("stream", stream, "streaming takes a single prompt with n=1")
+                                       logprob_start_len, top_logprobs_num, rid, stream)
         self.parts.grammar.compile_all(items)
         self.parts.grammar.attach(items)  # waits for compilation, here and not in the engine loop
         if stream:
@@ -82,9 +80,7 @@ class Engine:
                              rid: Any = None) -> Any:
         """Awaitable twin of generate; with stream=True returns an async iterator of chunks."""
         items, single = request_inputs(self, prompt, input_ids, sampling_params, return_logprob,
-                                       logprob_start_len, top_logprobs_num, rid)
-        if stream and len(items) != 1:
-            raise InvalidArgumentError("stream", stream, "streaming takes a single prompt with n=1")
+                                       logprob_start_len, top_logprobs_num, rid, stream)
         compiling = self.parts.grammar.compile_all(items)
         if compiling:  # attach() raises a compile error; gathering here marks it retrieved
             await asyncio.gather(*map(asyncio.wrap_future, compiling), return_exceptions=True)

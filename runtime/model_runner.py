@@ -49,7 +49,7 @@ class ModelRunner:
         offset = 0
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.num_computed - n  # KV for [start, start + n) is computed now
-            ids.extend(req.fill_ids[start : start + n])
+            ids.extend(req.fill_slice(start, start + n))
             positions.extend(range(start, start + n))
             rows = _input_logprob_positions(req, start, n)
             layout.append(LogitsRows(len(logit_rows), rows, None))

@@ -93,7 +93,7 @@ def append_token(req: Req, token_id: int, logprob: float, top: list | None) -> N
         reason = FinishReason("stop", matched=token_id)
     elif step.matched_stop is not None:
         reason = FinishReason("stop", matched=step.matched_stop)
-    elif len(req.output_ids) >= params.max_new_tokens or len(req.fill_ids) >= req.max_total_len:
+    elif len(req.output_ids) >= params.max_new_tokens or req.fill_len >= req.max_total_len:
         reason = FinishReason("length", length=len(req.output_ids))
     if reason is None:
         _send(req, ReqOutput(req.rid, step.delta, [token_id], False, req))

@@ -87,9 +87,21 @@ class Req:
         return self.origin_input_ids + self.output_ids if self.output_ids else self.origin_input_ids
 
     @property
+    def fill_len(self) -> int:
+        """len(fill_ids) without building the list (checked every step)."""
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without concatenating the whole sequence (the decode hot path)."""
+        prompt_len = len(self.origin_input_ids)
+        if start >= prompt_len:
+            return self.output_ids[start - prompt_len : end - prompt_len]
+        return self.fill_ids[start:end]
+
+    @property
     def num_uncomputed(self) -> int:
         """Tokens of fill_ids without KV yet: 1 for a running request, more after a jump-forward."""
-        return len(self.origin_input_ids) + len(self.output_ids) - self.num_computed
+        return self.fill_len - self.num_computed
 
     @property
     def finished(self) -> bool:
@@ -111,7 +123,7 @@ class Req:
     def max_prefix_len(self) -> int:
         """How much of fill_ids may come from the cache: at least one token is always computed, and
         prompt logprobs from logprob_start_len need the hidden state just before that position."""
-        limit = len(self.fill_ids) - 1
+        limit = self.fill_len - 1
         if self.wants_input_logprobs:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return limit

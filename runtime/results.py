@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 def request_inputs(engine: Engine, prompt: Any, input_ids: Any, sampling_params: Any,
                    return_logprob: bool, logprob_start_len: int | None,
-                   top_logprobs_num: int | None, rid: Any) -> tuple[list[Req], bool]:
+                   top_logprobs_num: int | None, rid: Any,
+                   stream: bool = False) -> tuple[list[Req], bool]:
     """Validate and tokenize a generate() call into Reqs (n per prompt, prompt-major order).
     Raises InvalidArgumentError naming the bad argument; nothing is submitted then."""
     prompts, single = _normalize_prompts(engine, prompt, input_ids)
@@ -44,6 +45,8 @@ def request_inputs(engine: Engine, prompt: Any, input_ids: Any, sampling_params:
                 top_logprobs_num=top_n if return_logprob else 0,
                 max_total_len=engine.parts.context_len,
             ))
+    if stream and len(reqs) != 1:
+        raise InvalidArgumentError("stream", stream, "streaming takes a single prompt with n=1")
     return reqs, single and params_list[0].n == 1
 
 

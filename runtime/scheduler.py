@@ -37,7 +37,7 @@ class ScheduledBatch:
 
     @classmethod
     def prefill(cls, reqs: list[Req], extend_lens: list[int]) -> ScheduledBatch:
-        samples = [r.num_computed == len(r.fill_ids) for r in reqs]
+        samples = [r.num_computed == r.fill_len for r in reqs]
         return cls(reqs, extend_lens, False, samples)
 
 
@@ -81,7 +81,7 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             token_budget -= n
-            if req.num_computed < len(req.fill_ids):
+            if req.num_computed < req.fill_len:
                 self.chunked_req = req
         queue = self._ordered_waiting()
         in_batch: list[list[int]] = []
@@ -98,7 +98,7 @@ class Scheduler:
             lens.append(n)
             in_batch.append(req.fill_ids)
             token_budget -= n
-            if req.num_computed < len(req.fill_ids):
+            if req.num_computed < req.fill_len:
                 self.chunked_req = req
         admitted = {id(r) for r in reqs}
         self.waiting = [r for r, _ in queue if id(r) not in admitted]
@@ -125,7 +125,7 @@ class Scheduler:
     def _chunk_len(self, req: Req, token_budget: int) -> int:
         """Tokens of req to compute this step: all that remain, or with chunked prefill on, at most
         one chunk and what is left of the step's prefill budget."""
-        n = len(req.fill_ids) - req.num_computed
+        n = req.fill_len - req.num_computed
         if self.config.chunked_prefill_size > 0:
             n = max(1, min(n, self.config.chunked_prefill_size, token_budget))
         return n
@@ -138,7 +138,7 @@ class Scheduler:
         if n > token_budget and batch:  # no chunking: only a batch's first request may exceed it
             self.kv.release(req)
             return 0
-        full = req.num_computed + n == len(req.fill_ids)
+        full = req.num_computed + n == req.fill_len
         # Alone (nothing running, nothing admitted yet) there is no one to wait for: a reserve
         # larger than the whole pool would otherwise keep req waiting forever.
         alone = not self.running and not batch
