@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod
 from forklm.runtime.errors import ForkLMError
 from forklm.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from forklm.frontend_dsl.ir import Graph
+    from forklm.frontend_dsl.state import ProgramState
 
 
 class BackendError(ForkLMError, RuntimeError):
@@ -23,8 +28,10 @@ class Backend:
     program state) and must be thread-safe; each blocks until its result is ready."""
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
-                 logprob_options: dict[str, Any]) -> GenResult:
-        """Continue `prompt`; logprob_options holds return_logprob/logprob_start_len/top_logprobs_num."""
+                 logprob_options: dict[str, Any],
+                 on_text: Callable[[str], None] | None = None) -> GenResult:
+        """Continue `prompt`; logprob_options holds return_logprob/logprob_start_len/top_logprobs_num.
+        With `on_text`, each new piece of output text is passed to it as soon as it is decoded."""
         raise NotImplementedError(f"{type(self).__name__}.generate")
 
     def select(self, prompt: str, choices: list[str],
@@ -43,3 +50,10 @@ class Backend:
     def abort(self, rid: str) -> None:
         """Abort an in-flight request by id."""
         raise NotImplementedError(f"{type(self).__name__}.abort")
+
+    def run_program_batch(self, graph: Graph, batch_arguments: list[dict[str, Any]],
+                          defaults: dict[str, Any]) -> list[ProgramState] | None:
+        """Run a traced program once per item where the model lives (one round trip for the whole
+        batch); returns finished states in input order, or None when this backend cannot, in which
+        case the caller runs the items itself."""
+        return None

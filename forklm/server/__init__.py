@@ -1,0 +1,1 @@
+"""The HTTP server: FastAPI app around one Engine and the program executor (issue 6)."""
