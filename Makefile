@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	OMP_WAIT_POLICY=PASSIVE $(PY) examples/shared_system_prompt.py
+	OMP_WAIT_POLICY=PASSIVE $(PY) examples/tips_fork.py
 
 test: setup lint
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q

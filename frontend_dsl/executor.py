@@ -3,13 +3,14 @@ so the Python program runs ahead and blocks only when it reads a variable that i
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from forklm.frontend_dsl.backends.base import Backend
+from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
 from forklm.frontend_dsl.primitives import (
     DTYPE_RULES,
     Gen,
@@ -21,6 +22,7 @@ from forklm.frontend_dsl.primitives import (
     VarScopeEnd,
     flatten,
 )
+from forklm.frontend_dsl.streaming import EventLog, TextEvent, VariableEvent
 from forklm.runtime.sampling import SamplingParams
 
 
@@ -62,6 +64,9 @@ class Executor:
         self.produced: list[Any] = []  # variable names set since creation, in order (for join)
         self.error: BaseException | None = None
         self.fork_start = 0
+        # The template's default system prompt when it injected one before the first message
+        # (in the text but not written by the program); messages() lists it first.
+        self.implied_system: str | None = None
         self._role: tuple[str, int, str] | None = None  # (role, content start, suffix)
         self._scopes: dict[str, int] = {}
         self._queue: deque[Any] = deque()
@@ -69,6 +74,7 @@ class Executor:
         self._cond = threading.Condition()
         self._running = False
         self._body_thread: int | None = None  # a body running in the background (stream=True)
+        self.events = EventLog(self._cond, self.done)
 
     # -- user thread ---------------------------------------------------------------------------
     def submit(self, expr: Any) -> None:
@@ -115,7 +121,7 @@ class Executor:
             finally:
                 with self._cond:
                     self._body_thread = None
-                    self._cond.notify_all()
+                    self.events.notify()
 
         thread = threading.Thread(target=run, name="forklm-program-body", daemon=True)
         with self._cond:  # registered before the body can append or anyone can read
@@ -124,6 +130,16 @@ class Executor:
 
     def _body_pending(self) -> bool:
         return self._body_thread not in (None, threading.get_ident())
+
+    def done(self) -> bool:
+        """Nothing is queued or running and no background body can append more (hold `_cond`)."""
+        return not self._running and not self._body_pending()
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The messages with the template's implied system prompt first, as the text has it."""
+        implied = [] if self.implied_system is None else [
+            {"role": "system", "content": self.implied_system}]
+        return [*implied, *(dict(m) for m in self.messages)]
 
     def sync(self) -> None:
         self.wait()
@@ -137,7 +153,11 @@ class Executor:
         for _ in range(size):
             child = Executor(self.backend, self.defaults)
             child.text, child.fork_start = self.text, len(self.text)
+            if self.text:  # so a branch's stream, too, concatenates to its whole text
+                with child._cond:
+                    child.events.append(TextEvent(self.text, ()))
             child.messages = [dict(m) for m in self.messages]
+            child.implied_system = self.implied_system
             child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
             child._role, child._scopes = self._role, dict(self._scopes)
             children.append(child)
@@ -148,7 +168,7 @@ class Executor:
         with self._cond:
             self._cond.wait_for(lambda: not self._running)
             self.error = self.error or error
-            self._cond.notify_all()
+            self.events.notify()
 
     def _raise_error(self) -> None:
         if self.error is not None:
@@ -169,7 +189,7 @@ class Executor:
                     self._queue.clear()
                     self._pending.clear()
                     self._running = False
-                    self._cond.notify_all()
+                    self.events.notify()
                     return
                 node = self._queue.popleft()
             try:
@@ -180,19 +200,17 @@ class Executor:
             with self._cond:
                 for name in self._names(node):
                     self._pending[name] -= 1
-                self._cond.notify_all()
+                self.events.notify()
 
     def _execute(self, node: Any) -> None:
         if isinstance(node, str):
-            self.text += node
+            self._append(node)
         elif isinstance(node, Gen):
-            params, options = self._resolve(node)
-            result = self.backend.generate(self.text, params, options)
-            self.text += result.text
+            result = self._generate(node)
             self._set(node.name, result.text, result.meta_info)
         elif isinstance(node, Select):
             decision = self.backend.select(self.text, node.choices, node.choices_method)
-            self.text += decision.decision
+            self._append(decision.decision, node.name)
             self._set(node.name, decision.decision, decision.meta_info)
         elif isinstance(node, RoleBegin):
             self._begin_role(node.role)
@@ -205,16 +223,49 @@ class Executor:
         elif isinstance(node, SetVar):
             self._set(node.name, node.value, None)
         elif isinstance(node, JoinNode):
-            self.text += node.text
+            self._append(node.text)
             for name, values in node.variables.items():
                 self._set(name, values, node.meta_info.get(name))
         else:
             raise AssertionError(f"unknown node {node!r}")
 
+    def _append(self, text: str, owner: Any = None) -> None:
+        """Append to the text and log the piece for streaming; it belongs to every open var_scope
+        and to `owner` (the gen or select producing it), if any."""
+        if not text:
+            return
+        owners = (*self._scopes, owner) if owner is not None else tuple(self._scopes)
+        with self._cond:
+            self.text += text
+            self.events.append(TextEvent(text, owners))
+
     def _set(self, name: Any, value: Any, meta_info: Any) -> None:
-        self.variables[name] = value
-        self.meta_info[name] = meta_info
-        self.produced.append(name)
+        with self._cond:
+            self.variables[name] = value
+            self.meta_info[name] = meta_info
+            self.produced.append(name)
+            self.events.append(VariableEvent(name, value))
+
+    def _generate(self, gen: Gen) -> GenResult:
+        """Call the backend, appending its output as it streams; a backend that does not stream
+        (or streams only part) has the rest appended when it returns."""
+        params, options = self._resolve(gen)
+        prompt, streamed = self.text, []
+
+        def on_text(piece: str) -> None:
+            streamed.append(piece)
+            self._append(piece, gen.name)
+
+        if _accepts_on_text(type(self.backend)):
+            result = self.backend.generate(prompt, params, options, on_text=on_text)
+        else:
+            result = self.backend.generate(prompt, params, options)
+        sent = "".join(streamed)
+        if not result.text.startswith(sent):
+            raise BackendError(f"{type(self.backend).__name__} streamed {sent!r}, which does not "
+                               f"begin its result {result.text!r}")
+        self._append(result.text[len(sent):], gen.name)
+        return result
 
     def _resolve(self, gen: Gen) -> tuple[SamplingParams, dict[str, Any]]:
         """Run defaults overlaid with the gen's own settings; a dtype adds its regex and stops."""
@@ -231,7 +282,11 @@ class Executor:
         if self._role is not None:
             raise ValueError(f"Nested roles are not allowed: {role} inside {self._role[0]}")
         prefix, suffix = self.backend.role_prefix_suffix(role, self.messages)
-        self.text += prefix
+        if not self.messages and role != "system" and self.implied_system is None:
+            default = _default_system_prompt(self.backend)
+            if default and default in prefix:  # the template put it in the text: list it too
+                self.implied_system = default
+        self._append(prefix)
         self._role = (role, len(self.text), suffix)
 
     def _end_role(self, role: str) -> None:
@@ -239,5 +294,24 @@ class Executor:
             raise ValueError(f"{role}_end without a matching {role}_begin")
         _, start, suffix = self._role
         self.messages.append({"role": role, "content": self.text[start:].lstrip()})
-        self.text += suffix
+        self._append(suffix)
         self._role = None
+
+
+_ON_TEXT_SUPPORT: dict[type[Backend], bool] = {}
+
+
+def _accepts_on_text(backend_type: type[Backend]) -> bool:
+    """Backends written before streaming take (prompt, sampling_params, logprob_options) only."""
+    if backend_type not in _ON_TEXT_SUPPORT:
+        params = inspect.signature(backend_type.generate).parameters
+        _ON_TEXT_SUPPORT[backend_type] = "on_text" in params or any(
+            p.kind is p.VAR_KEYWORD for p in params.values())
+    return _ON_TEXT_SUPPORT[backend_type]
+
+
+def _default_system_prompt(backend: Backend) -> str | None:
+    """The system prompt the backend's chat template adds when a chat has none (None if it adds
+    none, or the backend cannot say)."""
+    method = getattr(backend, "default_system_prompt", None)
+    return method() if callable(method) else None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from forklm.frontend_dsl.executor import Executor, JoinNode
@@ -14,6 +14,7 @@ from forklm.frontend_dsl.primitives import (
     VarScopeBegin,
     VarScopeEnd,
 )
+from forklm.frontend_dsl.streaming import PieceFilter, TextEvent
 
 _JOIN_MODES = ("gather_variable", "concate_and_append")
 
@@ -63,17 +64,54 @@ class ProgramState:
         return self._ex.text
 
     def messages(self) -> list[dict[str, str]]:
-        """The chat so far as role/content dicts (contents left-stripped, as SGLang's)."""
+        """The chat so far as role/content dicts (contents left-stripped, as SGLang's). When the
+        chat template put its default system prompt in the text (the program wrote no system
+        message), it is listed first, so messages and text agree."""
         self._ex.sync()
-        return [dict(m) for m in self._ex.messages]
+        return self._ex.chat_messages()
 
     def variables(self) -> dict[Any, Any]:
         self._ex.sync()
         return dict(self._ex.variables)
 
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """The final text (or one variable) once it is ready; not incremental yet."""
-        yield self.text() if var_name is None else self[var_name]
+    # -- streaming -----------------------------------------------------------------------------
+    def text_iter(self, var_name: str | None = None) -> Iterator[Any]:
+        """Text pieces as they are produced, from the start: the whole text, or only variable
+        `var_name`'s pieces (ending when it is set). The pieces concatenate to `text()` (or the
+        variable). Works during `run(..., stream=True)` and after a plain `run` returns. The
+        program's error, if any, is raised when the stream ends (for a variable: if it never
+        got its value)."""
+        pieces = PieceFilter(var_name)
+        for event in self._ex.events.iter():
+            yield from pieces.feed(event)
+            if pieces.done:
+                return
+        self._raise_error()
+
+    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[Any]:
+        """`async for piece in s.text_async_iter(...)`: text_iter without blocking the loop."""
+        pieces = PieceFilter(var_name)
+        async for event in self._ex.events.aiter():
+            for piece in pieces.feed(event):
+                yield piece
+            if pieces.done:
+                return
+        self._raise_error()
+
+    def stream_events(self) -> Iterator[tuple[Any, ...]]:
+        """`("text", piece)` and `("variable", name, value)` tuples in the order they happened
+        (a variable's event follows its text) until the program is done; then its error, if
+        any, is raised."""
+        for event in self._ex.events.iter():
+            if isinstance(event, TextEvent):
+                yield ("text", event.text)
+            else:
+                yield ("variable", event.name, event.value)
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._ex.error is not None:
+            raise self._ex.error
 
     # -- roles and scopes ----------------------------------------------------------------------
     def _role(self, role: str, expr: Any) -> contextlib.AbstractContextManager[None] | None:

@@ -122,7 +122,10 @@ def test_fork_expands_tips_then_summarizes(engine, backend):
     text = state.text()
     assert text.startswith("<|im_start|>system\n")  # the template's default system prompt
     assert text.count("<|im_start|>user\n") == 2  # branches' turns are not in the parent
-    assert [m["role"] for m in state.messages()] == ["user", "assistant", "user", "assistant"]
+    # the template's default system prompt is in the text, so messages() lists it too
+    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant", "user",
+                                                     "assistant"]
+    assert state.messages()[0]["content"].startswith("You are a helpful AI assistant named SmolLM")
     assert state.messages()[-1]["content"] == state["summary"].strip()
     # each branch equals its prompt run alone through the engine
     base = text[: text.index("<|im_start|>user\nSummarize")]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from jinja2 import TemplateError
 
 from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
@@ -12,6 +15,7 @@ from forklm.runtime.sampling import SamplingParams
 # Scoring only: prefill with prompt logprobs, no new token.
 _SCORE_PARAMS = SamplingParams(max_new_tokens=0, temperature=0.0)
 _SENTINEL = "\x00forklm-role-content\x00"
+_SYSTEM_SENTINEL = "\x00forklm-system-content\x00"
 
 
 class EngineBackend(Backend):
@@ -21,13 +25,29 @@ class EngineBackend(Backend):
     def __init__(self, engine: Engine | None = None, **engine_config: Any):
         self.engine = engine if engine is not None else Engine(**engine_config)
         self.tokenizer = self.engine.tokenizer
+        self._default_system = self._find_default_system()
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
-                 logprob_options: dict[str, Any]) -> GenResult:
-        out = self.engine.generate(prompt=prompt, sampling_params=sampling_params,
-                                   **logprob_options)
-        _raise_if_aborted(out)
-        return GenResult(out["text"], out["meta_info"])
+                 logprob_options: dict[str, Any],
+                 on_text: Callable[[str], None] | None = None) -> GenResult:
+        """One engine request; with `on_text` it streams, and each chunk's new text is passed on
+        as the engine decodes it (the pieces concatenate to the result's text)."""
+        if on_text is None or sampling_params.n != 1:  # the engine streams one sample only
+            out = self.engine.generate(prompt=prompt, sampling_params=sampling_params,
+                                       **logprob_options)
+            _raise_if_aborted(out)
+            return GenResult(out["text"], out["meta_info"])
+        pieces: list[str] = []
+        last: dict[str, Any] | None = None
+        for chunk in self.engine.generate(prompt=prompt, sampling_params=sampling_params,
+                                          stream=True, **logprob_options):
+            if chunk["text"]:
+                pieces.append(chunk["text"])
+                on_text(chunk["text"])
+            last = chunk
+        assert last is not None, "an engine stream ends with a final chunk"
+        _raise_if_aborted(last)
+        return GenResult("".join(pieces), last["meta_info"])  # the last chunk has the full meta
 
     def select(self, prompt: str, choices: list[str],
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
@@ -70,6 +90,27 @@ class EngineBackend(Backend):
         head, _, suffix = rendered.partition(_SENTINEL)
         prefix = head[len(before):] if head.startswith(before) else head
         return prefix, suffix
+
+    def default_system_prompt(self) -> str | None:
+        """The system message the template injects into a chat that has none (SmolLM2's "You are
+        a helpful AI assistant named SmolLM, ..."), or None."""
+        return self._default_system
+
+    def _find_default_system(self) -> str | None:
+        """Render a user turn with and without an explicit system message; what the template put
+        in the system slot without one is its default."""
+        user = {"role": "user", "content": _SENTINEL}
+        try:
+            explicit = self._render([{"role": "system", "content": _SYSTEM_SENTINEL}, user])
+        except (TemplateError, ValueError):  # no template, or one that rejects system messages
+            return None
+        head, _, tail = explicit.partition(_SYSTEM_SENTINEL)
+        implied = self._render([user])
+        if len(implied) <= len(head) + len(tail) or not (
+                implied.startswith(head) and implied.endswith(tail)):
+            return None
+        content = implied[len(head):len(implied) - len(tail)]
+        return content if content.strip() else None
 
     def cache_prefix(self, prompt: str) -> None:
         self.engine.generate(prompt=prompt, sampling_params=_SCORE_PARAMS)
