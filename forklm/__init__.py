@@ -11,66 +11,21 @@ import os
 # HTTP server's threads) share the cores; this must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from forklm.frontend_dsl import (  # noqa: E402
-    Backend,
-    EngineBackend,
-    ProgramState,
-    assistant,
-    assistant_begin,
-    assistant_end,
-    function,
-    gen,
-    gen_int,
-    gen_string,
-    greedy_token_selection,
-    select,
-    set_default_backend,
-    system,
-    system_begin,
-    system_end,
-    token_length_normalized,
-    unconditional_likelihood_normalized,
-    user,
-    user_begin,
-    user_end,
-)
+from forklm import frontend_dsl as _dsl  # noqa: E402
+from forklm.frontend_dsl import *  # noqa: E402,F403  (the language: SGLang's frontend names)
 from forklm.runtime.config import EngineConfig  # noqa: E402
 from forklm.runtime.engine import Engine  # noqa: E402
 from forklm.runtime.errors import (  # noqa: E402
     EngineShutdownError,
     ForkLMError,
     InvalidArgumentError,
+    KVCacheFullError,
     ModelNotFoundError,
 )
 from forklm.runtime.sampling import SamplingParams  # noqa: E402
 
 __all__ = [
-    "Backend",
-    "Engine",
-    "EngineBackend",
-    "ProgramState",
-    "assistant",
-    "assistant_begin",
-    "assistant_end",
-    "function",
-    "gen",
-    "gen_int",
-    "gen_string",
-    "greedy_token_selection",
-    "select",
-    "set_default_backend",
-    "system",
-    "system_begin",
-    "system_end",
-    "token_length_normalized",
-    "unconditional_likelihood_normalized",
-    "user",
-    "user_begin",
-    "user_end",
-    "EngineConfig",
-    "EngineShutdownError",
-    "ForkLMError",
-    "InvalidArgumentError",
-    "ModelNotFoundError",
-    "SamplingParams",
+    *_dsl.__all__,
+    "Engine", "EngineConfig", "EngineShutdownError", "ForkLMError", "InvalidArgumentError",
+    "KVCacheFullError", "ModelNotFoundError", "SamplingParams",
 ]

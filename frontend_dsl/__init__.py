@@ -18,7 +18,7 @@ from forklm.frontend_dsl.api import (
     user_begin,
     user_end,
 )
-from forklm.frontend_dsl.backends import Backend, BackendError, EngineBackend
+from forklm.frontend_dsl.backends import Backend, BackendError, EngineBackend, RuntimeEndpoint
 from forklm.frontend_dsl.choices import (
     ChoicesDecision,
     ChoicesSamplingMethod,
@@ -26,15 +26,22 @@ from forklm.frontend_dsl.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from forklm.frontend_dsl.interpreter import GraphProgram
+from forklm.frontend_dsl.ir import Graph, ProgramLimitError, ProgramLimits
 from forklm.frontend_dsl.primitives import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 from forklm.frontend_dsl.program import Program
+from forklm.frontend_dsl.program_file import load_program_file, run_program_file
 from forklm.frontend_dsl.state import ProgramState, ProgramStateGroup
+from forklm.frontend_dsl.textual import ProgramSyntaxError, parse_program
+from forklm.frontend_dsl.tracer import TraceError
 
 __all__ = [
     "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "Backend", "BackendError",
-    "ChoicesDecision", "ChoicesSamplingMethod", "EngineBackend", "Program", "ProgramState",
-    "ProgramStateGroup", "assistant", "assistant_begin", "assistant_end", "function", "gen",
-    "gen_int", "gen_string", "get_default_backend", "greedy_token_selection", "select",
+    "ChoicesDecision", "ChoicesSamplingMethod", "EngineBackend", "Graph", "GraphProgram",
+    "Program", "ProgramLimitError", "ProgramLimits", "ProgramState", "ProgramSyntaxError",
+    "ProgramStateGroup", "RuntimeEndpoint", "TraceError", "assistant", "assistant_begin", "assistant_end",
+    "function", "gen", "gen_int", "gen_string", "get_default_backend", "greedy_token_selection",
+    "load_program_file", "parse_program", "run_program_file", "select",
     "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
     "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
 ]

@@ -5,17 +5,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import logging
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forklm.frontend_dsl.backends.base import Backend
 from forklm.frontend_dsl.executor import Executor, RunDefaults
 from forklm.frontend_dsl.primitives import LOGPROB_OPTIONS
 from forklm.frontend_dsl.state import ProgramState
 from forklm.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from forklm.frontend_dsl.ir import Graph
+
+logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _IGNORED_RUN_OPTIONS = frozenset({"use_thread"})  # SGLang run() options with no meaning here
@@ -97,11 +103,23 @@ class Program:
         """Run one program per item (a dict of arguments, or a list of positional values) on a
         thread pool, so their gens share engine batches. Returns the finished states in input
         order (a generator of them with generator_style=True). A failing item does not stop the
-        others: its error is raised when its state is read."""
+        others: its error is raised when its state is read; a bad argument fails the call.
+        With several items the program is traced first (its body runs once on placeholders): a
+        backend that runs whole batches itself gets the graph (`run_program_batch`); otherwise
+        the graph's constant prefix is prefilled once so every item hits the prefix cache. A
+        program that cannot be traced just runs item by item."""
         backend_obj = _as_backend(backend)
         items = [self._item_kwargs(item) for item in batch_kwargs]
         if not items:
             return iter([]) if generator_style else []
+        for item in items:  # a bad argument fails the whole call here, before anything runs
+            self._split((), {**defaults, **item})
+        graph = self._try_trace() if len(items) > 1 else None
+        if graph is not None:
+            states = backend_obj.run_program_batch(graph, items, defaults)
+            if states is not None:
+                return iter(states) if generator_style else states
+            hint_prefix(backend_obj, graph)
         if num_threads == "auto":
             num_threads = max(96, (os.cpu_count() or 1) * 16)
         assert isinstance(num_threads, int) and num_threads >= 1, num_threads
@@ -113,6 +131,14 @@ class Program:
         if progress_bar:
             _show_progress(futures)
         return [f.result() for f in futures]
+
+    def trace(self, **arguments: Any) -> Graph:
+        """The program's request graph, built without a model. Arguments not given here are
+        placeholders (the graph's arguments); raises TraceError when the program's text or control
+        flow depends on a generated value."""
+        from forklm.frontend_dsl.tracer import trace_program
+
+        return trace_program(self, arguments)
 
     async def run_async(self, *args: Any, **kwargs: Any) -> ProgramState:
         """`await prog.run_async(...)`: the finished state; the event loop is not blocked."""
@@ -130,6 +156,15 @@ class Program:
         return await asyncio.to_thread(self.run_batch, batch_kwargs, **kwargs)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _try_trace(self) -> Graph | None:
+        """The graph for batch-level optimizations, or None when the program cannot be traced
+        (it then simply runs item by item)."""
+        try:
+            return self.trace()
+        except Exception as e:  # noqa: BLE001 - tracing runs user code on placeholders
+            logger.debug("%s is not traceable (%s); no batch prefix hint", self.func.__name__, e)
+            return None
+
     def _run_to_end(self, backend: Backend, item: dict[str, Any],
                     defaults: dict[str, Any]) -> ProgramState:
         call_args, run_defaults = self._split((), {**defaults, **item})
@@ -189,3 +224,37 @@ def _show_progress(futures: list[Future]) -> None:
     for _ in tqdm(as_completed(futures), total=len(futures)):
         pass
 
+
+def constant_prefix(backend: Backend, graph: Graph) -> str:
+    """The text every run of `graph` starts with: its leading texts and the chat template's role
+    prefixes and suffixes around them, up to the first node whose text depends on the run."""
+    from forklm.frontend_dsl import ir
+
+    text, messages = "", []  # type: tuple[str, list[dict[str, str]]]
+    role: tuple[str, int, str] | None = None  # (role, content start, suffix), as the executor
+    for node in graph.nodes:
+        if isinstance(node, ir.Text):
+            text += node.text
+        elif isinstance(node, ir.RoleBegin) and role is None:
+            prefix, suffix = backend.role_prefix_suffix(node.role, messages)
+            text += prefix
+            role = (node.role, len(text), suffix)
+        elif isinstance(node, ir.RoleEnd) and role is not None and role[0] == node.role:
+            messages.append({"role": node.role, "content": text[role[1]:].lstrip()})
+            text, role = text + role[2], None
+        elif not isinstance(node, (ir.SetVar, ir.ScopeBegin, ir.ScopeEnd)):
+            break
+    return text
+
+
+def hint_prefix(backend: Backend, graph: Graph) -> None:
+    """Prefill the graph's constant prefix once, so the batch's items all hit the prefix cache.
+    A backend without a cache (or chat template) simply gets no hint."""
+    try:
+        prefix = constant_prefix(backend, graph)
+        if prefix:
+            backend.cache_prefix(prefix)
+    except NotImplementedError:
+        logger.debug("%s cannot cache a prefix; no batch prefix hint", type(backend).__name__)
+    except Exception as e:  # noqa: BLE001 - a failed hint must not change the batch's outcome
+        logger.warning("prefix hint failed (%s); running the batch without it", e)

@@ -172,6 +172,11 @@ class ProgramStateGroup:
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
 
+    def __setitem__(self, i: int, state: ProgramState) -> None:
+        """What `forks[i] += expr` stores back: the same branch state, appended to in place."""
+        if state is not self.states[i]:
+            raise TypeError("a fork group's branches cannot be replaced; append to forks[i]")
+
     def __len__(self) -> int:
         return len(self.states)
 

@@ -1,0 +1,225 @@
+"""RuntimeEndpoint: a program backend over a forklm server's HTTP API (issue 6)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, cast
+
+import httpx
+
+from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
+from forklm.frontend_dsl.backends.engine_backend import EngineBackend
+from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod
+from forklm.frontend_dsl.executor import Executor, RunDefaults
+from forklm.frontend_dsl.ir import ProgramLimits
+from forklm.frontend_dsl.primitives import LOGPROB_OPTIONS
+from forklm.frontend_dsl.state import ProgramState
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from forklm.frontend_dsl.ir import Graph
+    from forklm.runtime.engine import Engine
+
+_CLIENT_ERRORS = (400, 404, 413, 422)
+_LIMIT_NAMES = frozenset(f.name for f in dataclasses.fields(ProgramLimits))
+
+
+class RuntimeEndpoint(Backend):
+    """`RuntimeEndpoint(base_url, api_key=None, timeout=600.0)`: run programs on a forklm server.
+
+    gen, select, roles and prefix caching are EngineBackend's own logic run against the server's
+    `/generate`, with the server model's tokenizer and chat template (fetched once from
+    `/v1/programs/tokenizer`), so select scores on exactly the tokens the in-process backend
+    would and chat turns render as the server's template does. `run_batch` of a program that
+    traces sends the whole batch to `/v1/programs/run` in one request. Server errors are raised
+    as InvalidArgumentError (4xx) or BackendError with the server's message."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.model_info = self.call("GET", "/get_model_info")
+        self.tokenizer = _load_tokenizer(self.call("GET", "/v1/programs/tokenizer")["files"])
+        # EngineBackend needs only generate/abort/tokenizer of its engine: _RemoteEngine has them.
+        self._local = EngineBackend(cast("Engine", _RemoteEngine(self, self.tokenizer)))
+
+    # -- Backend -------------------------------------------------------------------------------
+    def generate(self, prompt: str, sampling_params: SamplingParams,
+                 logprob_options: dict[str, Any],
+                 on_text: Callable[[str], None] | None = None) -> GenResult:
+        return self._local.generate(prompt, sampling_params, logprob_options, on_text=on_text)
+
+    def select(self, prompt: str, choices: list[str],
+               choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+        return self._local.select(prompt, choices, choices_method)
+
+    def role_prefix_suffix(self, role: str, history: list[dict[str, str]]) -> tuple[str, str]:
+        return self._local.role_prefix_suffix(role, history)
+
+    def default_system_prompt(self) -> str | None:
+        return self._local.default_system_prompt()
+
+    def cache_prefix(self, prompt: str) -> None:
+        self._local.cache_prefix(prompt)
+
+    def abort(self, rid: str) -> None:
+        self._local.abort(rid)
+
+    def run_program_batch(self, graph: Graph, batch_arguments: list[dict[str, Any]],
+                          defaults: dict[str, Any]) -> list[ProgramState] | None:
+        """One POST /v1/programs/run for the whole batch; None (run item by item) when the
+        arguments or defaults are not JSON values or the graph is over the server's program
+        limits (those bound one request; item-by-item calls are the client's own loop)."""
+        defaults = {k: v for k, v in defaults.items() if v is not None}
+        body = {"program": json.loads(graph.to_json()), "arguments": list(batch_arguments),
+                "sampling_params": defaults}
+        try:
+            content = json.dumps(body, allow_nan=False)
+        except (TypeError, ValueError):
+            return None
+        try:
+            reply = self.call("POST", "/v1/programs/run", content=content,
+                              headers={"content-type": "application/json"})
+        except InvalidArgumentError as e:
+            if e.name in _LIMIT_NAMES:
+                return None
+            raise
+        return [self._finished_state(r, defaults) for r in reply["results"]]
+
+    # -- HTTP ----------------------------------------------------------------------------------
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One request; the decoded JSON reply, or the server's error raised."""
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise BackendError(f"{method} {self.base_url}{path} failed: {e!r}") from e
+        if response.status_code >= 400:
+            _raise_server_error(response.status_code, _error_of(response.text), path)
+        return response.json()
+
+    def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The JSON payloads of an SSE reply until `data: [DONE]`; leaving early closes the
+        connection, which makes the server abort the request."""
+        try:
+            with self.client.stream("POST", path, json=body) as response:
+                if response.status_code >= 400:
+                    _raise_server_error(response.status_code, _error_of(response.read().decode()),
+                                        path)
+                for line in response.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        return
+                    payload = json.loads(data)
+                    if "error" in payload:
+                        err = payload["error"]
+                        _raise_server_error(int(err.get("code") or 500), err, path)
+                    yield payload
+        except httpx.HTTPError as e:
+            raise BackendError(f"POST {self.base_url}{path} failed: {e!r}") from e
+
+    def flush_cache(self) -> None:
+        self.call("POST", "/flush_cache")
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _finished_state(self, result: dict[str, Any], defaults: dict[str, Any]) -> ProgramState:
+        """A done state holding the server's text, messages, variables and their meta (or the
+        item's error, raised when the state is read); appending to it runs on this endpoint."""
+        ex = Executor(self, RunDefaults(
+            sampling={k: v for k, v in defaults.items() if k not in LOGPROB_OPTIONS},
+            logprob_options={k: v for k, v in defaults.items() if k in LOGPROB_OPTIONS}))
+        if "error" in result:
+            ex.error = _error_from(result["error"], "/v1/programs/run")
+            return ProgramState(ex)
+        ex._append(result["text"])  # logged as events too, so text_iter() replays it
+        metas = result["meta_info"]["variables"]
+        for name, value in result["variables"].items():
+            ex._set(name, value, metas.get(name))
+        ex.messages = result["messages"]
+        return ProgramState(ex)
+
+
+class _RemoteEngine:
+    """The slice of `Engine` EngineBackend uses (generate, abort, tokenizer), served by HTTP."""
+
+    def __init__(self, endpoint: RuntimeEndpoint, tokenizer: Any):
+        self.endpoint, self.tokenizer = endpoint, tokenizer
+
+    def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+                 return_logprob: bool = False, logprob_start_len: int | None = None,
+                 top_logprobs_num: int | None = None, stream: bool = False,
+                 rid: Any = None) -> Any:
+        """Engine.generate's contract: a result dict (a list for a batch), or with stream=True
+        an iterator of chunks whose text/output_ids are increments."""
+        body: dict[str, Any] = {"text": prompt} if prompt is not None else {"input_ids": input_ids}
+        body["sampling_params"] = _params_json(SamplingParams.coerce(sampling_params))
+        if return_logprob:  # the in-process engine always gives each entry's token text
+            body.update(return_logprob=True, return_text_in_logprobs=True)
+            options = {"logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
+            body.update({k: v for k, v in options.items() if v is not None})
+        if rid is not None:
+            body["rid"] = rid
+        if stream:
+            return _increments(self.endpoint.stream("/generate", {**body, "stream": True}))
+        return self.endpoint.call("POST", "/generate", json=body)
+
+    def abort(self, rid: str) -> None:
+        self.endpoint.call("POST", "/abort_request", json={"rid": rid})
+
+
+def _increments(events: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The server streams cumulative text and ids (SGLang's shape); the engine's chunks are
+    increments."""
+    text, num_ids = "", 0
+    for event in events:
+        ids = event["output_ids"]
+        yield {"text": event["text"][len(text):], "output_ids": ids[num_ids:],
+               "meta_info": event["meta_info"]}
+        text, num_ids = event["text"], len(ids)
+
+
+def _params_json(params: SamplingParams) -> dict[str, Any]:
+    """The fields that differ from the defaults (the server applies the same defaults)."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
+            if getattr(params, f.name) != f.default}
+
+
+def _load_tokenizer(files: dict[str, str]) -> Any:
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in files.items():
+            (Path(tmp) / Path(name).name).write_text(text, encoding="utf-8")
+        return AutoTokenizer.from_pretrained(tmp)
+
+
+def _error_of(text: str) -> dict[str, Any]:
+    try:
+        error = json.loads(text)["error"]
+        return error if isinstance(error, dict) else {"message": str(error)}
+    except (ValueError, KeyError, TypeError):
+        return {"message": text[:500]}
+
+
+def _raise_server_error(status: int, error: dict[str, Any], path: str) -> NoReturn:
+    if status in _CLIENT_ERRORS:
+        error = {**error, "type": "invalid_request_error"}
+    raise _error_from(error, f"{path} (HTTP {status})")
+
+
+def _error_from(error: dict[str, Any], where: str) -> Exception:
+    """The server's error as the exception the in-process backend would raise, same message."""
+    message = str(error.get("message") or "unknown server error")
+    if error.get("type") == "invalid_request_error":
+        exc = InvalidArgumentError(error.get("param") or "request", None, message)
+        exc.args = (message,)  # the server's message already names the argument and value
+        return exc
+    return BackendError(f"{where}: {message}")

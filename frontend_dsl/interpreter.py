@@ -1,0 +1,181 @@
+"""GraphProgram: runs a request graph on the same executor as Python programs.
+
+The graph's nodes are walked by a program body that appends to the ProgramState `s`, so run,
+run_batch, the async twins, streaming and run defaults behave exactly as for `@function`
+programs. `if` and `repeat` are decided at run time (reading `s[var]` waits for the value).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+from forklm.frontend_dsl import choices as choices_mod
+from forklm.frontend_dsl import ir, primitives
+from forklm.frontend_dsl.executor import RunDefaults
+from forklm.frontend_dsl.ir_codec import check_references
+from forklm.frontend_dsl.program import (
+    _IGNORED_RUN_OPTIONS,
+    _SAMPLING_FIELDS,
+    Program,
+)
+from forklm.frontend_dsl.state import ProgramState, ProgramStateGroup
+from forklm.runtime.errors import InvalidArgumentError
+
+
+class _Run:
+    """One execution of a graph: the argument values and the fork groups made so far."""
+
+    def __init__(self, arguments: dict[str, Any]):
+        self.args = arguments
+        self.root: ProgramState | None = None
+        self.groups: dict[int, ProgramStateGroup] = {}
+
+    def block(self, nodes: list[ir.Node], s: ProgramState) -> bool:
+        """Run `nodes` on `s`; True when a break was reached (the enclosing repeat stops)."""
+        for node in nodes:
+            if isinstance(node, ir.Break):
+                return True
+            if isinstance(node, ir.If):
+                taken = node.then if s[node.var] == node.equals else node.orelse
+                if self.block(taken, s):
+                    return True
+            elif isinstance(node, ir.Repeat):
+                for _ in range(node.count):
+                    if self.block(node.body, s):
+                        break
+            elif isinstance(node, ir.Fork):
+                group = s.fork(node.size)
+                self.groups[node.id] = group
+                for branch, state in zip(node.branches, group):
+                    self.block(branch, state)
+            elif isinstance(node, ir.Join):
+                self.group(node.fork).join(node.mode)
+            else:
+                s += self.expr(node, s)
+        return False
+
+    def expr(self, node: ir.Node, s: ProgramState) -> Any:
+        if isinstance(node, ir.Text):
+            return node.text
+        if isinstance(node, ir.Arg):
+            return str(self.args[node.name])
+        if isinstance(node, ir.Gen):
+            return primitives.Gen(node.name, dict(node.sampling), dict(node.logprob_options),
+                                  node.dtype)
+        if isinstance(node, ir.Select):
+            return primitives.Select(node.name, list(node.choices), node.temperature,
+                                     getattr(choices_mod, node.choices_method))
+        if isinstance(node, ir.Read):
+            return self.state(node.state, s)[node.name]
+        if isinstance(node, ir.SetVar):
+            value = node.value
+            if node.source == "arg":
+                value = self.args[node.value]
+            elif node.source == "var":
+                value = self.state(node.state, s)[node.value]
+            return primitives.SetVar(node.name, value)
+        simple = {ir.RoleBegin: primitives.RoleBegin, ir.RoleEnd: primitives.RoleEnd,
+                  ir.ScopeBegin: primitives.VarScopeBegin, ir.ScopeEnd: primitives.VarScopeEnd}
+        if type(node) in simple:
+            return simple[type(node)](getattr(node, "role", None) or node.name)
+        raise AssertionError(f"unknown node {node!r}")
+
+    def state(self, path: list[int] | None, s: ProgramState) -> ProgramState:
+        if path is None:
+            return s
+        if not path:
+            assert self.root is not None
+            return self.root
+        return self.group(path[0])[path[1]]
+
+    def group(self, fork_id: int) -> ProgramStateGroup:
+        if fork_id not in self.groups:
+            raise InvalidArgumentError("fork", fork_id, "used before that fork node ran")
+        return self.groups[fork_id]
+
+
+class GraphProgram(Program):
+    """A request graph as a runnable program: `GraphProgram(graph).run(question="...")`.
+    Missing or unknown arguments raise InvalidArgumentError naming them."""
+
+    def __init__(self, graph: ir.Graph, bind_arguments: dict[str, Any] | None = None):
+        check_references(graph)
+        self.graph = graph
+        super().__init__(_make_body(graph), None, bind_arguments)
+
+    def bind(self, **kwargs: Any) -> GraphProgram:
+        unknown = sorted(set(kwargs) - set(self.arg_names))
+        if unknown:
+            raise InvalidArgumentError(unknown[0], kwargs[unknown[0]], f"not an argument of "
+                                       f"program {self.graph.name} {self.arg_names}")
+        return GraphProgram(self.graph, {**self.bind_arguments, **kwargs})
+
+    def trace(self, **arguments: Any) -> ir.Graph:
+        """The graph, with the bound arguments and those given here baked in as constants."""
+        return bake_arguments(self.graph, {**self.bind_arguments, **arguments})
+
+    def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[inspect.BoundArguments, RunDefaults]:
+        known = set(self.arg_names) | _SAMPLING_FIELDS | _IGNORED_RUN_OPTIONS | set(
+            primitives.LOGPROB_OPTIONS)
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            raise InvalidArgumentError(unknown[0], kwargs[unknown[0]], (
+                f"neither an argument of program {self.graph.name} {self.arg_names} nor a run "
+                "default (a SamplingParams field or logprob option)"))
+        if len(args) > len(self.arg_names):
+            raise InvalidArgumentError("args", args, f"program {self.graph.name} takes "
+                                       f"{len(self.arg_names)} arguments {self.arg_names}")
+        given = set(self.arg_names[:len(args)]) | set(kwargs) | set(self.bind_arguments)
+        missing = [a for a in self.arg_names if a not in given and a not in self.graph.arg_defaults]
+        if missing:
+            raise InvalidArgumentError(missing[0], None, f"missing argument of program "
+                                       f"{self.graph.name} {self.arg_names}")
+        return super()._split(args, kwargs)
+
+
+def bake_arguments(graph: ir.Graph, values: dict[str, Any]) -> ir.Graph:
+    """A copy of `graph` in which the arguments in `values` are constants (as Program.trace)."""
+    unknown = sorted(set(values) - set(graph.args))
+    if unknown:
+        raise InvalidArgumentError(unknown[0], values[unknown[0]],
+                                   f"not an argument of program {graph.name} {graph.args}")
+    if not values:
+        return graph
+    baked = copy.deepcopy(graph)
+
+    def replace(nodes: list[ir.Node]) -> None:
+        for i, node in enumerate(nodes):
+            if isinstance(node, ir.Arg) and node.name in values:
+                nodes[i] = ir.Text(str(values[node.name]), id=node.id)
+            elif isinstance(node, ir.SetVar) and node.source == "arg" and node.value in values:
+                nodes[i] = ir.SetVar(node.name, values[node.value], id=node.id)
+            for block in ir.child_blocks(node):
+                replace(block)
+
+    replace(baked.nodes)
+    baked.args = [a for a in graph.args if a not in values]
+    baked.arg_defaults = {k: v for k, v in graph.arg_defaults.items() if k not in values}
+    return baked.normalized()
+
+
+def _make_body(graph: ir.Graph) -> Any:
+    """A `def body(s, <graph args>)` whose signature Program binds arguments against."""
+
+    def body(s: ProgramState, *args: Any, **kwargs: Any) -> None:
+        run = _Run({**graph.arg_defaults, **dict(zip(graph.args, args)), **kwargs})
+        run.root = s
+        run.block(graph.nodes, s)
+
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("__forklm_state", kind)] + [
+        inspect.Parameter(a, kind, default=graph.arg_defaults.get(a, inspect.Parameter.empty))
+        for a in graph.args]
+    try:
+        body.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    except ValueError as e:  # a default before a required argument, a bad name
+        raise InvalidArgumentError("args", graph.args, f"not a valid argument list: {e}") from e
+    body.__name__ = graph.name
+    return body

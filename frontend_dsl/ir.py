@@ -1,0 +1,313 @@
+"""Request graphs: a program as data (typed nodes in append order, blocks nested), the form that
+tracing a Python program and parsing a textual one both produce, and the interpreter executes.
+
+A graph is never executed as Python: choices methods are named (one of the three built-ins) and
+every field is a JSON value. `to_text()` is the stable golden-file dump, `to_json()`/`from_json()`
+the wire form, `to_dot()` a Graphviz view; `check_limits()` bounds what a graph may ask for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from forklm.runtime.errors import InvalidArgumentError
+
+JOIN_MODES = ("gather_variable", "concate_and_append")
+CHOICES_METHODS = ("token_length_normalized", "greedy_token_selection",
+                   "unconditional_likelihood_normalized")
+ROLES = ("system", "user", "assistant")
+SET_SOURCES = ("literal", "arg", "var")
+DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: what a gen without max_tokens may use
+FORMAT = "forklm.graph/1"
+
+
+class ProgramLimitError(InvalidArgumentError):
+    """A graph asks for more than the ProgramLimits allow; `.name` is the limit's field name."""
+
+
+@dataclass
+class Node:
+    """Base of the graph nodes; `id` is the node's position in a pre-order walk (see Graph)."""
+
+    op: ClassVar[str] = ""
+    id: int = field(default=-1, kw_only=True)
+
+
+@dataclass
+class Text(Node):
+    op: ClassVar[str] = "text"
+    text: str
+
+
+@dataclass
+class Arg(Node):
+    """Append the program argument `name` (as str)."""
+
+    op: ClassVar[str] = "arg"
+    name: str
+
+
+@dataclass
+class Gen(Node):
+    """`sampling` holds SamplingParams-named overrides; the rest inherit the run's defaults."""
+
+    op: ClassVar[str] = "gen"
+    name: str | None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    logprob_options: dict[str, Any] = field(default_factory=dict)
+    dtype: str | None = None
+
+
+@dataclass
+class Select(Node):
+    op: ClassVar[str] = "select"
+    name: str | None
+    choices: list[str]
+    temperature: float = 0.0
+    choices_method: str = "token_length_normalized"
+
+
+@dataclass
+class RoleBegin(Node):
+    op: ClassVar[str] = "role_begin"
+    role: str
+
+
+@dataclass
+class RoleEnd(Node):
+    op: ClassVar[str] = "role_end"
+    role: str
+
+
+@dataclass
+class ScopeBegin(Node):
+    """`with s.var_scope(name):` begins: what is appended until ScopeEnd becomes variable `name`."""
+
+    op: ClassVar[str] = "scope_begin"
+    name: str
+
+
+@dataclass
+class ScopeEnd(Node):
+    op: ClassVar[str] = "scope_end"
+    name: str
+
+
+@dataclass
+class Read(Node):
+    """Append the value of variable `name` (waits until it exists). `state` names whose variable:
+    None = this state, [] = the root state, [fork_id, branch] = a branch of that fork."""
+
+    op: ClassVar[str] = "read"
+    name: str
+    state: list[int] | None = None
+
+
+@dataclass
+class SetVar(Node):
+    """`s[name] = value`: a JSON literal, or the argument / variable (of `state`) named by value."""
+
+    op: ClassVar[str] = "set"
+    name: str
+    value: Any
+    source: str = "literal"
+    state: list[int] | None = None
+
+
+@dataclass
+class Fork(Node):
+    """`s.fork(size)`: branch i runs `branches[i]` on its own copy of the state."""
+
+    op: ClassVar[str] = "fork"
+    size: int
+    branches: list[list[Node]]
+
+
+@dataclass
+class Join(Node):
+    op: ClassVar[str] = "join"
+    fork: int
+    mode: str = "gather_variable"
+
+
+@dataclass
+class If(Node):
+    """Run `then` when variable `var` (read when reached) equals `equals`, else `orelse`."""
+
+    op: ClassVar[str] = "if"
+    var: str
+    equals: str
+    then: list[Node] = field(default_factory=list)
+    orelse: list[Node] = field(default_factory=list)
+
+
+@dataclass
+class Repeat(Node):
+    """Run `body` up to `count` times; a Break inside it (not inside a fork) ends the loop."""
+
+    op: ClassVar[str] = "repeat"
+    count: int
+    body: list[Node] = field(default_factory=list)
+
+
+@dataclass
+class Break(Node):
+    op: ClassVar[str] = "break"
+
+
+NODE_TYPES: dict[str, type[Node]] = {t.op: t for t in (
+    Text, Arg, Gen, Select, RoleBegin, RoleEnd, ScopeBegin, ScopeEnd, Read, SetVar, Fork, Join,
+    If, Repeat, Break)}
+
+
+def child_blocks(node: Node) -> list[list[Node]]:
+    """The nested node lists of a block node, in execution (and numbering) order."""
+    if isinstance(node, Fork):
+        return node.branches
+    if isinstance(node, If):
+        return [node.then, node.orelse]
+    if isinstance(node, Repeat):
+        return [node.body]
+    return []
+
+
+def walk(nodes: list[Node]) -> list[Node]:
+    """Every node, pre-order (a block node before its children)."""
+    out: list[Node] = []
+    for node in nodes:
+        out.append(node)
+        for block in child_blocks(node):
+            out.extend(walk(block))
+    return out
+
+
+@dataclass(frozen=True)
+class ProgramLimits:
+    """What one graph may ask of a server; each field names the error when exceeded."""
+
+    max_nodes: int = 10_000
+    max_fork_size: int = 64
+    max_repeat: int = 100  # iterations of a loop body, nested repeats multiplied
+    max_total_tokens: int = 262_144  # sum over gens of max_tokens x fork branches x repeats
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f.name, value, "must be an int >= 1")
+
+
+@dataclass
+class Graph:
+    """A program as data: `args` are its argument names (those in `arg_defaults` are optional)."""
+
+    name: str
+    args: list[str]
+    nodes: list[Node]
+    arg_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def normalized(self) -> Graph:
+        """Adjacent texts merged, empty texts dropped, ids renumbered pre-order (fork references
+        follow), so a traced program and its textual twin compare equal."""
+        nodes = _merge_texts(self.nodes)
+        renumber = {}
+        for i, node in enumerate(walk(nodes)):
+            renumber[node.id] = i
+            node.id = i
+        for node in walk(nodes):
+            if isinstance(node, Join):
+                node.fork = renumber.get(node.fork, node.fork)
+            if isinstance(node, (Read, SetVar)) and node.state:
+                node.state = [renumber.get(node.state[0], node.state[0]), node.state[1]]
+        return Graph(self.name, list(self.args), nodes, dict(self.arg_defaults))
+
+    def to_json(self) -> str:
+        from forklm.frontend_dsl.ir_codec import graph_to_dict
+
+        return json.dumps(graph_to_dict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, data: str | dict[str, Any]) -> Graph:
+        """Parse and validate; a malformed graph raises InvalidArgumentError naming the field."""
+        from forklm.frontend_dsl.ir_codec import graph_from_dict
+
+        if isinstance(data, str):
+            text = data
+            try:
+                data = json.loads(text)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise InvalidArgumentError("graph", text[:80], f"not valid JSON: {e}") from e
+        return graph_from_dict(data)
+
+    def to_text(self) -> str:
+        from forklm.frontend_dsl.ir_render import graph_to_text
+
+        return graph_to_text(self)
+
+    def to_dot(self) -> str:
+        from forklm.frontend_dsl.ir_render import graph_to_dot
+
+        return graph_to_dot(self)
+
+    def check_limits(self, limits: ProgramLimits | None = None) -> None:
+        """Raise ProgramLimitError (named after the limit field) if the graph asks for too much."""
+        limits = limits or ProgramLimits()
+        num_nodes = len(walk(self.nodes))
+        if num_nodes > limits.max_nodes:
+            raise ProgramLimitError("max_nodes", num_nodes, f"the graph has more than "
+                                    f"{limits.max_nodes} nodes")
+        for node in walk(self.nodes):
+            if isinstance(node, Fork) and node.size > limits.max_fork_size:
+                raise ProgramLimitError("max_fork_size", node.size, f"fork %{node.id} is larger "
+                                        f"than {limits.max_fork_size}")
+        repeats = _max_iterations(self.nodes)
+        if repeats > limits.max_repeat:
+            raise ProgramLimitError("max_repeat", repeats, f"a loop body may run more than "
+                                    f"{limits.max_repeat} times (nested repeats multiply)")
+        total = _total_tokens(self.nodes)
+        if total > limits.max_total_tokens:
+            raise ProgramLimitError("max_total_tokens", total, f"the gens may generate more than "
+                                    f"{limits.max_total_tokens} tokens in all")
+
+
+def _total_tokens(nodes: list[Node]) -> int:
+    """Upper bound on generated tokens (fork branches are listed one by one already)."""
+    total = 0
+    for node in nodes:
+        if isinstance(node, Gen):
+            total += int(node.sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+        elif isinstance(node, Repeat):
+            total += node.count * _total_tokens(node.body)
+        elif isinstance(node, If):
+            total += max(_total_tokens(node.then), _total_tokens(node.orelse))
+        else:
+            total += sum(_total_tokens(block) for block in child_blocks(node))
+    return total
+
+
+def _max_iterations(nodes: list[Node]) -> int:
+    """How many times the most repeated node may run (the product of its enclosing counts)."""
+    most = 1
+    for node in nodes:
+        factor = node.count if isinstance(node, Repeat) else 1
+        for block in child_blocks(node):
+            most = max(most, factor * _max_iterations(block))
+    return most
+
+
+def _merge_texts(nodes: list[Node]) -> list[Node]:
+    out: list[Node] = []
+    for node in nodes:
+        for block in child_blocks(node):
+            block[:] = _merge_texts(block)
+        if isinstance(node, Text):
+            if not node.text:
+                continue
+            if out and isinstance(out[-1], Text):
+                out[-1] = Text(out[-1].text + node.text, id=out[-1].id)
+                continue
+        out.append(node)
+    return out

@@ -1,0 +1,242 @@
+"""Graph <-> JSON dicts, strictly validated (a graph from the network is untrusted data). Errors
+name the path of the bad field, e.g. `nodes[2].branches[1][0].op`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import keyword
+from collections.abc import Callable
+from typing import Any
+
+from forklm.frontend_dsl import ir
+from forklm.frontend_dsl.primitives import LOGPROB_OPTIONS
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling import SamplingParams
+
+DTYPES = ("int", "float", "str", "bool")
+MAX_DEPTH = 32  # nested blocks; deeper graphs are refused before anything recurses too far
+_MISSING = object()
+
+
+# -- to dict -----------------------------------------------------------------------------------
+def node_to_dict(node: ir.Node) -> dict[str, Any]:
+    out: dict[str, Any] = {"op": node.op, "id": node.id}
+    for f in dataclasses.fields(node):
+        if f.name == "id":
+            continue
+        value = getattr(node, f.name)
+        if f.name == "branches":
+            value = [[node_to_dict(n) for n in branch] for branch in value]
+        elif f.name in ("then", "orelse", "body"):
+            value = [node_to_dict(n) for n in value]
+        out[f.name] = value
+    return out
+
+
+def graph_to_dict(graph: ir.Graph) -> dict[str, Any]:
+    return {"format": ir.FORMAT, "name": graph.name, "args": list(graph.args),
+            "arg_defaults": dict(graph.arg_defaults),
+            "nodes": [node_to_dict(n) for n in graph.nodes]}
+
+
+# -- from dict (validated) ---------------------------------------------------------------------
+def _bad(path: str, value: Any, why: str) -> InvalidArgumentError:
+    return InvalidArgumentError(path, value, why)
+
+
+def _str(path: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise _bad(path, v, "must be a string")
+    return v
+
+
+def _name(path: str, v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise _bad(path, v, "must be a non-empty string")
+    return v
+
+
+def _opt_name(path: str, v: Any) -> str | None:
+    return None if v is None else _name(path, v)
+
+
+def _pos_int(path: str, v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise _bad(path, v, "must be an int >= 1")
+    return v
+
+
+def _one_of(options: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(path: str, v: Any) -> str:
+        if v not in options:
+            raise _bad(path, v, f"must be one of {list(options)}")
+        return str(v)
+    return check
+
+
+def _sampling(path: str, v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise _bad(path, v, "must be an object of SamplingParams fields")
+    try:
+        SamplingParams.from_dict(v)
+    except (InvalidArgumentError, TypeError, ValueError) as e:
+        raise _bad(path, v, f"invalid sampling parameters: {e}") from e
+    return dict(v)
+
+
+def _logprob_options(path: str, v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict) or any(k not in LOGPROB_OPTIONS for k in v):
+        raise _bad(path, v, f"must be an object with keys among {list(LOGPROB_OPTIONS)}")
+    return dict(v)
+
+
+def _choices(path: str, v: Any) -> list[str]:
+    if not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v):
+        raise _bad(path, v, "must be a non-empty list of strings")
+    return list(v)
+
+
+def _temperature(path: str, v: Any) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1e-5:
+        raise _bad(path, v, "select supports greedy (0) only")
+    return float(v)
+
+
+def _state(path: str, v: Any) -> list[int] | None:
+    ok = v is None or (isinstance(v, list) and len(v) in (0, 2)
+                       and all(isinstance(x, int) and x >= 0 for x in v))
+    if not ok:
+        raise _bad(path, v, "must be null, [] (the root) or [fork_id, branch]")
+    return v
+
+
+def _json_value(path: str, v: Any) -> Any:
+    try:
+        json.dumps(v)
+    except (TypeError, ValueError) as e:
+        raise _bad(path, v, "must be a JSON value") from e
+    return v
+
+
+def _fork_ref(path: str, v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise _bad(path, v, "must be the id of a fork node")
+    return v
+
+
+def _nodes(path: str, v: Any) -> list[ir.Node]:
+    if path.count(".") > MAX_DEPTH:
+        raise _bad(path.split(".")[0], "...", f"blocks are nested deeper than {MAX_DEPTH}")
+    if not isinstance(v, list):
+        raise _bad(path, v, "must be a list of nodes")
+    return [node_from_dict(f"{path}[{i}]", d) for i, d in enumerate(v)]
+
+
+def _branches(path: str, v: Any) -> list[list[ir.Node]]:
+    if not isinstance(v, list):
+        raise _bad(path, v, "must be a list of node lists (one per branch)")
+    return [_nodes(f"{path}[{i}]", b) for i, b in enumerate(v)]
+
+
+_FIELDS: dict[str, Callable[[str, Any], Any]] = {
+    "text": _str, "sampling": _sampling, "logprob_options": _logprob_options,
+    "dtype": lambda p, v: None if v is None else _one_of(DTYPES)(p, v),
+    "choices": _choices, "temperature": _temperature,
+    "choices_method": _one_of(ir.CHOICES_METHODS), "role": _one_of(ir.ROLES),
+    "state": _state, "value": _json_value, "source": _one_of(ir.SET_SOURCES),
+    "size": _pos_int, "count": _pos_int, "branches": _branches, "fork": _fork_ref,
+    "mode": _one_of(ir.JOIN_MODES), "var": _name, "equals": _str,
+    "then": _nodes, "orelse": _nodes, "body": _nodes,
+}
+
+
+def node_from_dict(path: str, d: Any) -> ir.Node:
+    if not isinstance(d, dict):
+        raise _bad(path, d, "must be a node object")
+    cls = ir.NODE_TYPES.get(d.get("op"))  # type: ignore[arg-type]
+    if cls is None:
+        raise _bad(f"{path}.op", d.get("op"), f"unknown node op; known: {sorted(ir.NODE_TYPES)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(d) - set(fields) - {"op"}
+    if unknown:
+        raise _bad(f"{path}.{sorted(unknown)[0]}", d[sorted(unknown)[0]],
+                   f"not a field of a {cls.op} node")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        value = d.get(name, _MISSING)
+        if value is _MISSING:
+            has_default = (f.default is not dataclasses.MISSING
+                           or f.default_factory is not dataclasses.MISSING)
+            if name == "id" or has_default:
+                continue
+            raise _bad(f"{path}.{name}", None, f"missing in a {cls.op} node")
+        if name == "id":
+            kwargs[name] = value if isinstance(value, int) else -1
+        elif name == "name":
+            kwargs[name] = (_opt_name if cls in (ir.Gen, ir.Select) else _name)(
+                f"{path}.name", value)
+        else:
+            kwargs[name] = _FIELDS[name](f"{path}.{name}", value)
+    node = cls(**kwargs)
+    if isinstance(node, ir.Fork) and len(node.branches) != node.size:
+        raise _bad(f"{path}.branches", len(node.branches), f"a fork of size {node.size} needs "
+                   f"{node.size} branches")
+    return node
+
+
+def graph_from_dict(d: Any) -> ir.Graph:
+    if not isinstance(d, dict):
+        raise _bad("graph", d, "must be a JSON object")
+    if d.get("format", ir.FORMAT) != ir.FORMAT:
+        raise _bad("format", d.get("format"), f"expected {ir.FORMAT!r}")
+    unknown = set(d) - {"format", "name", "args", "arg_defaults", "nodes"}
+    if unknown:
+        raise _bad(sorted(unknown)[0], d[sorted(unknown)[0]], "not a field of a graph")
+    name = _name("name", d.get("name"))
+    args = d.get("args", [])
+    if not isinstance(args, list) or not all(_is_arg_name(a) for a in args):
+        raise _bad("args", args, "must be a list of distinct identifiers (not Python keywords)")
+    if len(set(args)) != len(args):
+        raise _bad("args", args, "has a repeated argument name")
+    defaults = d.get("arg_defaults", {})
+    if not isinstance(defaults, dict) or not set(defaults) <= set(args):
+        raise _bad("arg_defaults", defaults, "must map some of `args` to default values")
+    graph = ir.Graph(name, list(args), _nodes("nodes", d.get("nodes")), dict(defaults))
+    check_references(graph)
+    return graph
+
+
+def _is_arg_name(a: Any) -> bool:
+    return isinstance(a, str) and a.isidentifier() and not keyword.iskeyword(a)
+
+
+def check_references(graph: ir.Graph) -> None:
+    """Ids are unique; arguments, fork ids and breaks refer to something that exists."""
+    forks = {n.id: n for n in ir.walk(graph.nodes) if isinstance(n, ir.Fork)}
+    seen: set[int] = set()
+    for node in ir.walk(graph.nodes):
+        if node.id in seen or node.id < 0:
+            raise _bad(f"node %{node.id} ({node.op}).id", node.id, "node ids must be unique and "
+                       ">= 0 (Graph.normalized() numbers them)")
+        seen.add(node.id)
+        where = f"node %{node.id} ({node.op})"
+        if isinstance(node, ir.Arg) and node.name not in graph.args:
+            raise _bad(f"{where}.name", node.name, f"not an argument of the graph {graph.args}")
+        if isinstance(node, ir.SetVar) and node.source == "arg" and node.value not in graph.args:
+            raise _bad(f"{where}.value", node.value, f"not an argument of the graph {graph.args}")
+        if isinstance(node, ir.Join) and node.fork not in forks:
+            raise _bad(f"{where}.fork", node.fork, "no fork node has this id")
+        state = getattr(node, "state", None)
+        if state and (state[0] not in forks or state[1] >= forks[state[0]].size):
+            raise _bad(f"{where}.state", state, "no such fork branch")
+    _check_breaks(graph.nodes, in_loop=False)
+
+
+def _check_breaks(nodes: list[ir.Node], in_loop: bool) -> None:
+    for node in nodes:
+        if isinstance(node, ir.Break) and not in_loop:
+            raise _bad(f"node %{node.id} (break)", None, "break outside a repeat block")
+        for block in ir.child_blocks(node):
+            _check_breaks(block, isinstance(node, ir.Repeat) or (
+                in_loop and not isinstance(node, ir.Fork)))

@@ -1,0 +1,260 @@
+r"""Textual programs: a small syntax parsed (grammar: program.lark) into the same request graph a
+traced Python program gives. Nothing in a textual program runs Python.
+
+    program qa(question, style="short")     # header: name and arguments (optional defaults)
+    # a comment
+    "Q: {question}\nA:"                      # text; {name} = an argument or a generated variable
+    '''multi-line text''' written with three double quotes ({{ and }} are literal braces)
+    gen answer max_tokens=16 stop="\n"       # gen NAME key=value... (gen()'s keywords)
+    gen n regex="[0-9]+"                     # values: "str", 12, 0.5, true/false/none, [..], words
+    select verdict choices=["yes", "no"]     # select NAME choices=[...] [choices_method=...]
+    system { "Be brief." }                   # role blocks: system / user / assistant
+    fork 3 { "Tip {i}:" gen tip } join       # branch i runs the body; {i} is its index;
+                                             # `join concate_and_append` appends branch texts
+    if verdict == "yes" { ... } else { ... } # on a variable's value (read at run time)
+    repeat 5 { ... break ... }               # at most 5 times; break ends the loop
+    scope name { ... }                       # var_scope: the block's text becomes variable name
+    set name = "value"                       # s[name] = value
+
+Examples: examples/programs/*.fl.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lark import Lark, Token, Tree, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
+
+from forklm.frontend_dsl import api, ir
+from forklm.frontend_dsl import choices as choices_mod
+from forklm.frontend_dsl.ir_codec import check_references
+from forklm.frontend_dsl.tracer import primitive_to_node
+from forklm.runtime.errors import ForkLMError, InvalidArgumentError
+
+_GRAMMAR = Path(__file__).with_name("program.lark")
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}
+_INTERPOLATION = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}|[{}]")
+_WORDS = {"true": True, "false": False, "none": None}
+_PARSER: Lark | None = None
+
+
+class ProgramSyntaxError(ForkLMError, ValueError):
+    """A textual program does not parse; `.line` and `.column` (1-based) locate it and
+    `.expected` lists what could have come there."""
+
+    def __init__(self, why: str, line: int, column: int, expected: list[str] | None = None):
+        self.line, self.column, self.expected = line, column, sorted(expected or [])
+        hint = f"; expected one of: {', '.join(self.expected)}" if self.expected else ""
+        super().__init__(f"line {line}, column {column}: {why}{hint}")
+
+
+def _parser() -> Lark:
+    global _PARSER
+    if _PARSER is None:
+        _PARSER = Lark(_GRAMMAR.read_text(), parser="lalr", propagate_positions=True)
+    return _PARSER
+
+
+def parse_program(source: str) -> ir.Graph:
+    """Parse a textual program into a (normalized) request graph."""
+    try:
+        tree = _parser().parse(source)
+    except UnexpectedInput as e:
+        raise _syntax_error(e, source) from None
+    return _Builder().program(tree)
+
+
+def _syntax_error(e: UnexpectedInput, source: str) -> ProgramSyntaxError:
+    parser = _parser()
+
+    def show(name: str) -> str:
+        try:
+            pattern = parser.get_terminal(name).pattern
+        except KeyError:
+            return name
+        return f'"{pattern.value}"' if pattern.type == "str" else name
+
+    line, column = getattr(e, "line", -1), getattr(e, "column", -1)
+    token = getattr(e, "token", None)
+    if isinstance(e, UnexpectedCharacters):
+        char = source[e.pos_in_stream or 0]
+        got = "unterminated string" if char == '"' else f"unexpected character {char!r}"
+        expected = e.allowed or set()
+    elif isinstance(e, UnexpectedEOF) or token is None or token.type == "$END":
+        got = "unexpected end of program"
+        expected = set(getattr(e, "expected", None) or ())
+        end = source.rstrip()  # point just past the last character
+        line, column = end.count("\n") + 1, len(end) - end.rfind("\n")
+    else:
+        got = f"unexpected {str(token)!r}"
+        expected = set(getattr(e, "expected", None) or getattr(e, "accepts", None) or ())
+    return ProgramSyntaxError(got, line, column, [show(n) for n in expected])
+
+
+def _error_at(item: Tree | Token, why: str, expected: list[str] | None = None
+              ) -> ProgramSyntaxError:
+    meta = item if isinstance(item, Token) else item.meta
+    return ProgramSyntaxError(why, getattr(meta, "line", 0), getattr(meta, "column", 0), expected)
+
+
+def decode_string(token: Any) -> str:
+    """A string literal's text: quotes removed, \\n \\t \\r \\" \\\\ decoded; any other backslash
+    is kept as written (so regexes read naturally: "\\d+")."""
+    body = token[3:-3] if token.startswith('"""') else token[1:-1]
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), body, flags=re.S)
+
+
+@dataclass
+class _Scope:
+    """What names mean where a statement stands."""
+
+    fork_index: dict[str, int] = field(default_factory=dict)
+    in_loop: bool = False
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.ids = itertools.count()
+        self.args: list[str] = []
+
+    def node(self, node: ir.Node) -> ir.Node:
+        node.id = next(self.ids)
+        return node
+
+    def program(self, tree: Tree) -> ir.Graph:
+        header, *statements = tree.children
+        name_tok, *params = header.children
+        defaults: dict[str, Any] = {}
+        for param in (p for p in params if p is not None):
+            pname, pdefault = param.children
+            if pname in self.args:
+                raise _error_at(pname, f"argument {str(pname)!r} is declared twice")
+            self.args.append(str(pname))
+            if pdefault is not None:
+                defaults[str(pname)] = decode_string(pdefault)
+            elif defaults:
+                raise _error_at(pname, f"argument {str(pname)!r} without a default follows one "
+                                "with a default")
+        nodes = self.block(statements, _Scope())
+        graph = ir.Graph(str(name_tok), self.args, nodes, defaults).normalized()
+        check_references(graph)
+        return graph
+
+    def block(self, statements: list[Any], scope: _Scope) -> list[ir.Node]:
+        out: list[ir.Node] = []
+        for st in statements:
+            out.extend(self.statement(st, scope))
+        return out
+
+    def statement(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        kind, ch = st.data, st.children
+        if kind == "text":
+            return self.text(ch[0], scope)
+        if kind in ("gen", "select"):
+            return [self.call(st, scope)]
+        if kind == "role_block":
+            role = str(ch[0])
+            return [self.node(ir.RoleBegin(role)), *self.block(ch[1].children, scope),
+                    self.node(ir.RoleEnd(role))]
+        if kind == "scope_block":
+            name = str(ch[0])
+            return [self.node(ir.ScopeBegin(name)), *self.block(ch[1].children, scope),
+                    self.node(ir.ScopeEnd(name))]
+        if kind == "set_var":
+            return [self.node(ir.SetVar(str(ch[0]), self.value(ch[1])))]
+        if kind == "break_":
+            if not scope.in_loop:
+                raise _error_at(st, "break outside a repeat block")
+            return [self.node(ir.Break())]
+        if kind == "if_block":
+            if str(ch[0]) in self.args:
+                raise _error_at(ch[0], f"if tests a generated variable; {str(ch[0])!r} is an "
+                                "argument of the program")
+            then = self.block(ch[2].children, scope)
+            orelse = self.block(ch[3].children, scope) if ch[3] is not None else []
+            return [self.node(ir.If(str(ch[0]), decode_string(ch[1]), then, orelse))]
+        if kind == "repeat_block":
+            count = self.positive(ch[0], "repeat count")
+            loop = _Scope(dict(scope.fork_index), in_loop=True)
+            return [self.node(ir.Repeat(count, self.block(ch[1].children, loop)))]
+        if kind == "fork_block":
+            return self.fork(st, scope)
+        raise AssertionError(f"unhandled statement {kind}")
+
+    def fork(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        size_tok, body, mode_tok = st.children
+        size = self.positive(size_tok, "fork size")
+        mode = str(mode_tok) if mode_tok is not None else "gather_variable"
+        fork = self.node(ir.Fork(size, []))
+        assert isinstance(fork, ir.Fork)
+        for i in range(size):  # each branch gets the body with {i} bound to its index
+            inner = _Scope({**scope.fork_index, "i": i}, in_loop=False)
+            fork.branches.append(self.block(body.children, inner))
+        return [fork, self.node(ir.Join(fork.id, mode))]
+
+    def positive(self, tok: Any, what: str) -> int:
+        if int(tok) < 1:
+            raise _error_at(tok, f"{what} must be >= 1, got {tok}")
+        return int(tok)
+
+    def text(self, tok: Any, scope: _Scope) -> list[ir.Node]:
+        """A string statement: literal text with {name} interpolation."""
+        text, out, pos = decode_string(tok), [], 0
+        for m in _INTERPOLATION.finditer(text):
+            out.append(ir.Text(text[pos:m.start()]))
+            pos = m.end()
+            piece, name = m.group(0), m.group(1)
+            if piece in ("{{", "}}"):
+                out.append(ir.Text(piece[0]))
+            elif name is None:
+                raise _error_at(tok, f"a lone {piece!r} in text; write {piece * 2} for a brace "
+                                "or {name} to insert a value")
+            elif name in scope.fork_index:
+                out.append(ir.Text(str(scope.fork_index[name])))
+            elif name in self.args:
+                out.append(ir.Arg(name))
+            else:
+                out.append(ir.Read(name))
+        out.append(ir.Text(text[pos:]))
+        return [self.node(n) for n in out]
+
+    def call(self, st: Tree, scope: _Scope) -> ir.Node:
+        """`gen`/`select NAME key=value...` built with the Python API (same names, validation)."""
+        name, *kwargs = st.children
+        options: dict[str, Any] = {}
+        for kw in kwargs:
+            key, value = str(kw.children[0]), self.value(kw.children[1])
+            if key in options:
+                raise _error_at(kw, f"keyword {key!r} given twice")
+            options[key] = value
+        func = api.gen if st.data == "gen" else api.select
+        known = func.__code__.co_varnames[1:func.__code__.co_argcount]
+        unknown = [k for k in options if k not in known]
+        if unknown:
+            bad = next(kw for kw in kwargs if str(kw.children[0]) == unknown[0])
+            raise _error_at(bad, f"unknown keyword {unknown[0]!r} for {st.data}", list(known))
+        method = options.get("choices_method")
+        if method is not None:
+            if method not in ir.CHOICES_METHODS:
+                raise _error_at(st, f"unknown choices_method {method!r}", list(ir.CHOICES_METHODS))
+            options["choices_method"] = getattr(choices_mod, method)
+        try:
+            return self.node(primitive_to_node(func(str(name), **options)))
+        except (InvalidArgumentError, TypeError, ValueError) as e:
+            raise _error_at(st, f"{st.data} {str(name)!r}: {e}") from None
+
+    def value(self, tree: Any) -> Any:
+        if isinstance(tree, Token):
+            return decode_string(tree)  # `?value` inlines a single STRING
+        kind, ch = tree.data, tree.children
+        if kind == "string":
+            return decode_string(ch[0])
+        if kind == "number":
+            return float(ch[0]) if any(c in ch[0] for c in ".eE") else int(ch[0])
+        if kind == "word":
+            return _WORDS.get(str(ch[0]), str(ch[0]))
+        return [self.value(v) for v in ch if v is not None]
