@@ -278,12 +278,21 @@ class Executor:
         options = {**self.defaults.logprob_options, **gen.logprob_options}
         return SamplingParams.from_dict(merged), options
 
+    def load_finished(self, text: str, messages: list[dict[str, str]],
+                      variables: dict[Any, Any], meta_info: dict[Any, Any]) -> None:
+        """Fill a fresh executor with a program run elsewhere (a server); the text and variables
+        are logged as events, so streaming readers replay them."""
+        self._append(text)
+        for name, value in variables.items():
+            self._set(name, value, meta_info.get(name))
+        self.messages = [dict(m) for m in messages]
+
     def _begin_role(self, role: str) -> None:
         if self._role is not None:
             raise ValueError(f"Nested roles are not allowed: {role} inside {self._role[0]}")
         prefix, suffix = self.backend.role_prefix_suffix(role, self.messages)
         if not self.messages and role != "system" and self.implied_system is None:
-            default = _default_system_prompt(self.backend)
+            default = self.backend.default_system_prompt()
             if default and default in prefix:  # the template put it in the text: list it too
                 self.implied_system = default
         self._append(prefix)
@@ -309,9 +318,3 @@ def _accepts_on_text(backend_type: type[Backend]) -> bool:
             p.kind is p.VAR_KEYWORD for p in params.values())
     return _ON_TEXT_SUPPORT[backend_type]
 
-
-def _default_system_prompt(backend: Backend) -> str | None:
-    """The system prompt the backend's chat template adds when a chat has none (None if it adds
-    none, or the backend cannot say)."""
-    method = getattr(backend, "default_system_prompt", None)
-    return method() if callable(method) else None

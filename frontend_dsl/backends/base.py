@@ -43,6 +43,10 @@ class Backend:
         """The chat template's text before and after a `role` message that follows `history`."""
         raise NotImplementedError(f"{type(self).__name__}.role_prefix_suffix")
 
+    def default_system_prompt(self) -> str | None:
+        """The system prompt the chat template adds when a chat has none (None: it adds none)."""
+        return None
+
     def cache_prefix(self, prompt: str) -> None:
         """Prefill `prompt` into the backend's prefix cache (a hint; no output)."""
         raise NotImplementedError(f"{type(self).__name__}.cache_prefix")

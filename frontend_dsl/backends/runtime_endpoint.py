@@ -139,11 +139,8 @@ class RuntimeEndpoint(Backend):
         if "error" in result:
             ex.error = _error_from(result["error"], "/v1/programs/run")
             return ProgramState(ex)
-        ex._append(result["text"])  # logged as events too, so text_iter() replays it
-        metas = result["meta_info"]["variables"]
-        for name, value in result["variables"].items():
-            ex._set(name, value, metas.get(name))
-        ex.messages = result["messages"]
+        ex.load_finished(result["text"], result["messages"], result["variables"],
+                         result["meta_info"]["variables"])
         return ProgramState(ex)
 
 
