@@ -47,7 +47,11 @@ def main() -> None:
         for i, tip in enumerate(state["tip"]):
             print(f"tip {i + 1}: {tip.strip()}")
         print(f"summary: {state['summary'].strip()}")
-        print(f"({time.perf_counter() - start:.1f} s including model load)")
+        metas = state.get_meta_info("tip")  # one per branch
+        cached = sum(m["cached_tokens"] for m in metas)
+        prompt = sum(m["prompt_tokens"] for m in metas)
+        print(f"branches' prompt tokens served from the radix cache: {cached}/{prompt}")
+        print(f"({time.perf_counter() - start:.1f} s after the model loaded)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The `forklm` command line: `forklm generate PROMPT` streams an answer from the engine."""
+"""The `forklm` command line: `forklm generate PROMPT` streams an answer from the engine;
+`forklm serve` runs the HTTP server."""
 
 from __future__ import annotations
 
@@ -15,8 +16,17 @@ from forklm.runtime.config import EngineConfig
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (--max-total-tokens, ...), generated from the dataclass."""
-    hints = typing.get_type_hints(EngineConfig)
-    for field in dataclasses.fields(EngineConfig):
+    add_dataclass_flags(parser, EngineConfig)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dataclass_kwargs(args, EngineConfig)
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of the dataclass `cls`; unset flags stay None (= the field default)."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
         flag = "--" + field.name.replace("_", "-")
         kind = _base_type(hints[field.name])
         if kind is bool:
@@ -26,8 +36,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                                 help=f"(default: {field.default})")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
+def dataclass_kwargs(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
@@ -53,6 +63,79 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from forklm.runtime.errors import InvalidArgumentError
+    from forklm.server.config import ServerConfig
+    from forklm.server.launch import serve
+
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        engine_config = EngineConfig.from_kwargs(**engine_kwargs(args))
+        server_config = ServerConfig.from_kwargs(**dataclass_kwargs(args, ServerConfig))
+    except InvalidArgumentError as e:
+        print(f"forklm serve: error: {e}", file=sys.stderr)
+        return 2
+    return serve(engine_config, server_config)
+
+
+def _add_serve(sub: Any) -> None:
+    from forklm.server.config import ServerConfig
+
+    serve = sub.add_parser("serve", help="run the HTTP server (native /generate and OpenAI API)")
+    serve.add_argument("--model", dest="model_path", default=None,
+                       help="model name or path (same as --model-path)")
+    add_dataclass_flags(serve, ServerConfig)
+    add_engine_flags(serve)
+    serve.set_defaults(func=_serve)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run a program file (Python `@function` or textual `.fl`) and print its variables."""
+    import json
+
+    from forklm.frontend_dsl.program_file import run_program_file
+    from forklm.runtime.engine import Engine
+    from forklm.runtime.errors import ForkLMError
+
+    arguments = {}
+    for pair in args.arg:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            print(f"forklm run: error: --arg {pair!r} must look like key=value", file=sys.stderr)
+            return 2
+        arguments[key] = value
+    defaults = {"temperature": args.temperature}
+    if args.max_new_tokens is not None:
+        defaults["max_new_tokens"] = args.max_new_tokens
+    try:
+        with Engine(**engine_kwargs(args)) as engine:
+            state = run_program_file(args.file, arguments, backend=engine, name=args.name,
+                                     **defaults)
+            variables = state.variables()
+    except (ForkLMError, TypeError, ValueError, OSError) as e:
+        print(f"forklm run: error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(variables, indent=2, default=str))
+    else:
+        for name, value in variables.items():
+            print(f"{name}: {value!r}")
+    return 0
+
+
+def _add_run(sub: Any) -> None:
+    run = sub.add_parser("run", help="run a program file (.py with @function, or textual .fl)")
+    run.add_argument("file")
+    run.add_argument("--arg", action="append", default=[], metavar="KEY=VALUE",
+                     help="a program argument (repeatable)")
+    run.add_argument("--name", default=None, help="which program, if the file defines several")
+    run.add_argument("--temperature", type=float, default=0.0, help="run default (greedy: 0)")
+    run.add_argument("--max-new-tokens", type=int, default=None, help="run default for gens")
+    run.add_argument("--json", action="store_true", help="print the variables as JSON")
+    add_engine_flags(run)
+    run.set_defaults(func=_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forklm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -63,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     add_engine_flags(gen)
     gen.set_defaults(func=_generate)
+    _add_serve(sub)
+    _add_run(sub)
     return parser
 
 

@@ -83,3 +83,54 @@ def hf_greedy(hf_model, input_ids: list[int], max_new_tokens: int) -> list[int]:
         out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
                        use_cache=True)
     return tokens
+
+
+class LiveServer:
+    """A real uvicorn server on 127.0.0.1 in a background thread (see `serve_in_thread`)."""
+
+    def __init__(self, app, engine: Engine, config, server, thread, port: int):
+        self.app, self.engine, self.config = app, engine, config
+        self.server, self.thread, self.port = server, thread, port
+        self.base_url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive(), "uvicorn did not stop"
+
+
+def serve_in_thread(engine: Engine, **server_config) -> LiveServer:
+    """Start create_app(engine, ServerConfig(**server_config)) on a free port; returns when it
+    accepts connections. The caller stops it (LiveServer.stop); the engine stays up."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from forklm.server.app import create_app
+    from forklm.server.config import ServerConfig
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))  # the OS picks a free port; the bound socket avoids races
+    port = sock.getsockname()[1]
+    config = ServerConfig(port=port, **server_config)
+    app = create_app(engine, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    return LiveServer(app, engine, config, server, thread, port)
+
+
+@pytest.fixture(scope="session")
+def live_server(make_engine):
+    """The HTTP server on the default model (fp32, like make_engine's engines; it shares the
+    default make_engine() engine), default ServerConfig. Has .base_url, .engine, .app, .config."""
+    server = serve_in_thread(make_engine())
+    yield server
+    server.stop()

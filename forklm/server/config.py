@@ -1,0 +1,63 @@
+"""ServerConfig: the HTTP server's knobs (the tier above EngineConfig); CLI flags come from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from forklm.runtime.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    # Loopback by default: exposing a model to the network is a decision, not a default.
+    host: str = "127.0.0.1"
+    port: int = 30000
+    # When set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
+    api_key: str | None = None
+    # The name /v1/models reports and requests must use; None = the engine's model_path.
+    served_model_name: str | None = None
+    # Requests admitted beyond the engine's max_running_requests before new ones get a 503.
+    max_queued_requests: int = 256
+    # 8 MiB is ~1M tokens of text, far beyond any context; larger bodies are an error or abuse.
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    # The Retry-After seconds a 503 (queue full) suggests.
+    retry_after_s: int = 1
+    # Limits on one POST /v1/programs/run request (see forklm/server/programs.py).
+    max_program_nodes: int = 2000
+    max_fork_size: int = 64
+    max_repeat: int = 256
+    max_program_tokens: int = 131072
+    # Seconds SIGTERM waits for in-flight requests before aborting them.
+    graceful_shutdown_s: float = 30.0
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.port <= 65535, "port", self.port, "must be in [1, 65535]")
+        _check(self.api_key is None or self.api_key != "", "api_key", self.api_key,
+               "must be non-empty when given")
+        for name in ("max_queued_requests", "retry_after_s"):
+            _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        for name in ("max_request_body_bytes", "max_program_nodes", "max_fork_size",
+                     "max_repeat", "max_program_tokens"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _check(self.graceful_shutdown_s >= 0, "graceful_shutdown_s", self.graceful_shutdown_s,
+               "must be >= 0")
+        _check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
+               "log_level", self.log_level, "expected critical, error, warning, info or debug")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerConfig:
+        """Build from keyword arguments, rejecting unknown names with the list of known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidArgumentError(unknown[0], kwargs[unknown[0]],
+                                       f"unknown server option; known: {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+def _check(ok: bool, name: str, value: object, why: str) -> None:
+    if not ok:
+        raise InvalidArgumentError(name, value, why)

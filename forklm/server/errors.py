@@ -1,0 +1,107 @@
+"""HTTP errors in the OpenAI shape `{"error": {message, type, param, code}}`, the exception
+handlers that produce them, and SSE framing helpers shared by the streaming endpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from forklm.runtime.errors import EngineShutdownError, InvalidArgumentError
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+# pydantic puts the tried union member into an error's loc ("text", "str"); it is no field name.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|literal|function-\w+|[\w-]+\[.*\])$")
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "request_too_large",
+          503: "service_unavailable_error"}
+
+
+class ApiError(Exception):
+    """An error the server answers with `status` and the OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def sse_event(payload: Any) -> bytes:
+    """One Server-Sent Event carrying a JSON payload."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+def sse_error(exc: BaseException) -> bytes:
+    """An error that happens after a stream started: the status line is already sent, so the
+    error travels as an event (the client then sees `data: [DONE]`)."""
+    if isinstance(exc, InvalidArgumentError):
+        return sse_event(error_body(400, str(exc), exc.name))
+    if isinstance(exc, ApiError):
+        return sse_event(error_body(exc.status, exc.message, exc.param))
+    return sse_event(error_body(500, f"internal error: {exc!r}"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every client mistake becomes a 4xx with a body naming the problem; only bugs give 500."""
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(InvalidArgumentError, _invalid_argument)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_exception)
+    app.add_exception_handler(EngineShutdownError, _engine_shutdown)
+    app.add_exception_handler(Exception, _unexpected)
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status, exc.message, exc.param, exc.headers)
+
+
+async def _invalid_argument(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, InvalidArgumentError)
+    return error_response(400, str(exc), exc.name)
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"malformed JSON body: {first.get('msg', '')}")
+    loc = [str(p) for p in first.get("loc", ()) if not _UNION_TAG.match(str(p))]
+    param = ".".join(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "")
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem(s))"
+    return error_response(400, message, param)
+
+
+async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    return error_response(exc.status_code, str(exc.detail), None, dict(exc.headers or {}))
+
+
+async def _engine_shutdown(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(503, str(exc))
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(500, f"internal server error: {type(exc).__name__}")

@@ -1,0 +1,73 @@
+"""serve(): run the app under uvicorn until SIGTERM/SIGINT, then shut down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
+
+from forklm.runtime.config import EngineConfig
+from forklm.runtime.engine import Engine
+from forklm.server.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+# Seconds uvicorn still waits after the grace period, for aborted requests to send their answer.
+_ABORT_FLUSH_S = 5
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the engine, serve until a stop signal, return the exit status (0 on a clean stop).
+
+    On SIGTERM uvicorn stops accepting connections and waits up to graceful_shutdown_s for
+    in-flight requests to finish; then the engine shuts down, which ends the ones left with
+    finish_reason abort (each still gets its answer), and serve returns 0."""
+    from forklm.server.app import create_app
+
+    engine = Engine(**dataclasses.asdict(engine_config))
+    try:
+        app = create_app(engine, server_config)
+        server = _GracefulServer(engine, server_config.graceful_shutdown_s, uvicorn.Config(
+            app, host=server_config.host, port=server_config.port, lifespan="off",
+            log_level=server_config.log_level,
+            timeout_graceful_shutdown=int(server_config.graceful_shutdown_s) + _ABORT_FLUSH_S))
+        # uvicorn re-raises the stop signal after its shutdown, into the handlers it found at
+        # start; these make that a logged no-op, so a requested stop exits 0 instead of 143.
+        previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", engine.config.model_path,
+                    server_config.host, server_config.port)
+        try:
+            server.run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return 0 if server.started else 1
+    finally:
+        engine.shutdown()
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's shutdown, plus: once the grace period is over, the engine is shut down, which
+    finishes every in-flight request with finish_reason abort. Their handlers then answer
+    normally (a result or a stream's last event) instead of being cancelled mid-response."""
+
+    def __init__(self, engine: Engine, grace_s: float, config: uvicorn.Config):
+        super().__init__(config)
+        self.engine, self.grace_s = engine, grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.grace_s, lambda: loop.run_in_executor(
+            None, self.engine.shutdown))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    logger.info("server stopped on signal %d", signum)

@@ -1,0 +1,156 @@
+"""SGLang-native endpoints: /generate, health, model/server info, flush_cache, abort_request,
+metrics. Streaming /generate sends SGLang's default shape: each event carries the cumulative
+`text` and `output_ids` so far (clients slice from their last position), then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from forklm.server.errors import SSE_DONE, ApiError, sse_error, sse_event
+from forklm.server.generation import ChunkStream, GenerationService
+from forklm.server.protocol import AbortRequest, GenerateRequest
+
+router = APIRouter()
+_HEALTH_TIMEOUT_S = 30.0
+VERSION = "0.1.0"
+
+
+def service_of(request: Request) -> GenerationService:
+    return request.app.state.service
+
+
+@router.post("/generate", response_model=None)
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    service = service_of(request)
+    call = _engine_call(body)
+    if body.stream:
+        chunks = await service.open_stream("generate", call)
+        return StreamingResponse(_sse_cumulative(chunks, body.return_text_in_logprobs),
+                                 media_type="text/event-stream")
+    result = await service.generate("generate", call)
+    results = result if isinstance(result, list) else [result]
+    for r in results:
+        _drop_logprob_text(r, body.return_text_in_logprobs)
+    return result
+
+
+def _engine_call(body: GenerateRequest) -> dict[str, Any]:
+    params = body.sampling_params
+    if isinstance(params, list):
+        params = [_drop_nulls(p) for p in params]
+    elif params is not None:
+        params = _drop_nulls(params)
+    return {"prompt": body.text, "input_ids": body.input_ids, "sampling_params": params,
+            "return_logprob": body.return_logprob, "logprob_start_len": body.logprob_start_len,
+            "top_logprobs_num": body.top_logprobs_num, "rid": body.rid}
+
+
+def _drop_nulls(params: dict[str, Any]) -> dict[str, Any]:
+    """SGLang treats a null sampling field as "use the default"."""
+    return {k: v for k, v in params.items() if v is not None}
+
+
+_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
+_TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
+
+
+def _drop_logprob_text(result: dict[str, Any], keep: bool) -> None:
+    """Logprob entries are [logprob, token_id, text]; text is null unless asked for."""
+    if keep:
+        return
+    meta = result["meta_info"]
+    for key in _LOGPROB_KEYS:
+        if key in meta:
+            meta[key] = [[lp, tid, None] for lp, tid, _ in meta[key]]
+    for key in _TOP_KEYS:
+        if key in meta:
+            meta[key] = [[[lp, tid, None] for lp, tid, _ in pos] if pos is not None else None
+                         for pos in meta[key]]
+
+
+async def _sse_cumulative(chunks: ChunkStream, keep_text: bool) -> AsyncIterator[bytes]:
+    text, ids = "", list[int]()
+    try:
+        async for chunk in chunks:
+            text += chunk["text"]
+            ids = ids + chunk["output_ids"]
+            out = {"text": text, "output_ids": ids, "meta_info": chunk["meta_info"]}
+            _drop_logprob_text(out, keep_text)
+            yield sse_event(out)
+    except Exception as e:  # headers are sent: report in-band
+        yield sse_error(e)
+    finally:
+        await chunks.aclose()
+    yield SSE_DONE
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> dict[str, Any]:
+    """Generate one token end to end; 503 when the engine cannot within the timeout."""
+    service = service_of(request)
+    call = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    try:
+        result = await asyncio.wait_for(service.generate("health_generate", call),
+                                        _HEALTH_TIMEOUT_S)
+    except (asyncio.TimeoutError, RuntimeError) as e:
+        raise ApiError(503, f"engine cannot generate: {e!r}") from e
+    reason = result["meta_info"]["finish_reason"]
+    if reason is None or reason["type"] == "abort":
+        raise ApiError(503, f"engine cannot generate: {reason}")
+    return {"status": "ok", "output_ids": result["output_ids"]}
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    service = service_of(request)
+    engine = service.engine
+    return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.model_path,
+            "served_model_name": service.model_name, "is_generation": True,
+            "context_length": engine.parts.context_len, "vocab_size": engine.parts.vocab_size,
+            "dtype": engine.config.torch_dtype_name}
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    service = service_of(request)
+    server = dataclasses.asdict(service.config)
+    server["api_key"] = None if server["api_key"] is None else "<set>"  # never echo the secret
+    stats = await asyncio.to_thread(service.engine.stats)
+    return {**dataclasses.asdict(service.engine.config), **server, "version": VERSION,
+            "internal_states": [{**stats, "admitted_requests": service.admission.admitted}]}
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> JSONResponse:
+    """Drop the radix cache; refused (400) while requests are in flight, as SGLang does."""
+    flushed = await asyncio.to_thread(service_of(request).engine.flush_cache)
+    if not flushed:
+        raise ApiError(400, "cache not flushed: requests are in flight; retry when idle")
+    return JSONResponse({"success": True, "message": "Cache flushed."})
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
+    """Abort a request by rid (a finished or unknown rid is a no-op, as aborts race finishing)."""
+    service_of(request).engine.abort(body.rid)
+    return {"success": True}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    service = service_of(request)
+    stats = await asyncio.to_thread(service.engine.stats)
+    service.metrics.refresh(stats, service.admission.admitted)
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,224 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (with tools).
+n > 1 and prompt lists are fanned out to single-sample engine requests, so every sample can be
+streamed and timed alike."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.server import openai_convert as conv
+from forklm.server.errors import SSE_DONE, sse_error, sse_event
+from forklm.server.native_api import service_of
+from forklm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from forklm.server.tools import ToolPlan, plan_tools
+
+router = APIRouter(prefix="/v1")
+_COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    service = service_of(request)
+    return {"object": "list", "data": [{
+        "id": service.model_name, "object": "model", "created": 0, "owned_by": "forklm",
+        "root": service.engine.config.model_path,
+        "max_model_len": service.engine.parts.context_len}]}
+
+
+# -- /v1/completions ---------------------------------------------------------------------------
+@router.post("/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    service = service_of(request)
+    conv.check_model(service, body)
+    if body.suffix:
+        raise InvalidArgumentError("suffix", body.suffix, "is not supported")
+    if body.echo and body.stream:
+        raise InvalidArgumentError("echo", True, "is not supported with stream")
+    if body.best_of not in (None, body.n):
+        raise InvalidArgumentError("best_of", body.best_of, "only best_of == n is supported")
+    prompts = _prompt_list(body.prompt)
+    max_tokens = body.max_tokens if body.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
+    call = _base_call(body, conv.sampling_dict(body, max_tokens), body.logprobs)
+    calls = conv.fan_out(call, prompts, body.n)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": body.model}
+    if body.stream:
+        merged = await service.open_streams("completions", calls)
+        return _sse(_completion_events(merged, head, body, len(calls)))
+    results = await _gather(service, "completions", calls)
+    tokenizer = service.engine.tokenizer
+    choices = []
+    for i, r in enumerate(results):
+        echo = _prompt_text(prompts[i // body.n], tokenizer) if body.echo else ""
+        choices.append({"index": i, "text": echo + r["text"],
+                        "logprobs": conv.completion_logprobs(r["meta_info"], len(echo)),
+                        "finish_reason": conv.finish_reason(r["meta_info"]),
+                        "matched_stop": conv.matched_stop(r["meta_info"])})
+    return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
+
+
+def _prompt_list(prompt: Any) -> list[Any]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise InvalidArgumentError("prompt", prompt, "must not be empty")
+    return list(prompt)
+
+
+def _prompt_text(prompt: Any, tokenizer: Any) -> str:
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+
+
+async def _completion_events(merged: AsyncIterator[tuple[int, dict]], head: dict[str, Any],
+                             body: CompletionRequest, num: int) -> AsyncGenerator[dict, None]:
+    finals: list[dict[str, Any]] = [{}] * num
+    async for i, chunk in merged:
+        meta = chunk["meta_info"]
+        logprobs = conv.completion_logprobs(meta, 0) if meta["finish_reason"] else None
+        yield {**head, "choices": [{"index": i, "text": chunk["text"], "logprobs": logprobs,
+                                    "finish_reason": conv.finish_reason(meta),
+                                    "matched_stop": conv.matched_stop(meta)}]}
+        if meta["finish_reason"] is not None:
+            finals[i] = chunk
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": conv.usage(finals, body.n)}
+
+
+# -- /v1/chat/completions ----------------------------------------------------------------------
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    service = service_of(request)
+    conv.check_model(service, body)
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidArgumentError("top_logprobs", body.top_logprobs, "needs logprobs=true")
+    plan = plan_tools(body)
+    prompt = _chat_prompt(service.engine.tokenizer, body.messages, plan)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    params = conv.sampling_dict(body, max_tokens if max_tokens is not None
+                                else service.engine.parts.context_len)
+    _add_tool_constraint(params, plan)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    calls = conv.fan_out(_base_call(body, params, top), [prompt], body.n)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": body.model}
+    if body.stream:
+        merged = await service.open_streams("chat", calls)
+        chunk_head = {**head, "object": "chat.completion.chunk"}
+        return _sse(_chat_events(merged, chunk_head, body, plan, len(calls)))
+    results = await _gather(service, "chat", calls)
+    choices = [{"index": i, **_chat_choice(r, plan)} for i, r in enumerate(results)]
+    return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
+
+
+def _chat_prompt(tokenizer: Any, messages: list[ChatMessage], plan: ToolPlan) -> str:
+    turns = [_turn(m) for m in messages]
+    if plan.active:
+        turns.insert(0, {"role": "system", "content": plan.system_prompt()})
+    try:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template that rejects the conversation (roles, order)
+        raise InvalidArgumentError("messages", f"<{len(messages)} messages>",
+                                   f"the chat template rejects them: {e}") from e
+
+
+def _turn(m: ChatMessage) -> dict[str, str]:
+    content = m.content if isinstance(m.content, str) else "".join(
+        p.text for p in m.content or ())
+    if m.tool_calls and not content:  # the model sees its earlier calls in the format it uses
+        content = "\n".join(f'{{"name": "{c.function.name}", "arguments": '
+                            f'{c.function.arguments}}}' for c in m.tool_calls)
+    role = "system" if m.role == "developer" else m.role
+    return {"role": role, "content": content}
+
+
+def _add_tool_constraint(params: dict[str, Any], plan: ToolPlan) -> None:
+    schema = plan.schema()
+    if schema is None:
+        return
+    taken = [k for k in ("regex", "ebnf", "json_schema") if k in params]
+    if taken:
+        raise InvalidArgumentError("tool_choice", plan.mode, f"a forced tool call cannot be "
+                                   f"combined with {taken[0]} (or response_format)")
+    params["json_schema"] = schema
+
+
+def _chat_choice(result: dict[str, Any], plan: ToolPlan) -> dict[str, Any]:
+    meta = result["meta_info"]
+    calls = plan.parse(result["text"]) if plan.active else None
+    message: dict[str, Any] = {"role": "assistant", "content": None if calls else result["text"]}
+    if calls:
+        message["tool_calls"] = calls
+    return {"message": message, "logprobs": conv.chat_logprobs(meta),
+            "finish_reason": "tool_calls" if calls else conv.finish_reason(meta),
+            "matched_stop": conv.matched_stop(meta)}
+
+
+async def _chat_events(merged: AsyncIterator[tuple[int, dict]], head: dict[str, Any],
+                       body: ChatCompletionRequest, plan: ToolPlan,
+                       num: int) -> AsyncGenerator[dict, None]:
+    """Content streams as it comes; with tools active a reply is held until it finishes,
+    since only the whole text tells whether it is a tool call."""
+    finals: list[dict[str, Any]] = [{}] * num
+    texts = [""] * num
+    for i in range(num):
+        yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}]}
+    async for i, chunk in merged:
+        meta, done = chunk["meta_info"], chunk["meta_info"]["finish_reason"] is not None
+        texts[i] += chunk["text"]
+        if done:
+            finals[i] = chunk
+        if plan.active and not done:
+            continue
+        if plan.active:
+            choice = _chat_choice({**chunk, "text": texts[i]}, plan)
+            delta = {k: v for k, v in choice["message"].items() if k != "role"}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": 0, **c} for c in delta["tool_calls"]]
+            reason = choice["finish_reason"]
+        else:
+            delta, reason = {"content": chunk["text"]}, conv.finish_reason(meta)
+        yield {**head, "choices": [{"index": i, "delta": delta, "finish_reason": reason,
+                                    "logprobs": conv.chat_logprobs(meta) if done else None,
+                                    "matched_stop": conv.matched_stop(meta)}]}
+    if body.stream_options and body.stream_options.include_usage:
+        yield {**head, "choices": [], "usage": conv.usage(finals, body.n)}
+
+
+# -- shared ------------------------------------------------------------------------------------
+def _base_call(body: Any, params: dict[str, Any], top_logprobs: int | None) -> dict[str, Any]:
+    return {"sampling_params": params, "return_logprob": top_logprobs is not None,
+            "top_logprobs_num": top_logprobs or 0, "rid": body.rid}
+
+
+async def _gather(service: Any, endpoint: str, calls: list[dict[str, Any]]) -> list[dict]:
+    """Run single-sample calls as one engine batch call (one admission, prompt-major order)."""
+    if len(calls) == 1:
+        return [await service.generate(endpoint, calls[0])]
+    keys = ("prompt", "input_ids")
+    key = next(k for k in keys if calls[0][k] is not None)
+    batch = {**calls[0], key: [c[key] for c in calls],
+             "sampling_params": [c["sampling_params"] for c in calls],
+             "rid": None if calls[0]["rid"] is None else [c["rid"] for c in calls]}
+    return await service.generate(endpoint, batch)
+
+
+def _sse(events: AsyncGenerator[dict, None]) -> StreamingResponse:
+    async def frames() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield sse_event(event)
+        except Exception as e:  # headers are sent: report in-band
+            yield sse_error(e)
+        finally:
+            await events.aclose()
+        yield SSE_DONE
+
+    return StreamingResponse(frames(), media_type="text/event-stream")

@@ -1,0 +1,123 @@
+"""OpenAI request -> engine call, and engine result -> OpenAI pieces (logprobs, usage, reasons)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.server.errors import ApiError
+from forklm.server.generation import GenerationService
+from forklm.server.protocol import _SamplingFields
+
+# OpenAI name -> SamplingParams name, for the fields passed through unchanged otherwise.
+_PASS_THROUGH = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                 "min_p": "min_p", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty",
+                 "repetition_penalty": "repetition_penalty", "stop": "stop",
+                 "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+                 "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
+                 "seed": "seed", "min_tokens": "min_new_tokens", "regex": "regex",
+                 "ebnf": "ebnf", "json_schema": "json_schema"}
+
+
+def check_model(service: GenerationService, body: _SamplingFields) -> None:
+    names = {service.model_name, service.engine.config.model_path}
+    if body.model not in names:
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
+                       f"{service.model_name!r}", "model")
+
+
+def sampling_dict(body: _SamplingFields, max_new_tokens: int) -> dict[str, Any]:
+    """The SamplingParams dict of one sample (n is fanned out by the caller)."""
+    if body.logit_bias:
+        raise InvalidArgumentError("logit_bias", body.logit_bias, "is not supported")
+    params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
+    for name, target in _PASS_THROUGH.items():
+        value = getattr(body, name)
+        if value is not None:
+            params[target] = value
+    schema = _response_format_schema(body)
+    if schema is not None:
+        if "json_schema" in params:
+            raise InvalidArgumentError("response_format", body.response_format,
+                                       "conflicts with json_schema; give one")
+        params["json_schema"] = schema
+    return params
+
+
+def _response_format_schema(body: _SamplingFields) -> dict[str, Any] | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise InvalidArgumentError("response_format.json_schema", None,
+                                   "type json_schema needs json_schema.schema")
+    return fmt.json_schema.schema_
+
+
+def fan_out(call: dict[str, Any], prompts: list[Any], n: int) -> list[dict[str, Any]]:
+    """One single-prompt n=1 call per (prompt, sample), prompt-major; sample k of a seeded
+    request uses seed + k, as the engine does for n > 1."""
+    calls: list[dict[str, Any]] = []
+    rid, many = call.get("rid"), len(prompts) * n > 1
+    for prompt in prompts:
+        for k in range(n):
+            params = dict(call["sampling_params"])
+            if params.get("seed") is not None and k:
+                params["seed"] = params["seed"] + k
+            key = "prompt" if isinstance(prompt, str) else "input_ids"
+            calls.append({**call, "prompt": None, "input_ids": None, key: prompt,
+                          "sampling_params": params,
+                          "rid": f"{rid}-{len(calls)}" if rid and many else rid})
+    return calls
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    return None if reason is None else reason["type"]
+
+
+def matched_stop(meta: dict[str, Any]) -> Any:
+    reason = meta.get("finish_reason") or {}
+    return reason.get("matched")
+
+
+def usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """Prompt and cached tokens count each prompt once (its first sample); completions all."""
+    firsts = [r["meta_info"] for r in results[::n]]
+    prompt = sum(m["prompt_tokens"] for m in firsts)
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}}
+
+
+def completion_logprobs(meta: dict[str, Any], text_offset: int) -> dict[str, Any] | None:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        return None
+    tops = meta.get("output_top_logprobs")
+    offsets, pos = [], text_offset
+    for _, _, text in entries:
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": [t for _, _, t in entries], "token_logprobs": [lp for lp, _, _ in entries],
+            "top_logprobs": [{t: lp for lp, _, t in top} for top in tops] if tops else None,
+            "text_offset": offsets}
+
+
+def chat_logprobs(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The chat shape: content = [{token, logprob, bytes, top_logprobs: [...]}]."""
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        return None
+    tops = meta.get("output_top_logprobs") or [[] for _ in entries]
+    return {"content": [{**_token(lp, text), "top_logprobs": [_token(a, b) for a, _, b in top]}
+                        for (lp, _, text), top in zip(entries, tops, strict=True)]}
+
+
+def _token(logprob: float, text: str) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

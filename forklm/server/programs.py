@@ -1,0 +1,245 @@
+"""POST /v1/programs/run: run a whole program server-side in one request (issue 6).
+
+Request body (unknown fields are a 400):
+- `program`: a graph object (`Graph.to_json()` of a traced program), or `program_text`: the
+  textual syntax; exactly one of the two. Nothing in a request is executed as Python.
+- `arguments`: the program arguments, one object, or a list of objects for a batch (one program
+  run per item, all sharing engine batches and the radix cache). Default `{}`.
+- `sampling_params`: run defaults every gen inherits: SamplingParams names plus `return_logprob`,
+  `logprob_start_len`, `top_logprobs_num`. Default `{}`.
+- `stream`: with one item, Server-Sent Events as the program runs: `{"type": "text", "text"}`
+  pieces, `{"type": "variable", "name", "value"}` as variables are set, one final
+  `{"type": "result", ...result}`, then `data: [DONE]`.
+
+Response: `{"results": [result, ...], "program": {"name", "num_nodes"}}`, one result per item in
+input order; a result is `{"variables", "text", "messages", "meta_info"}`, where meta_info holds
+`prompt_tokens`, `completion_tokens` and `cached_tokens` summed over the program's gens and each
+variable's own meta under `variables`.
+
+Errors: everything checked before running (body shape, the graph or its syntax, the server's
+limits on nodes / fork size / repeat count / total tokens, sampling values, argument names of
+every item) is a 400 naming the problem, and nothing runs. A program that fails while running (an engine abort, a
+gen's regex that does not compile, reading a variable that does not exist) does not fail the
+batch: that item's result is only `{"error": {"message", "type", "param"}}` (HTTP 200), with
+`type` `invalid_request_error` (the program is wrong), `backend_error` (the engine aborted) or
+`server_error`. A client that disconnects aborts its programs' in-flight engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from forklm.frontend_dsl.backends.engine_backend import EngineBackend
+from forklm.frontend_dsl.interpreter import GraphProgram
+from forklm.frontend_dsl.ir import Gen, Graph, ProgramLimits, walk
+from forklm.frontend_dsl.primitives import LOGPROB_OPTIONS
+from forklm.frontend_dsl.state import ProgramState
+from forklm.frontend_dsl.textual import ProgramSyntaxError, parse_program
+from forklm.runtime.engine import Engine
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling import SamplingParams
+from forklm.server.errors import SSE_DONE, ApiError, sse_event
+from forklm.server.program_runner import TrackedEngine, error_info, item_result, jsonable
+
+router = APIRouter()
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_DISCONNECT_POLL_S = 0.25
+
+
+class ProgramRunRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    program: dict[str, Any] | None = None
+    program_text: str | None = None
+    arguments: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+
+
+@router.post("/v1/programs/run")
+async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
+    graph = _load_graph(body)
+    defaults = _check_defaults(body.sampling_params)
+    _check_limits(graph, request.app.state.config, defaults)
+    items = body.arguments if isinstance(body.arguments, list) else [body.arguments]
+    if body.stream and len(items) != 1:
+        raise InvalidArgumentError("stream", True, f"streaming runs one program; got a batch of "
+                                   f"{len(items)} arguments")
+    engine = _tracked_engine(request)
+    backend = EngineBackend(cast(Engine, engine))  # the EngineBackend logic over tracked calls
+    program = GraphProgram(graph)
+    info = {"name": graph.name, "num_nodes": len(walk(graph.nodes))}
+    if body.stream:
+        state = program.run(backend=backend, stream=True, **{**defaults, **items[0]})
+        return StreamingResponse(_sse(state, engine, request), media_type="text/event-stream")
+
+    def run_all() -> list[dict[str, Any]]:
+        states = program.run_batch(items, backend=backend, **defaults)
+        return [item_result(state) for state in states]
+
+    results = await _watch_disconnect(request, engine, _in_thread(run_all))
+    return {"results": results, "program": info}
+
+
+@router.get("/v1/programs/tokenizer")
+async def get_tokenizer(request: Request) -> dict[str, Any]:
+    """The server model's tokenizer files (tokenizer.json, its config and chat template), so a
+    RuntimeEndpoint tokenizes and renders chat turns exactly as this server does."""
+    return {"files": await asyncio.to_thread(_tokenizer_files, request.app.state.engine)}
+
+
+# -- validation ---------------------------------------------------------------------------------
+def _load_graph(body: ProgramRunRequest) -> Graph:
+    if (body.program is None) == (body.program_text is None):
+        raise InvalidArgumentError("program", None, "give exactly one of program (a graph "
+                                   "object from trace().to_json()) or program_text")
+    if body.program is not None:
+        return Graph.from_json(body.program)
+    assert body.program_text is not None
+    try:
+        return parse_program(body.program_text)
+    except ProgramSyntaxError as e:  # its message gives line, column and what was expected
+        raise ApiError(400, f"program_text: {e}", "program_text") from e
+
+
+def _check_defaults(sampling: dict[str, Any]) -> dict[str, Any]:
+    """Run defaults: SamplingParams names (validated together now) and the logprob options; a
+    null means "no default" (SGLang's reading)."""
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    for key, value in sampling.items():
+        if key not in _SAMPLING_FIELDS and key not in LOGPROB_OPTIONS:
+            raise InvalidArgumentError(f"sampling_params.{key}", value, "unknown run default; "
+                                       f"known: {', '.join(sorted(_SAMPLING_FIELDS))}, "
+                                       f"{', '.join(LOGPROB_OPTIONS)}")
+    SamplingParams.from_dict({k: v for k, v in sampling.items() if k in _SAMPLING_FIELDS})
+    return sampling
+
+
+def _limits(config: Any) -> ProgramLimits:
+    return ProgramLimits(max_nodes=config.max_program_nodes, max_fork_size=config.max_fork_size,
+                         max_repeat=config.max_repeat, max_total_tokens=config.max_program_tokens)
+
+
+def _check_limits(graph: Graph, config: Any, defaults: dict[str, Any]) -> None:
+    """The config's limits, counting a run default max_new_tokens for every gen that sets none
+    (check_limits alone counts SamplingParams' default there) on a copy of the graph."""
+    if "max_new_tokens" in defaults:
+        graph = Graph.from_json(graph.to_json())
+        for node in walk(graph.nodes):
+            if isinstance(node, Gen):
+                node.sampling.setdefault("max_new_tokens", defaults["max_new_tokens"])
+    graph.check_limits(_limits(config))
+
+
+def _tracked_engine(request: Request) -> TrackedEngine:
+    service = getattr(request.app.state, "service", None)
+    on_result = None
+    if service is not None:
+        on_result = functools.partial(service.metrics.record_result, "programs")
+    return TrackedEngine(request.app.state.engine, on_result)
+
+
+# -- running ------------------------------------------------------------------------------------
+def _in_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
+    """fn's result, computed on a thread of its own: a program waits on the engine for its whole
+    run, and asyncio.to_thread's small shared pool would cap how many run at once."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(error: BaseException | None, value: Any) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def run() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as e:  # handed to the awaiting handler (a 400 or a 500 there)
+            value, error = None, e
+        loop.call_soon_threadsafe(settle, error, value)
+
+    threading.Thread(target=run, name="forklm-program-batch", daemon=True).start()
+    return future
+
+
+async def _watch_disconnect(request: Request, engine: TrackedEngine, work: Any) -> Any:
+    """Await `work`; if the client disconnects first, abort its engine calls (the program then
+    fails fast) and still wait for the worker thread to end."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            engine.cancel()
+            break
+    return await task
+
+
+async def _sse(state: ProgramState, engine: TrackedEngine,
+               request: Request) -> AsyncIterator[bytes]:
+    """The state's events as SSE; leaving early (client gone) aborts the program."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    def produce() -> None:
+        try:
+            for event in _events(state):
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+        finally:
+            loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    threading.Thread(target=produce, name="forklm-program-sse", daemon=True).start()
+    finished = False
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            if event is None:
+                break
+            yield sse_event(event)
+        finished = True
+        yield SSE_DONE
+    finally:
+        if not finished:
+            engine.cancel()  # the producer thread then ends as soon as the program fails
+
+
+def _events(state: ProgramState) -> Iterator[dict[str, Any]]:
+    """Text pieces and variables as they happen, then the item's result (or its error)."""
+    try:
+        for event in state.stream_events():
+            if event[0] == "text":
+                yield {"type": "text", "text": event[1]}
+            else:
+                yield {"type": "variable", "name": jsonable(event[1]), "value": jsonable(event[2])}
+    except Exception:  # the same error is reported in the result event below
+        pass
+    try:
+        yield {"type": "result", **item_result(state)}
+    except Exception as e:  # a bug in shaping the result must still end the stream cleanly
+        yield {"type": "result", "error": error_info(e)}
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_files(engine: Engine) -> dict[str, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.tokenizer.save_pretrained(tmp, legacy_format=False)
+        return {p.name: p.read_text(encoding="utf-8") for p in Path(tmp).iterdir() if p.is_file()}

@@ -1,0 +1,87 @@
+"""Server pieces without a model: ServerConfig validation, tool-call planning and parsing, the
+admission counter, and request-count estimation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.server.config import ServerConfig
+from forklm.server.errors import ApiError
+from forklm.server.generation import Admission, count_reqs
+from forklm.server.protocol import ChatCompletionRequest
+from forklm.server.tools import plan_tools
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "noop"}}]
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], **kw)
+
+
+@pytest.mark.parametrize("field,value", [("port", 0), ("max_queued_requests", -1),
+                                         ("max_request_body_bytes", 0), ("log_level", "loud"),
+                                         ("api_key", ""), ("max_program_nodes", 0)])
+def test_server_config_rejects(field, value):
+    with pytest.raises(InvalidArgumentError) as e:
+        ServerConfig(**{field: value})
+    assert e.value.name == field
+
+
+def test_server_config_defaults_are_safe():
+    config = ServerConfig()
+    assert config.host == "127.0.0.1" and config.api_key is None
+    with pytest.raises(InvalidArgumentError, match="unknown server option"):
+        ServerConfig.from_kwargs(prot=1)
+
+
+def test_tool_plans():
+    assert not plan_tools(chat()).active
+    assert plan_tools(chat(tools=TOOLS)).mode == "auto"  # OpenAI's default with tools
+    assert not plan_tools(chat(tools=TOOLS, tool_choice="none")).active
+    named = plan_tools(chat(tools=TOOLS, tool_choice={"type": "function",
+                                                      "function": {"name": "add"}}))
+    assert named.schema() == TOOLS[0]["function"]["parameters"]
+    required = plan_tools(chat(tools=TOOLS, tool_choice="required")).schema()
+    names = [b["properties"]["name"]["enum"] for b in required["anyOf"]]
+    assert names == [["add"], ["noop"]]
+    assert required["anyOf"][1]["properties"]["arguments"] == {"type": "object"}
+    with pytest.raises(InvalidArgumentError, match="unique"):
+        plan_tools(chat(tools=TOOLS + TOOLS[:1]))
+
+
+def test_tool_call_parsing():
+    auto = plan_tools(chat(tools=TOOLS))
+    (call,) = auto.parse('{"name": "add", "arguments": {"a": 1}}')
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert auto.parse('```json\n{"name": "noop", "arguments": {}}\n```') is not None
+    for text in ("Hello!", '{"name": "other", "arguments": {}}', '{"name": "add"}', "[1]", "{"):
+        assert auto.parse(text) is None, text
+    named = plan_tools(chat(tools=TOOLS, tool_choice={"type": "function",
+                                                      "function": {"name": "add"}}))
+    (call,) = named.parse('{"a": 2}')
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 2}
+    assert named.parse('{"a": ') is None  # cut off by max_tokens: no call
+
+
+def test_admission_counts_and_refuses():
+    adm = Admission(limit=3, retry_after_s=5)
+    adm.acquire(2)
+    with pytest.raises(ApiError) as e:
+        adm.acquire(2)
+    assert e.value.status == 503 and e.value.headers == {"Retry-After": "5"}
+    assert adm.admitted == 2  # a refusal takes nothing
+    adm.acquire(1)
+    adm.release(3)
+    assert adm.admitted == 0
+
+
+def test_count_reqs():
+    assert count_reqs({"prompt": "x"}) == 1
+    assert count_reqs({"prompt": ["a", "b"], "sampling_params": {"n": 3}}) == 6
+    assert count_reqs({"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {}]}) == 3
+    assert count_reqs({"input_ids": [1, 2, 3], "sampling_params": {"n": "bad"}}) == 1
