@@ -174,11 +174,16 @@ def test_queue_full_is_503_and_accepted_requests_finish(make_engine):
         r = httpx.post(server.base_url + "/generate", json=OK_GEN)
         assert_error(r, 503, says="max_queued_requests")
         assert r.headers["Retry-After"] == "2"
+        program = {"program_text": 'program p()\n"Hi"\ngen x max_tokens=2\n'}
+        r = httpx.post(server.base_url + "/v1/programs/run", json=program)
+        assert_error(r, 503, says="max_queued_requests")  # programs share the same bound
         for t in threads:
             t.join(timeout=120)
         assert [x.status_code for x in results] == [200] * 3  # none of the accepted was lost
         assert all(len(x.json()["output_ids"]) == 16 for x in results)
         assert httpx.post(server.base_url + "/generate", json=OK_GEN).status_code == 200
+        assert httpx.post(server.base_url + "/v1/programs/run", json=program).status_code == 200
+        assert service.admission.admitted == 0
         assert_idle_and_clean(engine)
     finally:
         server.stop()

@@ -50,6 +50,7 @@ from forklm.runtime.engine import Engine
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling import SamplingParams
 from forklm.server.errors import SSE_DONE, ApiError, sse_event
+from forklm.server.generation import Admission
 from forklm.server.program_runner import TrackedEngine, error_info, item_result, jsonable
 
 router = APIRouter()
@@ -81,15 +82,21 @@ async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
     backend = EngineBackend(cast(Engine, engine))  # the EngineBackend logic over tracked calls
     program = GraphProgram(graph)
     info = {"name": graph.name, "num_nodes": len(walk(graph.nodes))}
+    admission = _admission(request)
+    admission.acquire(len(items))  # each running program keeps at least one request in flight
     if body.stream:
         state = program.run(backend=backend, stream=True, **{**defaults, **items[0]})
-        return StreamingResponse(_sse(state, engine, request), media_type="text/event-stream")
+        events = _released(_sse(state, engine, request), admission, len(items))
+        return StreamingResponse(events, media_type="text/event-stream")
 
     def run_all() -> list[dict[str, Any]]:
         states = program.run_batch(items, backend=backend, **defaults)
         return [item_result(state) for state in states]
 
-    results = await _watch_disconnect(request, engine, _in_thread(run_all))
+    try:
+        results = await _watch_disconnect(request, engine, _in_thread(run_all))
+    finally:
+        admission.release(len(items))
     return {"results": results, "program": info}
 
 
@@ -149,6 +156,23 @@ def _tracked_engine(request: Request) -> TrackedEngine:
     if service is not None:
         on_result = functools.partial(service.metrics.record_result, "programs")
     return TrackedEngine(request.app.state.engine, on_result)
+
+
+def _admission(request: Request) -> Admission:
+    service = getattr(request.app.state, "service", None)
+    if service is None:  # an app without the generation service: no queue bound to share
+        return Admission(limit=1 << 62, retry_after_s=1)
+    return cast(Admission, service.admission)
+
+
+async def _released(events: AsyncIterator[bytes], admission: Admission,
+                    num: int) -> AsyncIterator[bytes]:
+    """The stream's events; its admission slots are returned when it ends, however it ends."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        admission.release(num)
 
 
 # -- running ------------------------------------------------------------------------------------
