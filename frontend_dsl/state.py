@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from forklm.frontend_dsl.executor import Executor, JoinNode
 from forklm.frontend_dsl.primitives import (
+    Expr,
     RoleBegin,
     RoleEnd,
     SetVar,
@@ -162,17 +163,21 @@ class ProgramState:
         return f"ProgramState({self._ex.text!r})"
 
 
-class ProgramStateGroup:
-    """What `s.fork(n)` returns: `group[i]`, `group += lambda i: ...`, a list (one item per
-    branch) or one expression for every branch, and `join()`."""
+S = TypeVar("S")  # a branch: ProgramState, or TracerState while tracing
+G = TypeVar("G", bound="BranchGroup[Any]")
 
-    def __init__(self, states: list[ProgramState], parent: ProgramState):
-        self.states, self.parent = states, parent
 
-    def __getitem__(self, i: int) -> ProgramState:
+class BranchGroup(Generic[S]):
+    """The surface `s.fork(n)` returns, shared by run time and tracing: `group[i]`, `len`,
+    iteration and `group += x`, where x is a function of the branch index, a list (one item per
+    branch) or one expression for every branch. Subclasses add `join()`."""
+
+    states: list[S]
+
+    def __getitem__(self, i: int) -> S:
         return self.states[i]
 
-    def __setitem__(self, i: int, state: ProgramState) -> None:
+    def __setitem__(self, i: int, state: S) -> None:
         """What `forks[i] += expr` stores back: the same branch state, appended to in place."""
         if state is not self.states[i]:
             raise TypeError("a fork group's branches cannot be replaced; append to forks[i]")
@@ -180,11 +185,11 @@ class ProgramStateGroup:
     def __len__(self) -> int:
         return len(self.states)
 
-    def __iter__(self) -> Iterator[ProgramState]:
+    def __iter__(self) -> Iterator[S]:
         return iter(self.states)
 
-    def __iadd__(self, other: Any) -> ProgramStateGroup:
-        if callable(other) and not isinstance(other, str):
+    def __iadd__(self: G, other: Any) -> G:
+        if callable(other) and not isinstance(other, (str, Expr)):
             exprs = [other(i) for i in range(len(self.states))]
         elif isinstance(other, (list, tuple)):
             if len(other) != len(self.states):
@@ -192,9 +197,16 @@ class ProgramStateGroup:
             exprs = list(other)
         else:
             exprs = [other] * len(self.states)
-        for state, expr in zip(self.states, exprs):
-            state += expr
+        for i, expr in enumerate(exprs):
+            self[i] += expr
         return self
+
+
+class ProgramStateGroup(BranchGroup[ProgramState]):
+    """What `s.fork(n)` returns at run time."""
+
+    def __init__(self, states: list[ProgramState], parent: ProgramState):
+        self.states, self.parent = states, parent
 
     def join(self, mode: str = "gather_variable") -> None:
         """Wait for every branch; each variable a branch set becomes a list (branch order) on the

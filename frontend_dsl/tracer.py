@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from forklm.frontend_dsl import choices as choices_mod
 from forklm.frontend_dsl import ir, primitives
+from forklm.frontend_dsl.state import BranchGroup
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
 from forklm.runtime.sampling import SamplingParams
 
@@ -277,38 +278,11 @@ class TracerState:
         group.join()
 
 
-class TracerGroup:
-    """What `s.fork(n)` returns while tracing (the ProgramStateGroup surface)."""
+class TracerGroup(BranchGroup["TracerState"]):
+    """What `s.fork(n)` returns while tracing."""
 
     def __init__(self, states: list[TracerState], parent: TracerState, fork_id: int):
         self.states, self.parent, self.fork_id = states, parent, fork_id
-
-    def __getitem__(self, i: int) -> TracerState:
-        return self.states[i]
-
-    def __setitem__(self, i: int, state: TracerState) -> None:
-        # `group[i] += x` stores the (same) branch state back
-        if state is not self.states[i]:
-            raise TypeError("a fork group's branches cannot be replaced")
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __iter__(self) -> Iterator[TracerState]:
-        return iter(self.states)
-
-    def __iadd__(self, other: Any) -> TracerGroup:
-        if callable(other) and not isinstance(other, (str, primitives.Expr)):
-            exprs = [other(i) for i in range(len(self.states))]
-        elif isinstance(other, (list, tuple)):
-            if len(other) != len(self.states):
-                raise ValueError(f"got {len(other)} expressions for {len(self.states)} branches")
-            exprs = list(other)
-        else:
-            exprs = [other] * len(self.states)
-        for state, expr in zip(self.states, exprs):
-            state += expr
-        return self
 
     def join(self, mode: str = "gather_variable") -> None:
         if mode not in ir.JOIN_MODES:

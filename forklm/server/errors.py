@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -47,6 +48,19 @@ def error_response(status: int, message: str, param: str | None = None,
 def sse_event(payload: Any) -> bytes:
     """One Server-Sent Event carrying a JSON payload."""
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def sse_frames(events: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[bytes]:
+    """A stream of JSON events as SSE frames, ended by `data: [DONE]`; an error after the first
+    frame travels in-band (see sse_error), and the events are closed however the stream ends."""
+    try:
+        async for event in events:
+            yield sse_event(event)
+    except Exception as e:  # headers are sent: report in-band
+        yield sse_error(e)
+    finally:
+        await events.aclose()
+    yield SSE_DONE
 
 
 def sse_error(exc: BaseException) -> bytes:

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from forklm.server.errors import SSE_DONE, ApiError, sse_error, sse_event
+from forklm.server.errors import ApiError, sse_frames
 from forklm.server.generation import ChunkStream, GenerationService
 from forklm.server.protocol import AbortRequest, GenerateRequest
 
@@ -32,7 +32,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     call = _engine_call(body)
     if body.stream:
         chunks = await service.open_stream("generate", call)
-        return StreamingResponse(_sse_cumulative(chunks, body.return_text_in_logprobs),
+        return StreamingResponse(sse_frames(_cumulative(chunks, body.return_text_in_logprobs)),
                                  media_type="text/event-stream")
     result = await service.generate("generate", call)
     results = result if isinstance(result, list) else [result]
@@ -75,7 +75,8 @@ def _drop_logprob_text(result: dict[str, Any], keep: bool) -> None:
                          for pos in meta[key]]
 
 
-async def _sse_cumulative(chunks: ChunkStream, keep_text: bool) -> AsyncIterator[bytes]:
+async def _cumulative(chunks: ChunkStream, keep_text: bool) -> AsyncGenerator[dict, None]:
+    """SGLang's stream shape: every event carries the text and ids so far."""
     text, ids = "", list[int]()
     try:
         async for chunk in chunks:
@@ -83,12 +84,9 @@ async def _sse_cumulative(chunks: ChunkStream, keep_text: bool) -> AsyncIterator
             ids = ids + chunk["output_ids"]
             out = {"text": text, "output_ids": ids, "meta_info": chunk["meta_info"]}
             _drop_logprob_text(out, keep_text)
-            yield sse_event(out)
-    except Exception as e:  # headers are sent: report in-band
-        yield sse_error(e)
+            yield out
     finally:
         await chunks.aclose()
-    yield SSE_DONE
 
 
 @router.get("/health")

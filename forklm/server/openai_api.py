@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.server import openai_convert as conv
-from forklm.server.errors import SSE_DONE, sse_error, sse_event
+from forklm.server.errors import sse_frames
 from forklm.server.native_api import service_of
 from forklm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from forklm.server.tools import ToolPlan, plan_tools
@@ -211,14 +211,4 @@ async def _gather(service: Any, endpoint: str, calls: list[dict[str, Any]]) -> l
 
 
 def _sse(events: AsyncGenerator[dict, None]) -> StreamingResponse:
-    async def frames() -> AsyncIterator[bytes]:
-        try:
-            async for event in events:
-                yield sse_event(event)
-        except Exception as e:  # headers are sent: report in-band
-            yield sse_error(e)
-        finally:
-            await events.aclose()
-        yield SSE_DONE
-
-    return StreamingResponse(frames(), media_type="text/event-stream")
+    return StreamingResponse(sse_frames(events), media_type="text/event-stream")
