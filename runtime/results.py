@@ -31,10 +31,11 @@ def request_inputs(engine: Engine, prompt: Any, input_ids: Any, sampling_params:
         if start >= len(ids):
             raise InvalidArgumentError("logprob_start_len", start,
                                        f"must be < the prompt length ({len(ids)} tokens)")
+        base_rid = rid_i or engine.new_rid()  # samples of one prompt: base-0, base-1, ...
         for k in range(params.n):
             seed = None if params.seed is None else params.seed + k
             reqs.append(Req(
-                rid=(rid_i or engine.new_rid()) + (f"-{k}" if params.n > 1 else ""),
+                rid=base_rid + (f"-{k}" if params.n > 1 else ""),
                 origin_input_ids=list(ids), sampling_params=params,
                 detokenizer=IncrementalDetokenizer(
                     engine.tokenizer, params.stop or (), params.skip_special_tokens,

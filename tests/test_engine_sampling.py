@@ -69,6 +69,20 @@ def test_seed_makes_sampling_reproducible(engine, story_prompt):
     assert batch[0]["text"] != first["text"]
 
 
+def test_n_samples_share_one_id_base_and_use_seed_plus_k(engine, story_prompt):
+    params = {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True, "seed": 7}
+    samples = engine.generate(story_prompt, {**params, "n": 3})
+    assert len(samples) == 3
+    ids = [s["meta_info"]["id"] for s in samples]
+    base = ids[0].rsplit("-", 1)[0]
+    assert ids == [f"{base}-0", f"{base}-1", f"{base}-2"]
+    for k in (0, 2):  # sample k is the single request seeded with seed + k
+        single = engine.generate(story_prompt, {**params, "seed": 7 + k})
+        assert samples[k]["text"] == single["text"]
+    named = engine.generate(story_prompt, {**params, "n": 2}, rid="mine")
+    assert [s["meta_info"]["id"] for s in named] == ["mine-0", "mine-1"]
+
+
 # -- stop conditions -------------------------------------------------------------------------
 def test_stop_string_trims_output(engine, tokenizer, story_prompt, story_greedy):
     text, ids = story_greedy["text"], story_greedy["output_ids"]
