@@ -154,6 +154,19 @@ def test_disconnect_mid_stream_frees_kv(live_server):
     assert_idle_and_clean(engine)
 
 
+def test_disconnect_before_a_non_streamed_result_aborts_it(live_server):
+    engine = live_server.engine
+    body = {"text": "Write a very long essay about the mountains.",
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(live_server.base_url + "/generate", json=body, timeout=1.5)
+    # 3000 tokens would take minutes; the server notices the disconnect and aborts instead
+    wait_until(lambda: engine.stats()["kv_used"] == 0 and engine.stats()["running"] == 0,
+               timeout=10)
+    wait_until(lambda: live_server.app.state.service.admission.admitted == 0)
+    assert_idle_and_clean(engine)
+
+
 def test_disconnect_mid_openai_stream_with_n2_frees_kv(live_server):
     """The OpenAI stream fans n=2 out to two engine requests; closing it aborts both."""
     engine = live_server.engine

@@ -10,10 +10,14 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
+
 from forklm.runtime.engine import Engine
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError
 from forklm.server.metrics import ServerMetrics
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
 
 
 class Admission:
@@ -57,8 +61,21 @@ class GenerationService:
     def model_name(self) -> str:
         return self.config.served_model_name or self.engine.config.model_path
 
-    async def generate(self, endpoint: str, call: dict[str, Any]) -> Any:
-        """Run one engine call (async_generate keywords, no stream); its result dict or list."""
+    async def generate(self, endpoint: str, call: dict[str, Any],
+                       request: Request | None = None) -> Any:
+        """Run one engine call (async_generate keywords, no stream); its result dict or list.
+        With the HTTP `request`, a client that disconnects before the result aborts the call
+        (its KV returns to the pool) instead of letting it run to the end for nobody."""
+        if request is None:
+            return await self._generate(endpoint, call)
+        task = asyncio.ensure_future(self._generate(endpoint, call))
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()  # cancelling async_generate aborts its engine requests
+        return await task
+
+    async def _generate(self, endpoint: str, call: dict[str, Any]) -> Any:
         num = count_reqs(call)
         if num == 1 and _is_single(call):  # streamed inside, to time the first token
             return await _collect(await self.open_stream(endpoint, call))

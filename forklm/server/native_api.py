@@ -34,7 +34,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         chunks = await service.open_stream("generate", call)
         return StreamingResponse(sse_frames(_cumulative(chunks, body.return_text_in_logprobs)),
                                  media_type="text/event-stream")
-    result = await service.generate("generate", call)
+    result = await service.generate("generate", call, request)
     results = result if isinstance(result, list) else [result]
     for r in results:
         _drop_logprob_text(r, body.return_text_in_logprobs)

@@ -52,7 +52,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.stream:
         merged = await service.open_streams("completions", calls)
         return _sse(_completion_events(merged, head, body, len(calls)))
-    results = await _gather(service, "completions", calls)
+    results = await _gather(service, "completions", calls, request)
     tokenizer = service.engine.tokenizer
     choices = []
     for i, r in enumerate(results):
@@ -112,7 +112,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         merged = await service.open_streams("chat", calls)
         chunk_head = {**head, "object": "chat.completion.chunk"}
         return _sse(_chat_events(merged, chunk_head, body, plan, len(calls)))
-    results = await _gather(service, "chat", calls)
+    results = await _gather(service, "chat", calls, request)
     choices = [{"index": i, **_chat_choice(r, plan)} for i, r in enumerate(results)]
     return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
 
@@ -198,16 +198,17 @@ def _base_call(body: Any, params: dict[str, Any], top_logprobs: int | None) -> d
             "top_logprobs_num": top_logprobs or 0, "rid": body.rid}
 
 
-async def _gather(service: Any, endpoint: str, calls: list[dict[str, Any]]) -> list[dict]:
+async def _gather(service: Any, endpoint: str, calls: list[dict[str, Any]],
+                  request: Request) -> list[dict]:
     """Run single-sample calls as one engine batch call (one admission, prompt-major order)."""
     if len(calls) == 1:
-        return [await service.generate(endpoint, calls[0])]
+        return [await service.generate(endpoint, calls[0], request)]
     keys = ("prompt", "input_ids")
     key = next(k for k in keys if calls[0][k] is not None)
     batch = {**calls[0], key: [c[key] for c in calls],
              "sampling_params": [c["sampling_params"] for c in calls],
              "rid": None if calls[0]["rid"] is None else [c["rid"] for c in calls]}
-    return await service.generate(endpoint, batch)
+    return await service.generate(endpoint, batch, request)
 
 
 def _sse(events: AsyncGenerator[dict, None]) -> StreamingResponse:
