@@ -136,6 +136,22 @@ def _add_run(sub: Any) -> None:
     run.set_defaults(func=_run)
 
 
+def _bench(bench_args: list[str]) -> int:
+    """`forklm bench ARGS` is `python -m benchmarks ARGS`, run from a source checkout (the suite
+    ships with the repository, not the installed package)."""
+    import os
+    import runpy
+
+    if not os.path.isfile(os.path.join("benchmarks", "__main__.py")):
+        print("forklm bench: error: run it from the forklm repository root (benchmarks/ is not "
+              "part of the installed package)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.getcwd())
+    sys.argv = ["forklm bench", *bench_args]
+    runpy.run_module("benchmarks", run_name="__main__", alter_sys=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forklm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,11 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     _add_serve(sub)
     _add_run(sub)
+    # listed for --help only: main() hands everything after `bench` to the suite's own parser
+    sub.add_parser("bench", help="the benchmark suite (forklm bench --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 
