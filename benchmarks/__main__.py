@@ -1,120 +1,242 @@
 """Run benchmark workloads on several systems side by side in one process and report medians.
 
-  python -m benchmarks --workloads W1,W2,W3 --systems forklm,forklm-nocache,hf1,hf8 --repeats 3
+  python -m benchmarks --scale full --repeats 3          # the full suite (see RESULTS.md)
+  python -m benchmarks --workloads W1,W2 --systems forklm,forklm-nocache,hf8 --scale 0.25
+  python -m benchmarks --systems http --base-url http://127.0.0.1:30000 --workloads W1
 
-Writes a markdown table (stdout and benchmarks/results/<stamp>.md), the raw runs as JSON, and a PNG
-plot of output tokens/s per workload and system when matplotlib is installed.
+Systems: forklm, forklm-nocache, forklm-fcfs (in-process Engine and its ablations), hf1, hf8
+(transformers one at a time / static batches of 8), http (any OpenAI-compatible server at
+--base-url), forklm-http (starts `forklm serve`), llamacpp (starts llama-cpp-python's server on the
+same GGUF with --llamacpp-python). Repeats are interleaved across systems (repeat 1 of every system,
+then repeat 2, ...) so that a busy machine slows all of them alike. Writes a markdown report, the
+raw runs as JSON and a PNG plot to benchmarks/results/<stamp>.*
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
-import statistics
 import time
 from typing import Any
 
+from benchmarks import report
 from benchmarks.runners import EngineRunner, HFRunner, Metrics
-from benchmarks.workloads import WORKLOADS
+from benchmarks.workloads import WORKLOADS, Workload
 
-ENGINE_SYSTEMS = {  # name -> Engine options (the ablations of the radix cache and the policy)
+ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the ablations)
     "forklm": {},
     "forklm-nocache": {"disable_radix_cache": True},
     "forklm-fcfs": {"schedule_policy": "fcfs"},
 }
+HTTP_SYSTEMS = ("http", "forklm-http", "llamacpp")
+SYSTEMS = (*ENGINE_SYSTEMS, "hf1", "hf8", *HTTP_SYSTEMS)
+PROGRAM_WORKLOADS = ("W5-select", "W5-fork")
 RESULTS = pathlib.Path(__file__).parent / "results"
+FULL_WORKLOADS = "W1,W1-64,W2,W3,W4,W4-free,W5-select,W5-fork"
+FULL_SYSTEMS = "forklm,forklm-nocache,forklm-fcfs,hf8,llamacpp"
 
 
-def _make_runner(system: str, args: argparse.Namespace) -> Any:
-    from forklm import Engine
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens}
+    if args.num_threads:
+        opts["num_threads"] = args.num_threads
+    return opts
 
+
+def _make_runner(system: str, args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
     if system in ENGINE_SYSTEMS:
-        engine = Engine(dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-                        **ENGINE_SYSTEMS[system])
+        from forklm import Engine
+
+        engine = stack.enter_context(Engine(**_engine_options(args), **ENGINE_SYSTEMS[system]))
         return EngineRunner(engine, system)
     if system in ("hf1", "hf8"):
-        import torch
-        import transformers
-
-        from forklm.runtime.model_loader import load_model
-
-        loaded = load_model("SmolLM2-135M-Instruct")
-        model = transformers.LlamaForCausalLM(loaded.config)
-        model.load_state_dict(loaded.state_dict, strict=False)
-        model.tie_weights()
-        dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-        return HFRunner(model.to(dtype).eval(), loaded.tokenizer, 1 if system == "hf1" else 8)
-    raise SystemExit(f"unknown system {system!r}; known: {', '.join([*ENGINE_SYSTEMS, 'hf1', 'hf8'])}")
+        return _hf_runner(system, args)
+    if system in HTTP_SYSTEMS:
+        return _http_runner(system, args, stack)
+    raise SystemExit(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
 
 
-def _table(runs: dict[tuple[str, str], list[Metrics]]) -> str:
-    lines = ["| workload | system | output tok/s | req/s | median latency s | p99 latency s | "
-             "median TTFT s | prompt computed / sent | peak RSS MB |", "|" + "---|" * 9]
-    for (wl, system), ms in runs.items():
-        med = {k: statistics.median(getattr(m, k) for m in ms)
-               for k in ("output_tokens_per_s", "requests_per_s", "median_latency_s",
-                         "p99_latency_s", "median_ttft_s", "peak_rss_mb")}
-        sent, computed = ms[-1].prompt_tokens_sent, ms[-1].prompt_tokens_computed
-        lines.append(f"| {wl} | {system} | {med['output_tokens_per_s']:.1f} | "
-                     f"{med['requests_per_s']:.2f} | {med['median_latency_s']:.2f} | "
-                     f"{med['p99_latency_s']:.2f} | {med['median_ttft_s']:.2f} | "
-                     f"{computed}/{sent} ({computed / max(sent, 1):.0%}) | {med['peak_rss_mb']:.0f} |")
-    return "\n".join(lines)
+def _hf_runner(system: str, args: argparse.Namespace) -> HFRunner:
+    import torch
+    import transformers
+
+    from forklm.runtime.model_loader import load_model
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    loaded = load_model("SmolLM2-135M-Instruct")
+    model = transformers.LlamaForCausalLM(loaded.config)
+    model.load_state_dict(loaded.state_dict, strict=False)
+    model.tie_weights()
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    return HFRunner(model.to(dtype).eval(), loaded.tokenizer, 1 if system == "hf1" else 8)
 
 
-def _plot(runs: dict[tuple[str, str], list[Metrics]], path: pathlib.Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    workloads = sorted({wl for wl, _ in runs})
-    systems = sorted({s for _, s in runs})
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(systems)
-    for i, system in enumerate(systems):
-        values = [statistics.median(m.output_tokens_per_s for m in runs.get((wl, system), []))
-                  if (wl, system) in runs else 0 for wl in workloads]
-        ax.bar([x + i * width for x in range(len(workloads))], values, width, label=system)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(workloads))], workloads)
-    ax.set_ylabel("output tokens/s")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+def _http_runner(system: str, args: argparse.Namespace, stack: contextlib.ExitStack) -> Any:
+    from benchmarks.http_runner import HTTPRunner
+    from benchmarks.servers import forklm_server, llamacpp_server
+
+    if system == "http":
+        if not args.base_url:
+            raise SystemExit("--systems http needs --base-url URL")
+        return HTTPRunner(args.base_url, "http", server_pid=args.server_pid)
+    if system == "llamacpp":
+        server = stack.enter_context(llamacpp_server(args.llamacpp_python,
+                                                     num_threads=args.num_threads or 2))
+        # llama-cpp-python has no ignore_eos: a -100 bias on the EOS id keeps it generating
+        # max_tokens like the others; it runs no JSON schema constraint on completions.
+        # It reports no usage when streaming: prompts are counted with the same GGUF's tokenizer,
+        # and its prefix reuse is not reported, so every prompt token counts as computed.
+        return HTTPRunner(server.base_url, "llamacpp", server_pid=server.pid,
+                          supports_json_schema=False, eos_bias_ids=(2,),
+                          count_tokens=_gguf_token_counter())
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in _engine_options(args).items()]
+    server = stack.enter_context(forklm_server(flags))
+    return HTTPRunner(server.base_url, "forklm-http", server_pid=server.pid)
+
+
+def _gguf_token_counter() -> Any:
+    from forklm.runtime.model_loader import load_model
+
+    tokenizer = load_model("SmolLM2-135M-Instruct").tokenizer
+    return lambda text: len(tokenizer.encode(text))
+
+
+def _workload(name: str, scale: float, max_in_flight: int | None) -> Workload:
+    if name not in WORKLOADS:
+        raise SystemExit(f"unknown workload {name!r}; known: "
+                         f"{', '.join([*WORKLOADS, *PROGRAM_WORKLOADS])}")
+    wl = WORKLOADS[name]()
+    if wl.multi_turn:  # scale conversations, keeping every turn of each
+        keep = max(1, int(len({r.conversation for r in wl.requests}) * scale))
+        wl.requests = [r for r in wl.requests if (r.conversation or 0) < keep]
+    else:
+        wl.requests = wl.requests[: max(1, int(len(wl.requests) * scale))]
+    wl.max_in_flight = max_in_flight or wl.max_in_flight
+    return wl
+
+
+def _run_once(system: str, runner: Any, names: list[str], args: argparse.Namespace,
+              runs: report.Runs) -> None:
+    for name in names:
+        if name in PROGRAM_WORKLOADS:
+            if system in ENGINE_SYSTEMS:
+                _run_programs(system, runner, name, args.scale, runs)
+            continue
+        wl = _workload(name, args.scale, args.max_in_flight)
+        if runner.supports(wl):
+            m = runner.run(wl)
+            runs.setdefault((wl.name, system), []).append(m)
+            print(f"  {system:15s} {wl.name:32s} {m.output_tokens_per_s:8.1f} tok/s "
+                  f"{m.wall_s:7.1f} s", flush=True)
+
+
+def _run_programs(system: str, runner: EngineRunner, name: str, scale: float,
+                  runs: report.Runs) -> None:
+    from benchmarks.programs import PROGRAM_WORKLOADS as PW
+    from benchmarks.programs import ProgramRunner
+
+    pw = PW[name]()
+    pw.items = pw.items[: max(1, int(len(pw.items) * scale))]
+    prog_runner = ProgramRunner(runner.engine, system)
+    for batched in (True, False):
+        m = prog_runner.run(pw, batched)
+        runs.setdefault((m.workload, system), []).append(m)
+        print(f"  {system:15s} {m.workload:32s} {m.requests_per_s:8.2f} programs/s", flush=True)
+
+
+def _kv_memory(runners: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.kv_memory import measure_kv_memory
+
+    extra: dict[str, Any] = {}
+    for system in ("forklm", "forklm-nocache"):
+        if system in runners:
+            wl = _workload("W2", min(args.scale, 0.5), None)
+            kv = measure_kv_memory(runners[system].engine, wl)
+            extra[f"KV bytes reserved / needed, W2, {system} (max of {kv.samples} samples)"] = (
+                kv.max_ratio, 1.02)
+    if "forklm" in runners:
+        from benchmarks.engine_speed import decode_step_split
+
+        forward, overhead = decode_step_split(runners["forklm"].engine)
+        extra[f"outside the forward / decode step, batch 16 ({overhead:.1f} of "
+              f"{forward + overhead:.1f} ms)"] = (overhead / (forward + overhead), 0.10)
+    return extra
+
+
+def _parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workloads", default="W1,W2,W3")
+    p.add_argument("--systems", default="forklm,forklm-nocache,hf8")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--scale", default="1.0",
+                   help="fraction of each workload's requests, or 'full' (= the full suite's "
+                        f"workloads {FULL_WORKLOADS} and systems {FULL_SYSTEMS}, scale 1)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-total-tokens", type=int, default=65536)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="threads for every system (engine, transformers, llama.cpp; default 2 "
+                        "for llama.cpp and torch's default elsewhere)")
+    p.add_argument("--max-in-flight", type=int, default=None,
+                   help="override the workloads' requests in flight (16 in workloads.md)")
+    p.add_argument("--base-url", default=None, help="server for --systems http")
+    p.add_argument("--server-pid", type=int, default=None, help="its pid, for peak RSS")
+    p.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
+    p.add_argument("--kv-memory", action="store_true",
+                   help="also measure KV bytes reserved / needed on forklm's pool")
+    args = p.parse_args()
+    if args.scale == "full":
+        args.scale, args.kv_memory = 1.0, True
+        if "--workloads" not in _argv():
+            args.workloads = FULL_WORKLOADS
+        if "--systems" not in _argv():
+            args.systems = FULL_SYSTEMS
+    args.scale = float(args.scale)
+    return args
+
+
+def _argv() -> list[str]:
+    import sys
+
+    return [a.split("=")[0] for a in sys.argv[1:]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="W1,W2,W3")
-    parser.add_argument("--systems", default="forklm,forklm-nocache,hf8")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-total-tokens", type=int, default=65536)
-    args = parser.parse_args()
-    runs: dict[tuple[str, str], list[Metrics]] = {}
-    for system in args.systems.split(","):
-        runner = _make_runner(system, args)
-        for name in args.workloads.split(","):
-            wl = WORKLOADS[name]()
-            wl.requests = wl.requests[: max(1, int(len(wl.requests) * args.scale))]
-            if not runner.supports(wl):
-                continue
-            for _ in range(args.repeats):
-                runs.setdefault((wl.name, system), []).append(runner.run(wl))
-        if hasattr(runner, "engine"):
-            runner.engine.shutdown()
-    table = _table(runs)
-    print(table)
+    args = _parse_args()
+    systems, names = args.systems.split(","), args.workloads.split(",")
+    runs: report.Runs = {}
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        runners = {s: _make_runner(s, args, stack) for s in systems}
+        for rep in range(args.repeats):
+            print(f"repeat {rep + 1}/{args.repeats}", flush=True)
+            for system, runner in runners.items():
+                _run_once(system, runner, names, args, runs)
+        extra = _kv_memory(runners, args) if args.kv_memory else {}
+    text = (f"`python -m benchmarks {' '.join(_quoted_argv())}` ({time.perf_counter() - t0:.0f} s)"
+            f"\n\n{report.table(runs)}\n\n{report.ratios(runs, extra)}\n")
+    print(text)
+    _write(runs, text)
+
+
+def _quoted_argv() -> list[str]:
+    import shlex
+    import sys
+
+    return [shlex.quote(a) for a in sys.argv[1:]]
+
+
+def _write(runs: dict[tuple[str, str], list[Metrics]], text: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (RESULTS / f"{stamp}.md").write_text(table + "\n")
+    (RESULTS / f"{stamp}.md").write_text(text)
     (RESULTS / f"{stamp}.json").write_text(json.dumps(
         [m.as_dict() for ms in runs.values() for m in ms], indent=1))
-    _plot(runs, RESULTS / f"{stamp}.png")
+    if report.plot(runs, RESULTS / f"{stamp}.png"):
+        print(f"wrote {RESULTS / stamp}.md, .json, .png")
 
 
 if __name__ == "__main__":

@@ -33,15 +33,19 @@ class Metrics:
 
 
 def _metrics(system: str, wl: Workload, wall: float, out_tokens: int, latencies: list[float],
-             ttfts: list[float], sent: int, computed: int) -> Metrics:
+             ttfts: list[float], sent: int, computed: int,
+             peak_rss_mb: float | None = None) -> Metrics:
+    """Peak RSS is this process's unless the caller measured a server's (peak_rss_mb)."""
     lat = sorted(latencies)
+    if peak_rss_mb is None:
+        peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return Metrics(
         system=system, workload=wl.name, wall_s=wall, output_tokens_per_s=out_tokens / wall,
         requests_per_s=len(lat) / wall, median_latency_s=statistics.median(lat),
         p99_latency_s=lat[min(len(lat) - 1, int(0.99 * len(lat)))],
         median_ttft_s=statistics.median(ttfts) if ttfts else float("nan"),
         prompt_tokens_sent=sent, prompt_tokens_computed=computed,
-        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_rss_mb=peak_rss_mb,
     )
 
 
@@ -88,19 +92,8 @@ class EngineRunner:
                 ttfts.append((first or time.perf_counter()) - t0)
                 return "".join(text)
 
-        if not wl.multi_turn:
-            await asyncio.gather(*(one(r.prompt, r) for r in wl.requests))
-        else:
-            await asyncio.gather(*(self._conversation(one, turns)
-                                   for turns in _conversations(wl).values()))
+        await drive(wl, one)
         return latencies, ttfts, tokens[0]
-
-    @staticmethod
-    async def _conversation(one: Any, turns: list[Request]) -> None:
-        history = ""
-        for req in turns:
-            prompt = history + req.prompt
-            history = prompt + await one(prompt, req) + "\n"
 
 
 def _conversations(wl: Workload) -> dict[int, list[Request]]:
@@ -108,6 +101,23 @@ def _conversations(wl: Workload) -> dict[int, list[Request]]:
     for r in sorted(wl.requests, key=lambda r: (r.conversation, r.turn)):
         convs.setdefault(r.conversation or 0, []).append(r)
     return convs
+
+
+async def drive(wl: Workload, one: Any) -> None:
+    """Send a workload's requests through `one(prompt, req) -> answer text`: all requests at once
+    (the caller's gate bounds how many are in flight), or for multi-turn workloads each
+    conversation's turns in order (turn k's prompt = turn k-1's prompt + answer + question)."""
+    if not wl.multi_turn:
+        await asyncio.gather(*(one(r.prompt, r) for r in wl.requests))
+        return
+
+    async def conversation(turns: list[Request]) -> None:
+        history = ""
+        for req in turns:
+            prompt = history + req.prompt
+            history = prompt + await one(prompt, req) + "\n"
+
+    await asyncio.gather(*(conversation(turns) for turns in _conversations(wl).values()))
 
 
 class HFRunner:

@@ -87,7 +87,14 @@ def json_people(num_requests: int = 32, constrained: bool = True) -> Workload:
     return Workload("W4 JSON" + ("" if constrained else " (no constraint)"), reqs)
 
 
+def shared_prefix_64() -> Workload:
+    """W1 with all 64 requests in flight (larger decode batches; not in workloads.md's W1)."""
+    wl = shared_prefix()
+    wl.name, wl.max_in_flight = "W1 shared prefix, 64 in flight", 64
+    return wl
+
+
 WORKLOADS = {
-    "W1": shared_prefix, "W2": no_sharing, "W3": multi_turn, "W4": json_people,
+    "W1": shared_prefix, "W1-64": shared_prefix_64, "W2": no_sharing, "W3": multi_turn, "W4": json_people,
     "W4-free": lambda: json_people(constrained=False),
 }

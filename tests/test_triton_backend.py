@@ -24,11 +24,13 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 64
 
 
 def make_forward_batch(gen: torch.Generator, kv_lens: list[int], q_lens: list[int],
-                       capacity: int) -> ForwardBatch:
+                       capacity: int, shared: int = 0) -> ForwardBatch:
     """A batch as ModelRunner builds it: a padded slot table of scattered slots; the new tokens'
-    slots are the last q_len of each row."""
-    perm = torch.randperm(capacity, generator=gen)[: sum(kv_lens)]
-    rows = list(torch.split(perm, kv_lens))
+    slots are the last q_len of each row. The first `shared` slots are common to every request
+    (a radix-cached prefix)."""
+    perm = torch.randperm(capacity, generator=gen)
+    common, perm = perm[:shared], perm[shared : shared + sum(kv_lens) - shared * len(kv_lens)]
+    rows = [torch.cat((common, own)) for own in torch.split(perm, [n - shared for n in kv_lens])]
     table = torch.zeros(len(kv_lens), max(kv_lens), dtype=torch.int64)
     for b, slots in enumerate(rows):
         table[b, : kv_lens[b]] = slots
@@ -73,6 +75,39 @@ def test_triton_backend_matches_torch_backend(kv_lens, q_lens):
     assert torch.allclose(outs[1], outs[0], atol=1e-5)
     assert torch.equal(pools[1].k_buffer, pools[0].k_buffer)
     assert torch.equal(pools[1].v_buffer, pools[0].v_buffer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_lens", "q_lens"), [([40, 41, 90], [1, 1, 1]),
+                                                 ([60, 45, 90, 40], [2, 1, 33, 4])],
+                         ids=["decode", "extend"])
+def test_shared_prefix_split_equals_plain_attention(monkeypatch, kv_lens, q_lens, dtype):
+    """With a common 36-slot prefix TorchAttention gathers it once (split path, with torch's
+    flash op and with the plain-ops fallback); the result must equal the plain padded SDPA
+    path's (split disabled), to rounding."""
+    import forklm.runtime.attention as attention
+
+    gen = torch.Generator().manual_seed(7)
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity=400, shared=36)
+    pool = KVPool(2, 400, NUM_KV_HEADS, HEAD_DIM, dtype)
+    pool.k_buffer.copy_(torch.randn(pool.k_buffer.shape, generator=gen))
+    pool.v_buffer.copy_(torch.randn(pool.v_buffer.shape, generator=gen))
+    n = batch.num_tokens
+    q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen).to(dtype)
+               for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+    monkeypatch.setattr(attention, "MIN_SPLIT_BATCH", 2)
+    flash = attention._FLASH_WITH_LSE
+    outs = []
+    for min_shared, op in ((10**9, flash), (32, flash), (32, None)):  # plain, split, fallback
+        monkeypatch.setattr(attention, "MIN_SHARED_PREFIX", min_shared)
+        monkeypatch.setattr(attention, "_FLASH_WITH_LSE", op)
+        backend = TorchAttention(pool, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+        backend.prepare(batch)
+        assert (backend.shared_slots is not None) == (min_shared == 32)
+        outs.append(backend.forward(1, q, k, v, batch).float())
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
+    torch.testing.assert_close(outs[2], outs[0], atol=atol, rtol=0)
 
 
 def test_auto_backend_is_triton_on_cuda_only(monkeypatch):

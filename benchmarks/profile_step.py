@@ -1,0 +1,98 @@
+"""Time and profile one model forward in isolation: a decode step at batch B over contexts of L
+tokens, or a prefill of B prompts of L tokens, on the default model over the paged KV pool.
+
+  python -m benchmarks.profile_step --batch 16 --ctx 450 [--prefill] [--profile] [--repeats 20]
+
+Prints the median forward time; with --profile, torch.profiler's top operators by self CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from forklm.runtime.attention import create_attention_backend
+from forklm.runtime.forward_batch import ForwardBatch
+from forklm.runtime.kv_pool import KVPool
+from forklm.runtime.model_loader import load_model
+from forklm.runtime.models.llama import LlamaForCausalLM, head_dim_of
+
+
+def build(dtype: torch.dtype, capacity: int) -> tuple[LlamaForCausalLM, KVPool, object]:
+    loaded = load_model("SmolLM2-135M-Instruct")
+    hf = loaded.config
+    model = LlamaForCausalLM(hf, max_positions=4096)
+    model.load_hf_state_dict(loaded.state_dict)
+    model.to(dtype).eval()
+    pool = KVPool(hf.num_hidden_layers, capacity, hf.num_key_value_heads, head_dim_of(hf), dtype)
+    attn = create_attention_backend("torch", pool, hf.num_attention_heads,
+                                    hf.num_key_value_heads, head_dim_of(hf))
+    return model, pool, attn
+
+
+def decode_batch(batch: int, ctx: int, shared: int = 0) -> ForwardBatch:
+    """Each request's prompt sits in a contiguous run of slots; its generated tokens interleave
+    with the other requests' (one slot per request per decode step), as the allocator hands out.
+    The first `shared` slots are the same for every request (a radix-cached common prefix)."""
+    prompt = ctx - 32
+    table = torch.empty(batch, ctx, dtype=torch.int64)
+    for b in range(batch):
+        table[b, :prompt] = torch.arange(b * prompt, (b + 1) * prompt)
+        table[b, prompt:] = batch * prompt + torch.arange(32) * batch + b
+    table[:, :shared] = torch.arange(shared)
+    return ForwardBatch(
+        input_ids=torch.randint(0, 49152, (batch,)), positions=torch.full((batch,), ctx - 1),
+        out_slots=table[:, -1].clone(), q_lens=torch.ones(batch, dtype=torch.int64),
+        kv_lens=torch.full((batch,), ctx), slot_table=table,
+        q_index=torch.arange(batch)[:, None], logits_indices=torch.arange(batch), max_q_len=1,
+        is_decode=True)
+
+
+def prefill_batch(batch: int, length: int) -> ForwardBatch:
+    table = torch.arange(batch * length).view(batch, length)
+    return ForwardBatch(
+        input_ids=torch.randint(0, 49152, (batch * length,)),
+        positions=torch.arange(length).repeat(batch), out_slots=table.flatten(),
+        q_lens=torch.full((batch,), length), kv_lens=torch.full((batch,), length),
+        slot_table=table, q_index=table.clone(),
+        logits_indices=torch.arange(batch) * length + length - 1, max_q_len=length,
+        is_decode=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=450)
+    p.add_argument("--shared", type=int, default=0, help="decode: common prefix slots")
+    p.add_argument("--prefill", action="store_true")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    model, pool, attn = build(getattr(torch, args.dtype), args.batch * args.ctx + 64)
+    if args.prefill:
+        fb = prefill_batch(args.batch, args.ctx)
+    else:
+        fb = decode_batch(args.batch, args.ctx, args.shared)
+    for _ in range(3):
+        model(fb, attn)
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        model(fb, attn)
+        times.append(1000 * (time.perf_counter() - t0))
+    kind = "prefill" if args.prefill else "decode"
+    print(f"{kind} batch {args.batch} ctx {args.ctx}: median {statistics.median(times):.1f} ms "
+          f"(min {min(times):.1f}) over {args.repeats}")
+    if args.profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                model(fb, attn)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Start a serving process on 127.0.0.1 for the HTTP runner, wait until it answers, stop it after:
+forklm's own server (`forklm serve`) and the CPU peer, llama-cpp-python's server on the same GGUF."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """`with ServerProcess(cmd, port) as server:` runs cmd until the block ends. Waits for
+    GET health_path to answer 200; raises RuntimeError with the log's tail if the process exits
+    or the wait times out. The child gets OMP_WAIT_POLICY=PASSIVE (shared cores, see NOTES.md)."""
+
+    command: list[str]
+    port: int
+    health_path: str = "/health"
+    startup_timeout_s: float = 600.0
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "server not started"
+        return self.proc.pid
+
+    def __enter__(self) -> ServerProcess:
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="bench-server-", suffix=".log",
+                                                delete=False)
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **self.env}
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def log_tail(self, num_chars: int = 2000) -> str:
+        return pathlib.Path(self._log.name).read_text(errors="replace")[-num_chars:]
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        url = self.base_url + self.health_path
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before answering "
+                                   f"{url}; command {' '.join(self.command)}\n{self.log_tail()}")
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server did not answer {url} within {self.startup_timeout_s:.0f} s\n"
+                           f"{self.log_tail()}")
+
+
+def default_gguf() -> pathlib.Path:
+    """The default model's GGUF file, located the way the engine's model loader finds it."""
+    from forklm.runtime.model_loader import default_model_gguf
+
+    return default_model_gguf()
+
+
+def llamacpp_server(python: str, num_threads: int = 2, n_ctx: int = 4096,
+                    model: str | None = None, port: int | None = None) -> ServerProcess:
+    """llama-cpp-python's OpenAI-compatible server on the GGUF file, `num_threads` threads (the
+    same count as forklm's engine), one context of n_ctx tokens (it serves one request at a
+    time, queueing the others, and reuses the previous prompt's prefix)."""
+    if not pathlib.Path(python).exists():
+        raise FileNotFoundError(f"--llamacpp-python {python!r} does not exist; create it with "
+                                "python3.11 -m venv DIR && DIR/bin/pip install "
+                                "'llama-cpp-python[server]'")
+    port = port or free_port()
+    cmd = [python, "-m", "llama_cpp.server", "--model", str(model or default_gguf()),
+           "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(num_threads),
+           "--n_threads_batch", str(num_threads), "--n_ctx", str(n_ctx),
+           # By default a new request aborts the one being streamed; queue them instead.
+           "--interrupt_requests", "False"]
+    return ServerProcess(cmd, port, health_path="/v1/models")
+
+
+def forklm_server(engine_flags: list[str] | None = None, port: int | None = None) -> ServerProcess:
+    """`forklm serve` in a child process with this interpreter; engine_flags are EngineConfig
+    flags such as ["--dtype", "bfloat16"]."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "forklm", "serve", "--host", "127.0.0.1", "--port", str(port),
+           *(engine_flags or [])]
+    return ServerProcess(cmd, port, health_path="/health")
