@@ -27,15 +27,6 @@ class KVMemory:
     bytes_per_token: int
 
 
-def _snapshot(engine: Any) -> tuple[int, int]:
-    """(slots reserved, tokens needed), read on the engine thread between steps."""
-    kv, sched = engine.parts.kv, engine.parts.scheduler
-    reserved = kv.allocator.capacity - kv.allocator.num_free
-    needed = kv.cache.total_size if kv.cache is not None else 0
-    needed += sum(r.num_computed - r.prefix_len for r in sched.active_reqs() if r.row is not None)
-    return reserved, needed
-
-
 def measure_kv_memory(engine: Any, wl: Workload, interval_s: float = 0.05) -> KVMemory:
     """Run wl's prompts through engine.generate (one call) and sample the ratio meanwhile."""
     pool = engine.parts.kv.pool
@@ -51,8 +42,8 @@ def measure_kv_memory(engine: Any, wl: Workload, interval_s: float = 0.05) -> KV
     worker.start()
     ratios: list[float] = []
     while not done.wait(interval_s):
-        # Engine._call runs the function on the engine thread, so the counts are consistent.
-        reserved, needed = engine._call(lambda: _snapshot(engine))
+        stats = engine.stats()  # read on the engine thread between steps: consistent counts
+        reserved, needed = stats["kv_capacity"] - stats["kv_free"], stats["kv_tokens_needed"]
         if needed:
             ratios.append(reserved * bytes_per_slot / (needed * bytes_per_token))
     worker.join()

@@ -324,6 +324,9 @@ class Engine:
             "kv_free": free,
             "kv_cached": cached,
             "kv_used": kv.allocator.capacity - free - cached,
+            # distinct tokens the reserved slots stand for (cache + running requests' own tokens)
+            "kv_tokens_needed": cached + sum(r.num_computed - r.prefix_len
+                                             for r in sched.active_reqs() if r.row is not None),
             "prompt_tokens": s["prompt_tokens"],
             "cache_hit_tokens": s["cached_tokens"],
             "cache_hit_rate": s["cached_tokens"] / max(s["prompt_tokens"], 1),
