@@ -20,7 +20,42 @@ from forklm.frontend_dsl.streaming import PieceFilter, TextEvent
 _JOIN_MODES = ("gather_variable", "concate_and_append")
 
 
-class ProgramState:
+class ChatBlocks:
+    """Role and scope methods shared by ProgramState and the tracer's state: each appends begin
+    and end nodes through `_append_node`."""
+
+    def _append_node(self, expr: Any) -> None:
+        raise NotImplementedError
+
+    def _role(self, role: str, expr: Any) -> contextlib.AbstractContextManager[None] | None:
+        if expr is not None:
+            for node in (RoleBegin(role), expr, RoleEnd(role)):
+                self._append_node(node)
+            return None
+        return self._scope(RoleBegin(role), RoleEnd(role))
+
+    def system(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
+        """`s.system("...")` appends a system message; `with s.system():` wraps a block."""
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
+        return self._role("assistant", expr)
+
+    def var_scope(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """`with s.var_scope("x"):` makes everything appended inside the block variable `x`."""
+        return self._scope(VarScopeBegin(name), VarScopeEnd(name))
+
+    @contextlib.contextmanager
+    def _scope(self, begin: Any, end: Any) -> Iterator[None]:
+        self._append_node(begin)
+        yield
+        self._append_node(end)
+
+
+class ProgramState(ChatBlocks):
     """`s += "text" | gen(...) | select(...)` queues work and returns at once; `s[name]` blocks
     until that variable is produced. An error in a gen or select is raised (with its original
     type and message) at the next `s[...]`, `text()`, `messages()` or `sync()`."""
@@ -31,6 +66,9 @@ class ProgramState:
     def __iadd__(self, expr: Any) -> ProgramState:
         self._ex.submit(expr)
         return self
+
+    def _append_node(self, expr: Any) -> None:
+        self._ex.submit(expr)
 
     def __getitem__(self, name: str) -> Any:
         return self._ex.get(name)
@@ -113,35 +151,6 @@ class ProgramState:
     def _raise_error(self) -> None:
         if self._ex.error is not None:
             raise self._ex.error
-
-    # -- roles and scopes ----------------------------------------------------------------------
-    def _role(self, role: str, expr: Any) -> contextlib.AbstractContextManager[None] | None:
-        if expr is not None:
-            self._ex.submit(RoleBegin(role))
-            self._ex.submit(expr)
-            self._ex.submit(RoleEnd(role))
-            return None
-        return self._scope(RoleBegin(role), RoleEnd(role))
-
-    def system(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
-        """`s.system("...")` appends a system message; `with s.system():` wraps a block."""
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
-        return self._role("assistant", expr)
-
-    def var_scope(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """`with s.var_scope("x"):` makes everything appended inside the block variable `x`."""
-        return self._scope(VarScopeBegin(name), VarScopeEnd(name))
-
-    @contextlib.contextmanager
-    def _scope(self, begin: Any, end: Any) -> Iterator[None]:
-        self._ex.submit(begin)
-        yield
-        self._ex.submit(end)
 
     # -- fork ----------------------------------------------------------------------------------
     def fork(self, size: int = 1) -> ProgramStateGroup:

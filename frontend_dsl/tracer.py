@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from forklm.frontend_dsl import choices as choices_mod
 from forklm.frontend_dsl import ir, primitives
-from forklm.frontend_dsl.state import BranchGroup
+from forklm.frontend_dsl.state import BranchGroup, ChatBlocks
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
 from forklm.runtime.sampling import SamplingParams
 
@@ -135,7 +135,7 @@ def primitive_to_node(expr: Any) -> ir.Node:
     raise TraceError(f"cannot put {expr!r} in a graph")
 
 
-class TracerState:
+class TracerState(ChatBlocks):
     """Stands in for ProgramState while tracing: records nodes instead of running them."""
 
     def __init__(self, trace: _Trace, path: list[int], known: dict[str, Any] | None = None):
@@ -235,31 +235,8 @@ class TracerState:
     def error(self) -> None:
         return None
 
-    def _role(self, role: str, expr: Any) -> contextlib.AbstractContextManager[None] | None:
-        if expr is not None:
-            self += primitives.RoleBegin(role)
-            self += expr
-            self += primitives.RoleEnd(role)
-            return None
-        return self._scope(primitives.RoleBegin(role), primitives.RoleEnd(role))
-
-    def system(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
-        return self._role("assistant", expr)
-
-    def var_scope(self, name: str) -> contextlib.AbstractContextManager[None]:
-        return self._scope(primitives.VarScopeBegin(name), primitives.VarScopeEnd(name))
-
-    @contextlib.contextmanager
-    def _scope(self, begin: Any, end: Any) -> Iterator[None]:
-        self += begin
-        yield
-        self += end
+    def _append_node(self, expr: Any) -> None:
+        self.__iadd__(expr)
 
     def fork(self, size: int = 1) -> TracerGroup:
         if not isinstance(size, int) or size < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from forklm.runtime.errors import InvalidArgumentError
 
@@ -44,31 +44,31 @@ class EngineConfig:
     enable_jump_forward: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
+        check_field(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                "expected one of auto, float32, bfloat16, float16")
-        _check(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
+        check_field(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                "expected 'cpu' or 'cuda[:N]'")
-        _check(self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens",
+        check_field(self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens",
                self.max_total_tokens, "need at least 16 KV slots")
-        _check(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests,
+        check_field(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests,
                "must be >= 1")
-        _check(self.max_prefill_tokens >= 1, "max_prefill_tokens", self.max_prefill_tokens,
+        check_field(self.max_prefill_tokens >= 1, "max_prefill_tokens", self.max_prefill_tokens,
                "must be >= 1")
-        _check(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
+        check_field(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
                "chunked_prefill_size", self.chunked_prefill_size, "must be -1 (off) or >= 1")
-        _check(self.schedule_policy in ("lpm", "fcfs"), "schedule_policy", self.schedule_policy,
+        check_field(self.schedule_policy in ("lpm", "fcfs"), "schedule_policy", self.schedule_policy,
                "expected 'lpm' or 'fcfs'")
-        _check(self.page_size == 1, "page_size", self.page_size,
+        check_field(self.page_size == 1, "page_size", self.page_size,
                "only page_size=1 is implemented so far")
-        _check(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+        check_field(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
                self.attention_backend, "expected auto, torch or triton")
-        _check(self.context_length is None or self.context_length >= 1, "context_length",
+        check_field(self.context_length is None or self.context_length >= 1, "context_length",
                self.context_length, "must be >= 1")
-        _check(self.schedule_conservativeness > 0, "schedule_conservativeness",
+        check_field(self.schedule_conservativeness > 0, "schedule_conservativeness",
                self.schedule_conservativeness, "must be > 0")
-        _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
+        check_field(self.num_threads is None or self.num_threads >= 1, "num_threads",
                self.num_threads, "must be >= 1")
-        _check(0 < self.max_total_tokens_fraction <= 0.9, "max_total_tokens_fraction",
+        check_field(0 < self.max_total_tokens_fraction <= 0.9, "max_total_tokens_fraction",
                self.max_total_tokens_fraction, "must be in (0, 0.9]")
 
     @property
@@ -86,14 +86,24 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments, rejecting unknown names with the list of known ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise InvalidArgumentError(unknown[0], kwargs[unknown[0]],
-                                       f"unknown engine option; known: {', '.join(sorted(known))}")
-        return cls(**kwargs)
+        return config_from_kwargs(cls, "engine", kwargs)
 
 
-def _check(ok: bool, name: str, value: object, why: str) -> None:
+C = TypeVar("C")
+
+
+def config_from_kwargs(cls: type[C], kind: str, kwargs: dict[str, Any]) -> C:
+    """A config dataclass from keyword arguments; an unknown name is an InvalidArgumentError
+    that lists the known ones."""
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise InvalidArgumentError(unknown[0], kwargs[unknown[0]],
+                                   f"unknown {kind} option; known: {', '.join(sorted(known))}")
+    return cls(**kwargs)
+
+
+def check_field(ok: bool, name: str, value: object, why: str) -> None:
+    """Config validation: raise InvalidArgumentError naming the field unless `ok`."""
     if not ok:
         raise InvalidArgumentError(name, value, why)

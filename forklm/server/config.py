@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.config import check_field as _check
+from forklm.runtime.config import config_from_kwargs
 
 
 @dataclass(frozen=True)
@@ -50,14 +50,4 @@ class ServerConfig:
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerConfig:
         """Build from keyword arguments, rejecting unknown names with the list of known ones."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise InvalidArgumentError(unknown[0], kwargs[unknown[0]],
-                                       f"unknown server option; known: {', '.join(sorted(known))}")
-        return cls(**kwargs)
-
-
-def _check(ok: bool, name: str, value: object, why: str) -> None:
-    if not ok:
-        raise InvalidArgumentError(name, value, why)
+        return config_from_kwargs(cls, "server", kwargs)
