@@ -102,7 +102,7 @@ class TorchAttention:
         their log-sum-exps. q_pad [batch, kvh, rows, d]; k_own/v_own [batch, suffix, kvh, d]
         -> [batch, kvh, rows, d]."""
         assert self.shared_slots is not None and self.suffix_bias is not None
-        if _FLASH_WITH_LSE is None:
+        if _FLASH_WITH_LSE is None or q_pad.device.type != "cpu":  # the op is CPU-only
             return self._split_attention_math(layer_id, q_pad, k_own, v_own)
         bsz, kvh, rows, d = q_pad.shape
         k_sh = self.pool.k_buffer[layer_id].index_select(0, self.shared_slots).transpose(0, 1)
