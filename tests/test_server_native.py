@@ -175,7 +175,10 @@ def test_disconnect_mid_openai_stream_with_n2_frees_kv(live_server):
     with (httpx.Client(base_url=live_server.base_url, timeout=60) as c,
           c.stream("POST", "/v1/chat/completions", json=body) as r):
         seen = [line for line, _ in zip(r.iter_lines(), range(12)) if line]
-        assert len(seen) >= 4 and engine.stats()["kv_used"] > 0
+        # both samples are still alive (running, or waiting after a retraction; their KV may
+        # briefly all sit in the radix cache right after a re-prefill)
+        stats = engine.stats()
+        assert len(seen) >= 4 and stats["running"] + stats["waiting"] == 2
     wait_until(lambda: engine.stats()["kv_used"] == 0 and engine.stats()["running"] == 0)
     wait_until(lambda: live_server.app.state.service.admission.admitted == 0)
     assert_idle_and_clean(engine)
