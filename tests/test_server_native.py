@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from conftest import assert_idle_and_clean
+from conftest import assert_idle_and_clean, serve_in_thread
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
@@ -167,21 +167,24 @@ def test_disconnect_before_a_non_streamed_result_aborts_it(live_server):
     assert_idle_and_clean(engine)
 
 
-def test_disconnect_mid_openai_stream_with_n2_frees_kv(live_server):
-    """The OpenAI stream fans n=2 out to two engine requests; closing it aborts both."""
-    engine = live_server.engine
+def test_disconnect_mid_openai_stream_with_n2_frees_kv(make_engine):
+    """The OpenAI stream fans n=2 out to two engine requests; closing it aborts both. (Its own
+    engine and server: the shared engine's cache state from other tests must not matter.)"""
+    engine = make_engine(max_total_tokens=12288)
+    server = serve_in_thread(engine)
     body = {"model": "SmolLM2-135M-Instruct", "n": 2, "stream": True, "ignore_eos": True,
-            "max_tokens": 3000, "messages": [{"role": "user", "content": "Write an essay."}]}
-    with (httpx.Client(base_url=live_server.base_url, timeout=60) as c,
-          c.stream("POST", "/v1/chat/completions", json=body) as r):
-        seen = [line for line, _ in zip(r.iter_lines(), range(12)) if line]
-        # both samples are still alive (running, or waiting after a retraction; their KV may
-        # briefly all sit in the radix cache right after a re-prefill)
-        stats = engine.stats()
-        assert len(seen) >= 4 and stats["running"] + stats["waiting"] == 2
-    wait_until(lambda: engine.stats()["kv_used"] == 0 and engine.stats()["running"] == 0)
-    wait_until(lambda: live_server.app.state.service.admission.admitted == 0)
-    assert_idle_and_clean(engine)
+            "max_tokens": 1000, "messages": [{"role": "user", "content": "Write an essay."}]}
+    try:
+        with (httpx.Client(base_url=server.base_url, timeout=60) as c,
+              c.stream("POST", "/v1/chat/completions", json=body) as r):
+            seen = [line for line, _ in zip(r.iter_lines(), range(12)) if line]
+            stats = engine.stats()  # both samples alive: running, or waiting after a retraction
+            assert len(seen) >= 4 and stats["running"] + stats["waiting"] == 2, (stats, seen[-1])
+        wait_until(lambda: engine.stats()["kv_used"] == 0 and engine.stats()["running"] == 0)
+        wait_until(lambda: server.app.state.service.admission.admitted == 0)
+        assert_idle_and_clean(engine)
+    finally:
+        server.stop()
 
 
 def metric_values(text: str) -> dict[str, float]:
