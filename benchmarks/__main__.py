@@ -62,6 +62,7 @@ def _hf_runner(system: str, args: argparse.Namespace) -> HFRunner:
     import torch
     import transformers
 
+    from forklm.runtime.config import resolved_dtype_name
     from forklm.runtime.model_loader import load_model
 
     if args.num_threads:
@@ -70,7 +71,7 @@ def _hf_runner(system: str, args: argparse.Namespace) -> HFRunner:
     model = transformers.LlamaForCausalLM(loaded.config)
     model.load_state_dict(loaded.state_dict, strict=False)
     model.tie_weights()
-    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    dtype = getattr(torch, resolved_dtype_name(args.dtype))
     return HFRunner(model.to(dtype).eval(), loaded.tokenizer, 1 if system == "hf1" else 8)
 
 
@@ -175,7 +176,9 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--scale", default="1.0",
                    help="fraction of each workload's requests, or 'full' (= the full suite's "
                         f"workloads {FULL_WORKLOADS} and systems {FULL_SYSTEMS}, scale 1)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="dtype of every in-process system (forklm and transformers alike); auto = "
+                        "bfloat16 where the CPU has native bf16, else float32")
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--num-threads", type=int, default=None,
                    help="threads for every system (engine, transformers, llama.cpp; default 2 "

@@ -1,7 +1,7 @@
 """Engine speed on the default model: prefill tokens/s, decode tokens/s at batch 1 and 16, and the
 per-step time spent outside the model forward (scheduler + sampling + bookkeeping).
 
-Run: `python -m benchmarks.engine_speed [--dtype bfloat16] [--repeats 3]`; prints medians.
+Run: `python -m benchmarks.engine_speed [--dtype auto] [--repeats 3]`; prints medians.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import time
 import torch
 
 from forklm.runtime.attention import create_attention_backend
+from forklm.runtime.config import resolved_dtype_name
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import load_model
@@ -68,11 +69,11 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=450)
     p.add_argument("--shared", type=int, default=0, help="decode: common prefix slots")
     p.add_argument("--prefill", action="store_true")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
-    model, pool, attn = build(getattr(torch, args.dtype), args.batch * args.ctx + 64)
+    model, pool, attn = build(getattr(torch, resolved_dtype_name(args.dtype)), args.batch * args.ctx + 64)
     if args.prefill:
         fb = prefill_batch(args.batch, args.ctx)
     else:

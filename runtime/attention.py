@@ -46,6 +46,7 @@ class TorchAttention:
         self.flat_slots: torch.Tensor | None = None
         self.shared_slots: torch.Tensor | None = None  # [shared_len] or None: no split
         self.suffix_bias: torch.Tensor | None = None  # [batch, 1, rows, suffix] additive mask
+        self.min_split_batch = MIN_SPLIT_BATCH.get(pool.k_buffer.dtype, MIN_SPLIT_BATCH_DEFAULT)
 
     def prepare(self, batch: ForwardBatch) -> None:
         # Query i of request b sits at position prefix_b + i and sees keys j <= prefix_b + i.
@@ -57,7 +58,7 @@ class TorchAttention:
         # The GQA group is folded into the query axis: row g * max_q + i.
         self.mask = mask.repeat(1, self.group, 1)[:, None]  # [batch, 1, group*max_q, max_kv]
         self.packed_rows = None if batch.is_decode else _packed_rows(batch)
-        shared = _shared_prefix_len(batch)
+        shared = _shared_prefix_len(batch, self.min_split_batch)
         table = batch.slot_table
         self.shared_slots = table[0, :shared] if shared else None
         # Additive mask for the own-suffix part of a split (the flash op takes q's dtype).
@@ -143,18 +144,22 @@ class TorchAttention:
 # torch's CPU flash attention returning (out, logsumexp): a private op, so looked up once and
 # optional (the plain-ops fallback gives the same result, slower).
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# A split pays only at larger batches. Whole decode step, W1-shaped (420 shared of 500 keys), quiet
-# machine: 1.12x the plain step at batch 4, 1.03x at 8, 0.92x at 16, 0.62x at 32 (NOTES.md).
-MIN_SPLIT_BATCH = 16
+# A split pays only at larger batches. Whole decode step, W1-shaped (420 shared of 500 keys),
+# split / plain: bf16 on an AVX-512-bf16 CPU 1.12x at batch 4, 1.03x at 8, 0.92x at 16, 0.62x at
+# 32; fp32 on an AVX2 CPU (gathers move twice the bytes) 1.00x at 4, 0.87x at 8, 0.89x at 16,
+# 0.37x at 32 (NOTES.md).
+MIN_SPLIT_BATCH = {torch.float32: 8}
+MIN_SPLIT_BATCH_DEFAULT = 16
 # Below this many shared keys a split costs more small ops than the gathers it saves.
 MIN_SHARED_PREFIX = 32
 
 
-def _shared_prefix_len(batch: ForwardBatch) -> int:
+def _shared_prefix_len(batch: ForwardBatch, min_batch: int) -> int:
     """Leading slot-table columns equal across all requests and visible to every query (before
-    each request's first new token); 0 when below MIN_SHARED_PREFIX or a single request."""
+    each request's first new token); 0 when below MIN_SHARED_PREFIX or fewer than `min_batch`
+    requests."""
     table = batch.slot_table
-    if batch.batch_size < max(2, MIN_SPLIT_BATCH):
+    if batch.batch_size < max(2, min_batch):
         return 0
     limit = int((batch.kv_lens - batch.q_lens).min())
     if limit < MIN_SHARED_PREFIX:

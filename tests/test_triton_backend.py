@@ -95,13 +95,13 @@ def test_shared_prefix_split_equals_plain_attention(monkeypatch, kv_lens, q_lens
     n = batch.num_tokens
     q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen).to(dtype)
                for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
-    monkeypatch.setattr(attention, "MIN_SPLIT_BATCH", 2)
     flash = attention._FLASH_WITH_LSE
     outs = []
     for min_shared, op in ((10**9, flash), (32, flash), (32, None)):  # plain, split, fallback
         monkeypatch.setattr(attention, "MIN_SHARED_PREFIX", min_shared)
         monkeypatch.setattr(attention, "_FLASH_WITH_LSE", op)
         backend = TorchAttention(pool, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+        backend.min_split_batch = 2
         backend.prepare(batch)
         assert (backend.shared_slots is not None) == (min_shared == 32)
         outs.append(backend.forward(1, q, k, v, batch).float())
