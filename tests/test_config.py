@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from forklm.runtime import config as config_module
@@ -23,6 +25,6 @@ def test_an_explicit_dtype_is_kept(monkeypatch):
 
 
 def test_native_bf16_is_read_from_the_cpu_flags():
-    flags = open("/proc/cpuinfo").read()
+    flags = pathlib.Path("/proc/cpuinfo").read_text()
     expected = "avx512_bf16" in flags or "amx_bf16" in flags
     assert config_module.cpu_has_native_bf16() is expected

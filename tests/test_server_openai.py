@@ -3,8 +3,12 @@ completions, chat, streaming, n=2, logprobs, response_format json_schema, tool c
 
 from __future__ import annotations
 
+import gc
 import json
+import time
+from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -101,6 +105,53 @@ def test_chat_stream_with_usage(client):
     assert reasons == [full.choices[0].finish_reason] * 2
     assert usage.completion_tokens == 2 * full.usage.completion_tokens
     assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def _events(lines: Iterator[str], num: int) -> list[dict]:
+    """The next `num` SSE events (JSON) from a held `response.iter_lines()` iterator."""
+    events: list[dict] = []
+    for line in lines:
+        if line:
+            assert line.startswith("data: ") and line != "data: [DONE]", line
+            events.append(json.loads(line[len("data: "):]))
+            if len(events) == num:
+                break
+    return events
+
+
+def _wait_until(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_chat_n2_stream_stays_alive_while_the_client_holds_it(live_server):
+    """Both samples of a streamed n=2 chat keep generating while the client holds the stream
+    (a garbage collection included) and both end, their KV freed, once it leaves.
+    Regression: the n=2 disconnect test read its first events through a temporary
+    `r.iter_lines()`. Dropping that iterator closes it, and httpcore closes the response, i.e.
+    the connection, on that GeneratorExit: the client had really left, and the server's (right)
+    abort of both samples raced the test's check that they were still alive."""
+    engine = live_server.engine
+    _wait_until(lambda: engine.stats()["running"] + engine.stats()["waiting"] == 0)
+    body = {"model": MODEL, "n": 2, "stream": True, "ignore_eos": True, "max_tokens": 1000,
+            "messages": ask("Write an essay.")}
+    with (httpx.Client(base_url=live_server.base_url, timeout=60) as c,
+          c.stream("POST", "/v1/chat/completions", json=body) as r):
+        lines = r.iter_lines()  # held until the end of the block (see the docstring)
+        assert len(_events(lines, 6)) == 6
+        gc.collect()
+        time.sleep(0.5)  # plenty for the server to act on a disconnect, were there one
+        stats = engine.stats()
+        assert stats["running"] + stats["waiting"] == 2, stats
+        later = [e["choices"][0] for e in _events(lines, 12)]
+        assert {ch["index"] for ch in later} == {0, 1}
+        assert all(ch["finish_reason"] is None for ch in later)
+    # the client has left now: both samples are aborted and their KV returns to the pool
+    _wait_until(lambda: engine.stats()["running"] + engine.stats()["waiting"] == 0
+                and engine.stats()["kv_used"] == 0)
+    _wait_until(lambda: live_server.app.state.service.admission.admitted == 0)
 
 
 def test_completion_stream(client):
