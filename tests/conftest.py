@@ -4,6 +4,7 @@ same weights, and engines built on demand (cached per config so tests share them
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -134,3 +135,11 @@ def live_server(make_engine):
     server = serve_in_thread(make_engine())
     yield server
     server.stop()
+
+
+def wait_until(cond, timeout: float = 20.0) -> None:
+    """Poll `cond` every 20 ms until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)

@@ -4,11 +4,10 @@ prefix caching), health/info/admin endpoints, /metrics, and abort on client disc
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
-from conftest import assert_idle_and_clean, serve_in_thread
+from conftest import assert_idle_and_clean, serve_in_thread, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
@@ -128,13 +127,6 @@ def test_abort_request_by_rid(client, live_server):
     t.join(timeout=30)
     assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
     wait_until(lambda: live_server.engine.stats()["kv_used"] == 0)
-
-
-def wait_until(cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_disconnect_mid_stream_frees_kv(live_server):

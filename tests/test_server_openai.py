@@ -12,6 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -119,13 +120,6 @@ def _events(lines: Iterator[str], num: int) -> list[dict]:
     return events
 
 
-def _wait_until(cond, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
-
-
 def test_chat_n2_stream_stays_alive_while_the_client_holds_it(live_server):
     """Both samples of a streamed n=2 chat keep generating while the client holds the stream
     (a garbage collection included) and both end, their KV freed, once it leaves.
@@ -134,7 +128,7 @@ def test_chat_n2_stream_stays_alive_while_the_client_holds_it(live_server):
     the connection, on that GeneratorExit: the client had really left, and the server's (right)
     abort of both samples raced the test's check that they were still alive."""
     engine = live_server.engine
-    _wait_until(lambda: engine.stats()["running"] + engine.stats()["waiting"] == 0)
+    wait_until(lambda: engine.stats()["running"] + engine.stats()["waiting"] == 0)
     body = {"model": MODEL, "n": 2, "stream": True, "ignore_eos": True, "max_tokens": 1000,
             "messages": ask("Write an essay.")}
     with (httpx.Client(base_url=live_server.base_url, timeout=60) as c,
@@ -149,9 +143,9 @@ def test_chat_n2_stream_stays_alive_while_the_client_holds_it(live_server):
         assert {ch["index"] for ch in later} == {0, 1}
         assert all(ch["finish_reason"] is None for ch in later)
     # the client has left now: both samples are aborted and their KV returns to the pool
-    _wait_until(lambda: engine.stats()["running"] + engine.stats()["waiting"] == 0
+    wait_until(lambda: engine.stats()["running"] + engine.stats()["waiting"] == 0
                 and engine.stats()["kv_used"] == 0)
-    _wait_until(lambda: live_server.app.state.service.admission.admitted == 0)
+    wait_until(lambda: live_server.app.state.service.admission.admitted == 0)
 
 
 def test_completion_stream(client):
