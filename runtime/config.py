@@ -11,11 +11,21 @@ from typing import Any, TypeVar
 from forklm.runtime.errors import InvalidArgumentError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+QUANTIZATION_CHOICES = (None, "gguf", "none")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    # A .gguf file, a Hugging Face folder, or a Hub id ("org/name") resolved through
+    # huggingface_hub (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN are honoured).
     model_path: str = DEFAULT_MODEL
+    # Hub revision (branch, tag or commit) of a Hub id model_path; None = the default branch.
+    revision: str | None = None
+    # Where the tokenizer comes from when not from the model itself (a folder or a Hub id).
+    tokenizer_path: str | None = None
+    # SGLang's --quantization: None = auto (a GGUF keeps its quantized blocks where that is
+    # faster, see runtime/quant/), "gguf" = always keep them, "none" = dequantize at load.
+    quantization: str | None = None
     # "auto" = bfloat16 on a GPU or a CPU with native bf16 dot products (AVX-512-bf16 or AMX: about
     # 3x faster matmuls than fp32), else float32 (on an AVX2-only CPU bf16 matmuls are emulated and
     # 2.6-5x slower than fp32 at batch 16-512).
@@ -50,6 +60,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_field(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                "expected one of auto, float32, bfloat16, float16")
+        check_field(self.quantization in QUANTIZATION_CHOICES, "quantization",
+                    self.quantization, "expected one of gguf, none (or unset for auto)")
         check_field(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                "expected 'cpu' or 'cuda[:N]'")
         check_field(self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens",

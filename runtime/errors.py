@@ -19,6 +19,11 @@ class ModelNotFoundError(ForkLMError, ValueError):
     """The model path does not resolve to a loadable model; the message says what to install."""
 
 
+class UnsupportedModelError(ModelNotFoundError):
+    """The model was found but its architecture, or a config field that changes its computation,
+    is not supported; the message lists what is."""
+
+
 class KVCacheFullError(ForkLMError, RuntimeError):
     """The slot allocator cannot satisfy a request even after evicting the radix cache."""
 
