@@ -69,7 +69,7 @@ def _hf_runner(system: str, args: argparse.Namespace) -> HFRunner:
         torch.set_num_threads(args.num_threads)
     loaded = load_model("SmolLM2-135M-Instruct")
     model = transformers.LlamaForCausalLM(loaded.config)
-    model.load_state_dict(loaded.state_dict, strict=False)
+    model.load_state_dict(loaded.state_dict(), strict=False)
     model.tie_weights()
     dtype = getattr(torch, resolved_dtype_name(args.dtype))
     return HFRunner(model.to(dtype).eval(), loaded.tokenizer, 1 if system == "hf1" else 8)

@@ -15,22 +15,21 @@ import time
 import torch
 
 from forklm.runtime.attention import create_attention_backend
+from forklm.runtime.builder import build_model
 from forklm.runtime.config import resolved_dtype_name
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import load_model
-from forklm.runtime.models.llama import LlamaForCausalLM, head_dim_of
+from forklm.runtime.models import CausalLM, spec_from_config
 
 
-def build(dtype: torch.dtype, capacity: int) -> tuple[LlamaForCausalLM, KVPool, object]:
+def build(dtype: torch.dtype, capacity: int) -> tuple[CausalLM, KVPool, object]:
     loaded = load_model("SmolLM2-135M-Instruct")
-    hf = loaded.config
-    model = LlamaForCausalLM(hf, max_positions=4096)
-    model.load_hf_state_dict(loaded.state_dict)
-    model.to(dtype).eval()
-    pool = KVPool(hf.num_hidden_layers, capacity, hf.num_key_value_heads, head_dim_of(hf), dtype)
-    attn = create_attention_backend("torch", pool, hf.num_attention_heads,
-                                    hf.num_key_value_heads, head_dim_of(hf))
+    spec = spec_from_config(loaded.config)
+    model = build_model(loaded, spec, dtype, "cpu", max_positions=4096)
+    pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype)
+    attn = create_attention_backend("torch", pool, spec.num_heads, spec.num_kv_heads,
+                                    spec.head_dim, model.attention_layers)
     return model, pool, attn
 
 

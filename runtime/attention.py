@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -10,6 +12,18 @@ import torch.nn.functional as F
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """How one layer's attention differs from plain causal softmax(q k^T / sqrt(d)) v."""
+
+    scale: float | None = None  # None = head_dim ** -0.5
+    # A query at position p sees keys at positions (p - sliding_window, p]; None = all before it.
+    # The window is a mask over absolute positions, so it holds whatever part of the context came
+    # from the radix cache or an earlier prefill chunk (their KV is all still in the pool).
+    sliding_window: int | None = None
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask
 
 
 class AttentionBackend(Protocol):
@@ -34,14 +48,21 @@ class TorchAttention:
     radix cache, W1's few-shot prompt), those keys are gathered once and scored against all the
     batch's queries in one GEMM; only each request's own suffix is gathered per request. The
     softmax runs over both parts' scores together, so the result is ordinary attention.
+
+    Layers with a sliding window use their own mask (and never the split); layers with
+    soft-capped scores run the attention in plain ops, since SDPA has no soft-capping.
     """
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                 layers: Sequence[AttentionLayerSpec] | None = None):
         self.pool = pool
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim**-0.5
+        self.layers = list(layers) if layers else [AttentionLayerSpec()] * pool.num_layers
+        self.scales = [spec.scale or head_dim**-0.5 for spec in self.layers]
+        self.windows = sorted({spec.sliding_window for spec in self.layers if spec.sliding_window})
         self.mask: torch.Tensor | None = None
+        self.window_masks: dict[int, torch.Tensor] = {}
         self.packed_rows: torch.Tensor | None = None
         self.flat_slots: torch.Tensor | None = None
         self.shared_slots: torch.Tensor | None = None  # [shared_len] or None: no split
@@ -57,6 +78,11 @@ class TorchAttention:
         mask = k_pos <= q_pos  # [batch, max_q, max_kv]; padded queries still see key 0
         # The GQA group is folded into the query axis: row g * max_q + i.
         self.mask = mask.repeat(1, self.group, 1)[:, None]  # [batch, 1, group*max_q, max_kv]
+        if self.windows:  # padded query rows keep key 0 visible, so no row is all masked
+            padded = torch.arange(batch.max_q_len, device=device)[None, :, None] >= batch.q_lens[:, None, None]
+            self.window_masks = {
+                w: ((mask & (k_pos > q_pos - w)) | (padded & (k_pos == 0))).repeat(1, self.group, 1)[:, None]
+                for w in self.windows}
         self.packed_rows = None if batch.is_decode else _packed_rows(batch)
         shared = _shared_prefix_len(batch, self.min_split_batch)
         table = batch.slot_table
@@ -87,10 +113,12 @@ class TorchAttention:
         else:
             q_pad = q.index_select(0, batch.q_index.reshape(-1))
         q_pad = q_pad.view(bsz, max_q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, kvh, g * max_q, d)
-        if self.shared_slots is None:
-            out = F.scaled_dot_product_attention(
-                q_pad, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), attn_mask=self.mask
-            )  # [batch, kvh, g*max_q, d]
+        spec = self.layers[layer_id]
+        if spec.softcap is not None or spec.sliding_window or self.shared_slots is None:
+            window = spec.sliding_window
+            mask = self.window_masks[window] if window else self.mask
+            out = _attention(q_pad, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), mask,
+                             self.scales[layer_id], spec.softcap)  # [batch, kvh, g*max_q, d]
         else:
             out = self._split_attention(layer_id, q_pad, k_ctx, v_ctx).to(q.dtype)
         out = out.view(bsz, kvh, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(bsz * max_q, kvh * g * d)
@@ -109,11 +137,12 @@ class TorchAttention:
         k_sh = self.pool.k_buffer[layer_id].index_select(0, self.shared_slots).transpose(0, 1)
         v_sh = self.pool.v_buffer[layer_id].index_select(0, self.shared_slots).transpose(0, 1)
         q_all = q_pad.transpose(0, 1).reshape(1, kvh, bsz * rows, d)  # every query, one "request"
-        out_sh, lse_sh = _FLASH_WITH_LSE(q_all, k_sh[None], v_sh[None])[:2]
+        scale = self.scales[layer_id]
+        out_sh, lse_sh = _FLASH_WITH_LSE(q_all, k_sh[None], v_sh[None], scale=scale)[:2]
         out_sh = out_sh.reshape(kvh, bsz, rows, d).transpose(0, 1)  # [batch, kvh, rows, d]
         lse_sh = lse_sh.reshape(kvh, bsz, rows).transpose(0, 1)  # [batch, kvh, rows]
         out_own, lse_own = _FLASH_WITH_LSE(q_pad, k_own.transpose(1, 2), v_own.transpose(1, 2),
-                                           attn_mask=self.suffix_bias)[:2]
+                                           attn_mask=self.suffix_bias, scale=scale)[:2]
         lse = torch.logaddexp(lse_sh, lse_own)
         w_sh, w_own = (lse_sh - lse).exp()[..., None], (lse_own - lse).exp()[..., None]
         return out_sh.float() * w_sh + out_own.float() * w_own
@@ -128,7 +157,7 @@ class TorchAttention:
         # [kvh, shared, d]: the shared keys once, for every query of the batch
         k_sh = self.pool.k_buffer[layer_id].index_select(0, self.shared_slots).float().transpose(0, 1)
         v_sh = self.pool.v_buffer[layer_id].index_select(0, self.shared_slots).float().transpose(0, 1)
-        qf = q_pad.float() * self.scale
+        qf = q_pad.float() * self.scales[layer_id]
         q_all = qf.transpose(0, 1).reshape(kvh, bsz * rows, d)  # [kvh, batch*rows, d]
         s_sh = torch.matmul(q_all, k_sh.transpose(1, 2))  # [kvh, batch*rows, shared]
         s_sh = s_sh.view(kvh, bsz, rows, shared).transpose(0, 1)  # [batch, kvh, rows, shared]
@@ -139,6 +168,17 @@ class TorchAttention:
         p_sh = p[..., :shared].transpose(0, 1).reshape(kvh, bsz * rows, shared)
         out = torch.matmul(p_sh, v_sh).view(kvh, bsz, rows, d).transpose(0, 1)
         return out + torch.matmul(p[..., shared:], v_own.float().transpose(1, 2))
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               softcap: float | None) -> torch.Tensor:
+    """q [batch, kvh, rows, d], k/v [batch, kvh, keys, d], mask [batch, 1, rows, keys] bool."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # As transformers' eager path: scale, cap, mask, fp32 softmax, back to q's dtype.
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 # torch's CPU flash attention returning (out, logsumexp): a private op, so looked up once and
@@ -176,20 +216,22 @@ def _packed_rows(batch: ForwardBatch) -> torch.Tensor:
     return keep.flatten().nonzero().squeeze(1)
 
 
-def _triton_attention(pool: KVPool, num_heads: int, num_kv_heads: int,
-                      head_dim: int) -> AttentionBackend:
+def _triton_attention(pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                      layers: Sequence[AttentionLayerSpec] | None = None) -> AttentionBackend:
     # Imported only when chosen: it imports Triton, which the CPU path never needs.
     from forklm.runtime.attention_triton import TritonAttention
 
-    return TritonAttention(pool, num_heads, num_kv_heads, head_dim)
+    return TritonAttention(pool, num_heads, num_kv_heads, head_dim, layers)
 
 
 _BACKENDS = {"torch": TorchAttention, "triton": _triton_attention}
 
 
 def create_attention_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int,
-                             head_dim: int) -> AttentionBackend:
+                             head_dim: int,
+                             layers: Sequence[AttentionLayerSpec] | None = None) -> AttentionBackend:
+    """`layers`: one AttentionLayerSpec per layer (None: plain causal attention everywhere)."""
     if name not in _BACKENDS:
         raise InvalidArgumentError("attention_backend", name,
                                    f"supported here: {', '.join(sorted(_BACKENDS))}")
-    return _BACKENDS[name](pool, num_heads, num_kv_heads, head_dim)
+    return _BACKENDS[name](pool, num_heads, num_kv_heads, head_dim, layers)

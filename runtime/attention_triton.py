@@ -4,12 +4,14 @@ through each request's slot table with the kernels in forklm.kernels (no gather,
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
 from forklm.kernels.decode_attention import decode_attention
 from forklm.kernels.extend_attention import extend_attention
 from forklm.kernels.store_kv import store_kv
+from forklm.runtime.attention import AttentionLayerSpec
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.kv_pool import KVPool
@@ -24,7 +26,14 @@ class TritonAttention:
     the batch's index tensors to the pool's device, once per forward.
     """
 
-    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                 layers: Sequence[AttentionLayerSpec] | None = None):
+        layers = list(layers) if layers else [AttentionLayerSpec()] * pool.num_layers
+        if any(spec.sliding_window or spec.softcap is not None for spec in layers):
+            raise InvalidArgumentError("attention_backend", "triton",
+                                       "the Triton kernels have no sliding windows or soft-capping "
+                                       "yet; this model needs attention_backend='torch'")
+        self.scales = [spec.scale for spec in layers]
         if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidArgumentError("attention_backend", "triton",
                                        f"needs a CUDA device, the KV pool is on {pool.device} "
@@ -59,9 +68,9 @@ class TritonAttention:
         if batch.is_decode:
             assert batch.num_tokens == batch.batch_size, "a decode batch has one token per request"
             out = decode_attention(q, k_buffer, v_buffer, meta["kv_indices"], meta["kv_start"],
-                                   meta["kv_lens"])
+                                   meta["kv_lens"], sm_scale=self.scales[layer_id])
         else:
             out = extend_attention(q, k_buffer, v_buffer, meta["q_start"], meta["q_lens"],
                                    meta["kv_indices"], meta["kv_start"], meta["kv_lens"],
-                                   batch.max_q_len)
+                                   batch.max_q_len, sm_scale=self.scales[layer_id])
         return out.view(q.shape[0], self.num_heads * self.head_dim)

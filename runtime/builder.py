@@ -15,15 +15,13 @@ from forklm.runtime.config import EngineConfig
 from forklm.runtime.constrained import GrammarBackend
 from forklm.runtime.kv_manager import KVCacheManager
 from forklm.runtime.kv_pool import KVPool
-from forklm.runtime.model_loader import load_model
+from forklm.runtime.model_loader import LoadedModel, load_model
 from forklm.runtime.model_runner import ModelRunner
-from forklm.runtime.models.llama import LlamaForCausalLM, head_dim_of
+from forklm.runtime.models import CausalLM, ModelSpec, WeightLoader, spec_from_config
 from forklm.runtime.radix_cache import RadixCache
 from forklm.runtime.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 @dataclass
@@ -41,41 +39,63 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
-    loaded = load_model(config.model_path)
+    loaded = load_model(config.model_path, config.revision, config.tokenizer_path)
     hf = loaded.config
-    if hf.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {hf.model_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    spec = spec_from_config(hf)
     dtype = getattr(torch, config.torch_dtype_name)
     context_len = config.context_length or hf.max_position_embeddings
-    model = LlamaForCausalLM(hf, max_positions=context_len)
-    model.load_hf_state_dict(loaded.state_dict)
-    model.to(dtype=dtype, device=config.device).eval()
-    capacity = _kv_capacity(config, hf, dtype, context_len)
-    head_dim = head_dim_of(hf)
-    pool = KVPool(hf.num_hidden_layers, capacity, hf.num_key_value_heads, head_dim, dtype,
-                  config.device)
+    model = build_model(loaded, spec, dtype, config.device, context_len,
+                        keep_quantized=keeps_gguf_quantized(config, loaded))
+    capacity = _kv_capacity(config, spec, dtype, context_len)
+    pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
     cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
     kv = KVCacheManager(pool, cache, max_rows=config.max_running_requests + 1,
                         max_context=min(context_len, capacity))
-    attn = create_attention_backend(config.resolved_attention_backend, pool,
-                                    hf.num_attention_heads, hf.num_key_value_heads, head_dim)
-    logger.info("model %s (%s), KV capacity %d tokens", loaded.source, dtype, capacity)
+    attn = create_attention_backend(config.resolved_attention_backend, pool, spec.num_heads,
+                                    spec.num_kv_heads, spec.head_dim, model.attention_layers)
+    logger.info("model %s (%s, %s), KV capacity %d tokens", loaded.source, spec.model_type, dtype,
+                capacity)
     return EngineParts(
         config=config, model_config=hf, tokenizer=loaded.tokenizer,
         eos_token_ids=frozenset(loaded.eos_token_ids), context_len=context_len,
-        vocab_size=hf.vocab_size, kv=kv, scheduler=Scheduler(config, kv),
+        vocab_size=spec.vocab_size, kv=kv, scheduler=Scheduler(config, kv),
         runner=ModelRunner(model, attn, kv, config.device),
         # The logits are vocab_size wide, which may exceed the tokenizer's length.
-        grammar=GrammarBackend.for_tokenizer(loaded.tokenizer, hf.vocab_size, loaded.eos_token_ids,
+        grammar=GrammarBackend.for_tokenizer(loaded.tokenizer, spec.vocab_size, loaded.eos_token_ids,
                                              jump_forward=config.enable_jump_forward),
     )
 
 
-def _kv_capacity(config: EngineConfig, hf: Any, dtype: torch.dtype, context_len: int) -> int:
+def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device: str,
+                max_positions: int, keep_quantized: bool = False) -> CausalLM:
+    """The model on the meta device (no memory), then its weights streamed in one by one."""
+    with torch.device("meta"):
+        model = CausalLM(spec, loaded.config, max_positions)
+    factory = None
+    if keep_quantized:
+        from forklm.runtime.quant.linear import QuantizedLinear
+
+        factory = QuantizedLinear.from_gguf
+    WeightLoader(model, dtype, device, factory).load(loaded.weights(keep_quantized))
+    return model.eval()
+
+
+def keeps_gguf_quantized(config: EngineConfig, loaded: LoadedModel) -> bool:
+    """quantization="gguf" keeps a GGUF's blocks; "none" dequantizes; unset (auto) keeps them
+    where that is faster at batch 1 (see runtime/quant/), never under dtype="float32", which is
+    the exact path (token-identical to transformers' own GGUF load)."""
+    if not loaded.is_gguf or config.quantization == "none":
+        return False
+    if config.quantization == "gguf":
+        return True
+    from forklm.runtime.quant import quantized_is_faster
+
+    return config.dtype != "float32" and quantized_is_faster(config.device)
+
+
+def _kv_capacity(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context_len: int) -> int:
     if config.max_total_tokens is not None:
         return config.max_total_tokens
-    per_token = KVPool.bytes_per_token(hf.num_hidden_layers, hf.num_key_value_heads,
-                                       head_dim_of(hf), dtype)
+    per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
     by_memory = int(psutil.virtual_memory().available * config.max_total_tokens_fraction) // per_token
     return max(16, min(by_memory, config.max_running_requests * context_len))

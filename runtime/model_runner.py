@@ -10,7 +10,7 @@ import torch
 from forklm.runtime.attention import AttentionBackend
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.kv_manager import KVCacheManager
-from forklm.runtime.models.llama import LlamaForCausalLM
+from forklm.runtime.models import CausalLM
 from forklm.runtime.request import Req
 from forklm.runtime.scheduler import ScheduledBatch
 
@@ -25,7 +25,7 @@ class LogitsRows:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, kv: KVCacheManager,
+    def __init__(self, model: CausalLM, attn: AttentionBackend, kv: KVCacheManager,
                  device: str = "cpu"):
         self.model, self.attn, self.kv = model, attn, kv
         self.device = torch.device(device)

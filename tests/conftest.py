@@ -32,7 +32,7 @@ def tokenizer(default_model: LoadedModel):
 def hf_model(default_model: LoadedModel) -> transformers.PreTrainedModel:
     """transformers' own Llama on the same fp32 weights: the correctness reference."""
     model = transformers.LlamaForCausalLM(default_model.config)
-    missing, unexpected = model.load_state_dict(default_model.state_dict, strict=False)
+    missing, unexpected = model.load_state_dict(default_model.state_dict(), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()
     return model.float().eval()

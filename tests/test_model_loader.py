@@ -13,8 +13,8 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from forklm.runtime import model_loader
-from forklm.runtime.errors import ModelNotFoundError
+from forklm.runtime import gguf_loader, model_loader
+from forklm.runtime.errors import ModelNotFoundError, UnsupportedModelError
 from forklm.runtime.model_loader import (
     LoadedModel,
     default_model_gguf,
@@ -43,6 +43,11 @@ def default_model(cache_dir) -> LoadedModel:
     return load_model("SmolLM2-135M-Instruct")
 
 
+@pytest.fixture(scope="module")
+def default_weights(default_model) -> dict[str, torch.Tensor]:
+    return default_model.state_dict()
+
+
 def _hf_model(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -65,11 +70,11 @@ def test_default_model_config(default_model):
     assert default_model.source == str(default_model_gguf())
 
 
-def test_default_model_state_dict_matches_llama(default_model):
+def test_default_model_state_dict_matches_llama(default_model, default_weights):
     with torch.device("meta"):
         expected = transformers.LlamaForCausalLM(default_model.config).state_dict()
     expected.pop("lm_head.weight")  # tied to the embeddings
-    state_dict = default_model.state_dict
+    state_dict = default_weights
     assert set(state_dict) == set(expected)
     for name, tensor in state_dict.items():
         assert tensor.shape == expected[name].shape, name
@@ -87,9 +92,9 @@ def test_default_model_tokenizer(default_model):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") == 2
 
 
-def test_default_model_answers_paris(default_model):
+def test_default_model_answers_paris(default_model, default_weights):
     model = _hf_model(default_model.config)
-    missing, unexpected = model.load_state_dict(default_model.state_dict, strict=False)
+    missing, unexpected = model.load_state_dict(default_weights, strict=False)
     assert missing == ["lm_head.weight"] and not unexpected
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     tokenizer = default_model.tokenizer
@@ -102,7 +107,7 @@ def test_default_model_answers_paris(default_model):
 
 
 @pytest.mark.slow
-def test_default_model_equals_transformers_gguf_load(default_model):
+def test_default_model_equals_transformers_gguf_load(default_model, default_weights):
     gguf_path = default_model_gguf()
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
@@ -113,27 +118,29 @@ def test_default_model_equals_transformers_gguf_load(default_model):
         "model.layers.7.self_attn.q_proj.weight",
         "model.layers.7.self_attn.k_proj.weight",
     ):
-        assert torch.equal(default_model.state_dict[name], reference[name]), name
-    assert set(default_model.state_dict) == set(reference)
+        assert torch.equal(default_weights[name], reference[name]), name
+    assert set(default_weights) == set(reference)
     for name, tensor in reference.items():
-        assert torch.equal(default_model.state_dict[name], tensor.float()), name
+        assert torch.equal(default_weights[name], tensor.float()), name
 
 
 # ---- The conversion cache -------------------------------------------------------------------
 
 
-def test_second_load_reads_the_cache(default_model, cache_dir):
+def test_second_load_reads_the_cache(default_model, default_weights, cache_dir):
     (cached,) = cache_dir.iterdir()  # one finished folder, no temp leftovers
     assert cached.name.startswith(default_model_gguf().stem)
+    assert not list(cached.glob("*.safetensors"))  # config and tokenizer only: weights stream
     start = time.perf_counter()
     again = load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     elapsed = time.perf_counter() - start
-    assert again.source == str(cached)
-    assert elapsed < 5.0, f"cached load took {elapsed:.1f} s"
-    assert "lm_head.weight" not in again.state_dict
-    assert again.state_dict.keys() == default_model.state_dict.keys()
-    for name, tensor in default_model.state_dict.items():
-        assert torch.equal(again.state_dict[name], tensor), name
+    assert again.source == str(default_model_gguf())
+    assert elapsed < 8.0, f"cached load took {elapsed:.1f} s"
+    weights = again.state_dict()
+    assert "lm_head.weight" not in weights
+    assert weights.keys() == default_weights.keys()
+    for name, tensor in default_weights.items():
+        assert torch.equal(weights[name], tensor), name
     # _name_or_path records where from_pretrained read the config; everything else must match.
     config_fields = [
         {**c.to_dict(), "_name_or_path": ""} for c in (again.config, default_model.config)
@@ -148,19 +155,19 @@ def test_second_load_reads_the_cache(default_model, cache_dir):
 def test_changed_file_gets_a_new_cache_folder(tmp_path):
     path = tmp_path / "m.gguf"
     path.write_bytes(b"x")
-    before = model_loader._cache_dir_for(path)
+    before = gguf_loader._cache_dir_for(path)
     os.utime(path, ns=(0, 10**9))
-    assert model_loader._cache_dir_for(path) != before
+    assert gguf_loader._cache_dir_for(path) != before
     assert before.name.startswith("m-")
 
 
-def test_failed_cache_write_leaves_nothing(default_model, tmp_path, monkeypatch):
-    def fail_midway(loaded, folder):
+def test_failed_cache_write_leaves_nothing(tmp_path, monkeypatch):
+    def fail_midway(model, folder):
         (folder / "config.json").write_text("{}")
         raise OSError("disk full")
 
-    monkeypatch.setattr(model_loader, "_save_hf_dir", fail_midway)
-    model_loader._write_cache(default_model, tmp_path / "cache" / "m-key")
+    monkeypatch.setattr(gguf_loader, "_save_config_and_tokenizer", fail_midway)
+    gguf_loader._write_cache(None, tmp_path / "cache" / "m-key")
     assert list((tmp_path / "cache").iterdir()) == []
 
 
@@ -194,26 +201,27 @@ def test_hf_folder(default_model, tmp_path, config, shard_size):
     assert (tmp_path / "model.safetensors.index.json").exists() == bool(shard_size)
 
     loaded = load_model(str(tmp_path))
+    loaded_weights = loaded.state_dict()
     expected = {k: v.float() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
-    assert loaded.state_dict.keys() == expected.keys()
+    assert loaded_weights.keys() == expected.keys()
     for name, tensor in expected.items():
-        assert loaded.state_dict[name].dtype == torch.float32
-        assert torch.equal(loaded.state_dict[name], tensor), name
+        assert loaded_weights[name].dtype == torch.float32
+        assert torch.equal(loaded_weights[name], tensor), name
     assert loaded.config.model_type == config.model_type
     assert loaded.source == str(tmp_path)
     assert loaded.eos_token_ids == ([2] if config.model_type == "llama" else [2, 1])
     if config.model_type == "qwen2":
-        assert "model.layers.1.self_attn.q_proj.bias" in loaded.state_dict
+        assert "model.layers.1.self_attn.q_proj.bias" in loaded_weights
     assert loaded.tokenizer.chat_template == default_model.tokenizer.chat_template
 
 
 # ---- Tiny GGUFs written here ----------------------------------------------------------------
 
 
-_GGUF_LAYER = {v: k for k, v in model_loader._LAYER_NAMES.items()}
-_GGUF_GLOBAL = {v: k for k, v in model_loader._GLOBAL_NAMES.items()}
+_GGUF_LAYER = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
+_GGUF_GLOBAL = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
 BYTE_TOKENS = list(bytes_to_unicode().values())
 
 
@@ -281,12 +289,13 @@ def test_tiny_gguf_round_trip(tmp_path, monkeypatch, config):
 
     converted = load_model(str(path))
     (cached,) = (tmp_path / "cache").iterdir()
-    assert converted.source == str(path)
-    assert load_model(str(path)).source == str(cached)
-    for loaded in (converted, load_model(str(path))):
-        assert loaded.state_dict.keys() == expected.keys()
+    assert (cached / "tokenizer_config.json").is_file()
+    for loaded in (converted, load_model(str(path))):  # the second one reads the cache
+        assert loaded.source == str(path)
+        loaded_weights = loaded.state_dict()
+        assert loaded_weights.keys() == expected.keys()
         for name, tensor in expected.items():
-            assert torch.equal(loaded.state_dict[name], tensor), name
+            assert torch.equal(loaded_weights[name], tensor), name
         assert loaded.config.model_type == config.model_type
         assert loaded.config.tie_word_embeddings == config.tie_word_embeddings
         assert loaded.config.rope_parameters["rope_theta"] == 5e5
@@ -322,7 +331,7 @@ def test_unsupported_gguf_arch(tmp_path, monkeypatch):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelNotFoundError, match="architecture 'gpt2' is not supported"):
+    with pytest.raises(UnsupportedModelError, match="architecture .gpt2. is not supported"):
         load_model(str(tmp_path / "gpt2.gguf"))
 
 

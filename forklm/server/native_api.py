@@ -114,7 +114,8 @@ async def health_generate(request: Request) -> dict[str, Any]:
 async def get_model_info(request: Request) -> dict[str, Any]:
     service = service_of(request)
     engine = service.engine
-    return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.model_path,
+    tokenizer_path = engine.config.tokenizer_path or engine.config.model_path
+    return {"model_path": engine.config.model_path, "tokenizer_path": tokenizer_path,
             "served_model_name": service.model_name, "is_generation": True,
             "context_length": engine.parts.context_len, "vocab_size": engine.parts.vocab_size,
             "dtype": engine.config.torch_dtype_name}

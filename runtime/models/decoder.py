@@ -1,0 +1,142 @@
+"""One decoder for every supported family, written against the paged KV pool; the differences
+between families are ModelSpec switches (spec.py), never a copy of the decoder. Module names follow
+the Hugging Face checkpoints, except that q/k/v and gate/up are fused into one matmul each
+(fewer, larger GEMMs are faster on the CPU); weights.py maps checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forklm.runtime.attention import AttentionBackend, AttentionLayerSpec
+from forklm.runtime.forward_batch import ForwardBatch
+from forklm.runtime.models.layers import ACTIVATIONS, RMSNorm, RotaryEmbedding, soft_cap
+from forklm.runtime.models.moe import SparseMoE
+from forklm.runtime.models.spec import ModelSpec
+from forklm.runtime.models.weights import FusedLinear
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = FusedLinear(spec.hidden_size, (q_size, kv_size, kv_size), spec.qkv_bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
+        self.sizes = (q_size, kv_size, kv_size)
+        if spec.qk_norm:  # one norm over each head's head_dim, before RoPE
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
+        self.qk_norm = spec.qk_norm
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, d]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, d]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, batch.positions)
+        return self.o_proj(attn.forward(self.layer_id, q, k, v, batch))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = FusedLinear(spec.hidden_size, (intermediate_size,) * 2, spec.mlp_bias)
+        self.down_proj = nn.Linear(intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.act = ACTIVATIONS[spec.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        norm = lambda: RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = Attention(spec, layer_id, rotary)
+        # Llama names its pre-MLP norm post_attention_layernorm; Gemma's sandwich has four norms.
+        self.post_attention_layernorm = norm()
+        self.sandwich = spec.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp: nn.Module
+        if spec.moe is not None and spec.layers[layer_id].moe:
+            shared = (MLP(spec, spec.moe.shared_intermediate_size)
+                      if spec.moe.shared_intermediate_size else None)
+            self.mlp = SparseMoE(spec.hidden_size, spec.moe, ACTIVATIONS[spec.activation], shared)
+        else:
+            self.mlp = MLP(spec, spec.intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), batch, attn)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, config, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        rotaries = {key: RotaryEmbedding(config, rope, spec.head_dim, max_positions,
+                                         layer_type=None if key == "default" else key)
+                    for key, rope in spec.rope.items()}
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotaries[spec.layers[i].rope_key])
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+
+
+class CausalLM(nn.Module):
+    """forward(batch) -> fp32 logits for the rows in batch.logits_indices.
+
+    The embedding and LM head may be QuantizedLinear modules (a GGUF kept quantized): anything
+    with `embedding(ids)` serves as the embedding, anything callable on [T, hidden] as the head.
+    """
+
+    def __init__(self, spec: ModelSpec, config, max_positions: int):
+        super().__init__()
+        self.spec, self.config = spec, config
+        self.model = DecoderModel(spec, config, max_positions)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[AttentionLayerSpec]:
+        """What the attention backend must do differently per layer."""
+        return [AttentionLayerSpec(scale=self.spec.attn_scale, sliding_window=layer.sliding_window,
+                                   softcap=self.spec.attn_softcap) for layer in self.spec.layers]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        attn.prepare(batch)
+        x = self._embed(batch.input_ids)  # [T, hidden]
+        for layer in self.model.layers:
+            x = layer(x, batch, attn)
+        x = self.model.norm(x[batch.logits_indices])  # norm is per-row: only the rows we need
+        return soft_cap(self._head(x), self.spec.final_softcap).float()  # [num_logits, vocab]
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        table: Any = self.model.embed_tokens
+        x = table.embedding(ids) if hasattr(table, "embedding") else table(ids)
+        if self.spec.embed_scale is not None:  # rounded to the model's dtype, as transformers does
+            x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.spec.tie_word_embeddings:
+            return self.lm_head(x)
+        table: Any = self.model.embed_tokens
+        return table(x) if hasattr(table, "embedding") else F.linear(x, table.weight)

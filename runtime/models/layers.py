@@ -1,0 +1,99 @@
+"""Layers shared by every decoder family: RMSNorm (with Gemma's +1 offset), rotary embeddings
+(every static rope scaling transformers defines), activations and tanh soft-capping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis. offset=0: Llama's weight * norm(x).to(dtype); offset=1:
+    Gemma's (norm(x) * (1 + weight)).to(dtype), each rounding exactly where transformers does."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, from one set of rope parameters.
+
+    Phi-3's longrope has two frequency sets; transformers switches between them by the length of
+    the sequence at hand, which would give one cached prefix two different keys. Here the choice
+    is made once from the engine's context length: long factors when it exceeds the model's
+    original context, else short ones (the same as transformers for any sequence on the same side
+    of that length).
+    """
+
+    def __init__(self, config: Any, rope: dict[str, Any], head_dim: int, max_positions: int,
+                 layer_type: str | None = None):
+        super().__init__()
+        self.rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        with torch.device("cpu"):  # real tables even while the model is built on "meta"
+            inv_freq, scaling = _inv_freq(config, rope, self.rotary_dim, max_positions, layer_type)
+            freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
+            # Plain attributes, not buffers: module.to(bfloat16) must not round the fp32 tables.
+            self.cos = emb.cos() * scaling
+            self.sin = emb.sin() * scaling
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q [T, heads, d], k [T, kv_heads, d] -> rotated copies (the first rotary_dim dims)."""
+        cos, sin = self._tables_for(positions, q.dtype)
+        if self.rotary_dim == q.shape[-1]:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        r = self.rotary_dim
+        return (torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1),
+                torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
+
+    def _tables_for(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin rows [T, 1, d] for this forward's positions, looked up once for all layers."""
+        if self._rows is None or self._rows[0] is not positions:
+            if self.cos.device != positions.device:  # the tables follow the model's device
+                self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+            cos = self.cos[positions].to(dtype)[:, None, :]
+            sin = self.sin[positions].to(dtype)[:, None, :]
+            self._rows = (positions, cos, sin)
+        return self._rows[1], self._rows[2]
+
+
+def _inv_freq(config: Any, rope: dict[str, Any], dim: int, max_positions: int,
+              layer_type: str | None) -> tuple[torch.Tensor, float]:
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)), 1.0
+    kwargs: dict[str, Any] = {"layer_type": layer_type} if layer_type else {}
+    if kind == "longrope" and max_positions > rope["original_max_position_embeddings"]:
+        kwargs["seq_len"] = rope["original_max_position_embeddings"] + 1
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"), **kwargs)
+    return inv_freq.float(), float(scaling)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

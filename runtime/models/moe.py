@@ -1,0 +1,55 @@
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): softmax router, top-k experts
+per token, optional renormalisation, and Qwen2-MoE's sigmoid-gated shared expert."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from forklm.runtime.models.spec import MoESpec
+
+
+class SparseMoE(nn.Module):
+    """Experts are stacked: w13 [experts, 2 * inter, hidden] (gate rows, then up rows) and
+    w2 [experts, hidden, inter]. Tokens are grouped by expert, so each expert runs one GEMM over
+    the tokens routed to it."""
+
+    def __init__(self, hidden: int, spec: MoESpec, act: Callable[[torch.Tensor], torch.Tensor],
+                 shared_expert: nn.Module | None):
+        super().__init__()
+        self.spec, self.act = spec, act
+        self.gate = nn.Linear(hidden, spec.num_experts, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(spec.num_experts, 2 * spec.intermediate_size, hidden))
+        self.w2 = nn.Parameter(torch.empty(spec.num_experts, hidden, spec.intermediate_size))
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, experts]
+        weights, experts = probs.topk(self.spec.top_k, dim=-1)  # [T, top_k]
+        if self.spec.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        flat = experts.reshape(-1)  # [T * top_k], token t's picks at t * top_k + j
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            picks = order[start:start + n]
+            start += n
+            tokens = picks // self.spec.top_k  # [n]
+            h = F.linear(x[tokens], self.w13[e])
+            gate, up = h.chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.w2[e])  # [n, hidden]
+            out.index_add_(0, tokens, y * weights.reshape(-1)[picks, None])
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out

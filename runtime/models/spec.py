@@ -1,0 +1,226 @@
+"""ModelSpec: what one decoder needs to know about a checkpoint's architecture, read once from its
+Hugging Face config. Each supported `model_type` is a small function here; a config field that
+would change the computation and that forklm does not honour is refused, never ignored."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from forklm.runtime.errors import UnsupportedModelError
+
+# rope_type values whose tables do not depend on the sequence being decoded ("dynamic" NTK does).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_new": "gelu_tanh", "gelu": "gelu"}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    sliding_window: int | None  # a query sees itself and the window - 1 keys before it
+    rope_key: str  # which rotary table: "default", or a Gemma 3 layer type
+    moe: bool  # a sparse mixture-of-experts block instead of the dense MLP
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # top-k weights divided by their sum (Mixtral; Qwen's norm_topk_prob)
+    shared_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    activation: str = "silu"  # "silu", "gelu_tanh" or "gelu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    norm_offset: float = 0.0  # Gemma stores RMSNorm weights as w - 1
+    embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden_size)
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k
+    sandwich_norm: bool = False  # Gemma 2/3: norms after attention and around the MLP
+    attn_scale: float = 0.0  # softmax scale; set from head_dim when 0
+    attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None
+    layers: tuple[LayerSpec, ...] = ()
+    # rope_key -> rope parameters (rope_type, rope_theta, scaling fields)
+    rope: dict[str, dict[str, Any]] = field(default_factory=dict)
+    moe: MoESpec | None = None
+
+    def __post_init__(self) -> None:
+        if not self.attn_scale:
+            object.__setattr__(self, "attn_scale", self.head_dim**-0.5)
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(layer.sliding_window for layer in self.layers)
+
+
+def spec_from_config(config: Any) -> ModelSpec:
+    """The ModelSpec of a transformers config; UnsupportedModelError for an unknown model_type or
+    a field whose effect forklm does not implement."""
+    if config.model_type == "gemma3":
+        _refuse(config, "model_type", "gemma3",
+                "this is the multimodal Gemma 3 checkpoint; use a text-only (gemma3_text) one")
+    family = _FAMILIES.get(config.model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"model_type {config.model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(config, "use_bidirectional_attention", False):
+        _refuse(config, "use_bidirectional_attention", True, "only causal attention is implemented")
+    return family(config)
+
+
+def _refuse(config: Any, name: str, value: Any, why: str) -> None:
+    raise UnsupportedModelError(f"{config.model_type} config {name}={value!r} is not supported: {why}")
+
+
+def _common(config: Any, **overrides: Any) -> dict[str, Any]:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    act = str(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"))
+    if act not in _ACTIVATIONS:
+        _refuse(config, "hidden_act", act, f"supported: {', '.join(_ACTIVATIONS)}")
+    fields = dict(
+        model_type=config.model_type, vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        activation=_ACTIVATIONS[act],
+        qkv_bias=bool(getattr(config, "attention_bias", False)),
+        o_bias=bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+    )
+    fields.update(overrides)
+    fields.setdefault("rope", {"default": _rope_parameters(config, getattr(config, "rope_parameters", None))})
+    fields.setdefault("layers", _layers(config, _windows(config)))
+    return fields
+
+
+def _rope_parameters(config: Any, rope: dict | None) -> dict[str, Any]:
+    rope = dict(rope or {})
+    if not rope:  # older configs: rope_theta + rope_scaling
+        rope = dict(getattr(config, "rope_scaling", None) or {})
+        rope.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        _refuse(config, "rope_type", rope["rope_type"],
+                f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope["rope_type"] == "longrope" and config.model_type != "phi3":
+        _refuse(config, "rope_type", "longrope", "implemented for phi3 only")
+    return rope
+
+
+def _windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window. Configs with `layer_types` say it per layer; the others
+    (Mistral, Mixtral, Phi-3, Qwen3-MoE) slide every layer when sliding_window is set."""
+    window = getattr(config, "sliding_window", None) or None
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        return [window] * config.num_hidden_layers
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        _refuse(config, "layer_types", unknown, "only full_attention and sliding_attention layers")
+    return [window if kind == "sliding_attention" else None for kind in layer_types]
+
+
+def _layers(config: Any, windows: list[int | None], rope_keys: list[str] | None = None,
+            moe: list[bool] | None = None) -> tuple[LayerSpec, ...]:
+    n = config.num_hidden_layers
+    return tuple(LayerSpec(windows[i], rope_keys[i] if rope_keys else "default",
+                           bool(moe and moe[i])) for i in range(n))
+
+
+# ---- families -------------------------------------------------------------------------------
+
+
+def _llama(config: Any) -> ModelSpec:
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        _refuse(config, "pretraining_tp", config.pretraining_tp, "only 1")
+    return ModelSpec(**_common(config))
+
+
+def _qwen2(config: Any) -> ModelSpec:
+    return ModelSpec(**_common(config, qkv_bias=True, o_bias=False))
+
+
+def _qwen3(config: Any) -> ModelSpec:
+    return ModelSpec(**_common(config, qk_norm=True))
+
+
+def _phi3(config: Any) -> ModelSpec:
+    return ModelSpec(**_common(config))
+
+
+def _gemma(config: Any, qk_norm: bool) -> dict[str, Any]:
+    return dict(
+        norm_offset=1.0, embed_scale=config.hidden_size**0.5, qk_norm=qk_norm, sandwich_norm=True,
+        attn_scale=config.query_pre_attn_scalar**-0.5,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        final_softcap=getattr(config, "final_logit_softcapping", None),
+    )
+
+
+def _gemma2(config: Any) -> ModelSpec:
+    return ModelSpec(**_common(config, **_gemma(config, qk_norm=False)))
+
+
+def _gemma3(config: Any) -> ModelSpec:
+    # Gemma 3 keeps one rope table per layer type: local layers use rope_local_base_freq.
+    rope = {kind: _rope_parameters(config, params)
+            for kind, params in config.rope_parameters.items() if params is not None}
+    return ModelSpec(**_common(config, **_gemma(config, qk_norm=True), rope=rope,
+                               layers=_layers(config, _windows(config), list(config.layer_types))))
+
+
+def _moe_layers(config: Any) -> list[bool]:
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    only_dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return [i not in only_dense and (i + 1) % step == 0 for i in range(config.num_hidden_layers)]
+
+
+def _mixtral(config: Any) -> ModelSpec:
+    moe = MoESpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+                  renormalize=True)
+    layers = _layers(config, _windows(config), moe=[True] * config.num_hidden_layers)
+    return ModelSpec(**_common(config, moe=moe, layers=layers))
+
+
+def _qwen_moe(config: Any) -> ModelSpec:
+    moe = MoESpec(config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                  renormalize=bool(config.norm_topk_prob),
+                  shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
+    layers = _layers(config, _windows(config), moe=_moe_layers(config))
+    extra = ({"qkv_bias": bool(getattr(config, "qkv_bias", True))}
+             if config.model_type == "qwen2_moe" else {"qk_norm": True})
+    return ModelSpec(**_common(config, moe=moe, layers=layers, **extra))
+
+
+_FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
+    "llama": _llama,
+    "mistral": _llama,  # Llama with a sliding window on every layer
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma2": _gemma2,
+    "gemma3_text": _gemma3,
+    "phi3": _phi3,
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen_moe,
+    "qwen3_moe": _qwen_moe,
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))

@@ -1,0 +1,161 @@
+"""Streams checkpoint tensors into a model built on the meta device, one tensor at a time, so
+loading never holds more than the final weights plus the tensor being copied.
+
+Checkpoint names (Hugging Face's) map onto forklm's modules: q/k/v and gate/up go into slices of
+one fused parameter, each expert's matrices into a slice of the stacked expert parameters, and
+Mixtral's `block_sparse_moe` is `mlp`. A value that is not a tensor is a quantized weight (a GGUF
+kept quantized): its parts are collected and the Linear is replaced by the module that
+`quantized_factory` builds from them once the stream ends.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from forklm.runtime.errors import ModelNotFoundError
+
+# (quantized parts in shard order, dense bias or None, dtype) -> module with forward/embedding
+QuantizedFactory = Callable[[list[Any], "torch.Tensor | None", torch.dtype], nn.Module]
+
+_FUSED = re.compile(r"(?P<prefix>.*)\.(?P<part>q|k|v|gate|up)_proj\.(?P<kind>weight|bias)$")
+_FUSED_SHARD = {"q": ("qkv_proj", 0), "k": ("qkv_proj", 1), "v": ("qkv_proj", 2),
+                "gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1)}
+_EXPERT = re.compile(r"(?P<prefix>.*\.mlp)\.experts\.(?P<e>\d+)\.(?P<part>\w+)\.weight$")
+_EXPERT_SHARD = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1),
+                 "w3": ("w13", 1), "down_proj": ("w2", None), "w2": ("w2", None)}
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class Target:
+    module: str  # dotted path of the module holding the parameter
+    param: str  # "weight", "bias", "w13", ...
+    shard: int | None = None  # slice of a fused parameter (q, k, v / gate, up)
+    expert: int | None = None  # first-axis index of a stacked expert parameter
+
+
+def target_of(name: str) -> Target:
+    """Where the checkpoint tensor `name` goes in forklm's module tree."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    if m := _EXPERT.match(name):
+        if m["part"] not in _EXPERT_SHARD:
+            raise ModelNotFoundError(f"checkpoint tensor {name!r}: unknown expert matrix")
+        param, shard = _EXPERT_SHARD[m["part"]]
+        return Target(m["prefix"], param, shard, int(m["e"]))
+    if (m := _FUSED.match(name)) and not m["prefix"].endswith("experts"):
+        fused, shard = _FUSED_SHARD[m["part"]]
+        return Target(f"{m['prefix']}.{fused}", m["kind"], shard)
+    module, _, param = name.rpartition(".")
+    return Target(module, param)
+
+
+class WeightLoader:
+    """load(model, weights) fills every parameter of a meta-device model, in `dtype` on `device`."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device | str,
+                 quantized_factory: QuantizedFactory | None = None):
+        self.model, self.dtype, self.device = model, dtype, torch.device(device)
+        self.quantized_factory = quantized_factory
+        self.tied = bool(getattr(getattr(model, "spec", None), "tie_word_embeddings", False))
+        self.filled: dict[tuple[str, str], set[tuple[int | None, int | None]]] = {}
+        self.quantized: dict[str, dict[int, Any]] = {}  # module path -> shard -> quantized part
+
+    def load(self, weights: Iterable[tuple[str, Any]]) -> None:
+        for name, value in weights:
+            if _IGNORED.match(name) or (self.tied and name == "lm_head.weight"):
+                continue
+            target = target_of(name)
+            if isinstance(value, torch.Tensor):
+                self._copy(name, target, value)
+            else:
+                self._collect_quantized(name, target, value)
+        self._build_quantized()
+        self._check_complete()
+
+    def _param(self, name: str, target: Target) -> tuple[nn.Module, torch.Tensor]:
+        try:
+            module = self.model.get_submodule(target.module)
+            param = getattr(module, target.param)
+        except AttributeError:
+            raise ModelNotFoundError(f"checkpoint tensor {name!r} has no place in the model") from None
+        if not isinstance(param, torch.Tensor):
+            raise ModelNotFoundError(f"checkpoint tensor {name!r} has no place in the model")
+        if param.is_meta:  # first write: allocate it in its final dtype and device
+            param = nn.Parameter(torch.empty(param.shape, dtype=self.dtype, device=self.device),
+                                 requires_grad=False)
+            setattr(module, target.param, param)
+        return module, param
+
+    def _copy(self, name: str, target: Target, value: torch.Tensor) -> None:
+        module, param = self._param(name, target)
+        dst = param if target.expert is None else param[target.expert]
+        if target.shard is not None:
+            sizes = _shard_sizes(module, target.param)
+            dst = dst.narrow(0, sum(sizes[: target.shard]), sizes[target.shard])
+        if tuple(dst.shape) != tuple(value.shape):
+            raise ModelNotFoundError(f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, "
+                                     f"the model expects {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(value)
+        self.filled.setdefault((target.module, target.param), set()).add((target.expert, target.shard))
+
+    def _collect_quantized(self, name: str, target: Target, value: Any) -> None:
+        if self.quantized_factory is None or target.param != "weight" or target.expert is not None:
+            raise ModelNotFoundError(f"checkpoint tensor {name!r} is quantized where the model "
+                                     "takes only dense weights")
+        self.quantized.setdefault(target.module, {})[target.shard or 0] = value
+
+    def _build_quantized(self) -> None:
+        assert self.quantized_factory is not None or not self.quantized
+        for path, parts in self.quantized.items():
+            module = self.model.get_submodule(path)
+            expected = len(module.part_sizes) if isinstance(module, FusedLinear) else 1
+            if sorted(parts) != list(range(expected)):
+                raise ModelNotFoundError(f"{path}: quantized parts {sorted(parts)} of {expected}")
+            bias = getattr(module, "bias", None)
+            if bias is not None and bias.is_meta:
+                raise ModelNotFoundError(f"{path}.bias is missing from the checkpoint")
+            assert self.quantized_factory is not None
+            new = self.quantized_factory([parts[i] for i in range(expected)], bias, self.dtype)
+            parent, _, child = path.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, child, new)
+
+    def _check_complete(self) -> None:
+        missing = [f"{module}.{param}" for module, param in self._meta_params()]
+        partial = [f"{m}.{p}" for (m, p), got in self.filled.items()
+                   if len(got) != _parts_expected(self.model.get_submodule(m), p)]
+        if missing or partial:
+            raise ModelNotFoundError(f"weights do not fit the model: missing {missing or partial}")
+
+    def _meta_params(self) -> list[tuple[str, str]]:
+        return [(path, name) for path, module in self.model.named_modules()
+                for name, p in module.named_parameters(recurse=False) if p.is_meta]
+
+
+class FusedLinear(nn.Linear):
+    """A Linear whose output rows are several checkpoint matrices stacked (q/k/v, gate/up)."""
+
+    def __init__(self, in_features: int, part_sizes: tuple[int, ...], bias: bool):
+        super().__init__(in_features, sum(part_sizes), bias=bias)
+        self.part_sizes = part_sizes
+
+
+def _shard_sizes(module: nn.Module, param: str) -> tuple[int, ...]:
+    """Rows of each fused part of `module.param` (of one expert's slice for stacked experts)."""
+    if isinstance(module, FusedLinear):
+        return module.part_sizes
+    if param == "w13":  # gate rows, then up rows
+        inter = getattr(module, param).shape[1] // 2
+        return (inter, inter)
+    return (getattr(module, param).shape[-2 if param == "w2" else 0],)
+
+
+def _parts_expected(module: nn.Module, param: str) -> int:
+    experts = getattr(module, param).shape[0] if param in ("w13", "w2") else 1
+    return experts * (len(_shard_sizes(module, param)) if param != "w2" else 1)
