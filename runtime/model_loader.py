@@ -110,7 +110,8 @@ def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
     def weights(keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         for shard in shards:
             with safe_open(shard, framework="pt") as f:
-                for name in f.keys():
+                names = f.keys()  # a safe_open handle is not iterable itself
+                for name in names:
                     if tied and name == "lm_head.weight":
                         continue  # one contract for every source: tied models carry no lm_head
                     yield name, f.get_tensor(name)
