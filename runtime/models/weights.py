@@ -103,7 +103,11 @@ class WeightLoader:
                                      f"the model expects {tuple(dst.shape)}")
         with torch.no_grad():
             dst.copy_(value)
-        self.filled.setdefault((target.module, target.param), set()).add((target.expert, target.shard))
+        # A whole fused matrix in the checkpoint (Phi-3's qkv_proj) fills every part at once.
+        shards = ([target.shard] if target.shard is not None
+                  else range(len(_shard_sizes(module, target.param))))
+        self.filled.setdefault((target.module, target.param), set()).update(
+            (target.expert, shard) for shard in shards)
 
     def _collect_quantized(self, name: str, target: Target, value: Any) -> None:
         if self.quantized_factory is None or target.param != "weight" or target.expert is not None:
