@@ -91,7 +91,8 @@ def _refuse(config: Any, name: str, value: Any, why: str) -> None:
 
 def _common(config: Any, **overrides: Any) -> dict[str, Any]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    act = str(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"))
+    # Gemma's MLP reads hidden_activation; the other families hidden_act.
+    act = str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
     if act not in _ACTIVATIONS:
         _refuse(config, "hidden_act", act, f"supported: {', '.join(_ACTIVATIONS)}")
     fields = dict(
