@@ -178,7 +178,7 @@ def _fetch_gguf(repo_id: str, revision: str | None, filename: str, what: str) ->
     if path.is_file():
         return path
     # Online, an allow-pattern that matches nothing fetches nothing: the repo has no such file.
-    why = _fetch_hint(repo_id, revision) if _offline() else f"the Hub repo has no {filename}"
+    why = _fetch_hint(repo_id, revision) if _offline() else f"no {filename} in the Hub repo"
     raise ModelNotFoundError(f"{what}={repo_id + '/' + filename!r}: {why}")
 
 
@@ -230,12 +230,14 @@ def _hub_errors(name: str, repo_id: str, revision: str | None, what: str) -> Ite
 
 
 def _fetch_hint(repo_id: str, revision: str | None) -> str:
-    why = "HF_HUB_OFFLINE is set" if _offline() else "the Hub cannot be reached"
+    offline = _offline()
+    why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
     rev = f" --revision {revision}" if revision else ""
+    other = "unset HF_HUB_OFFLINE" if offline else "check the network (HF_ENDPOINT, proxies)"
     return (
         f"not in the Hugging Face cache {_cache_dir()} (or only partly) and {why}, and it is not "
         f"a local path. Fetch it with `hf download {repo_id}{rev}` on a machine with network "
-        f"(same HF_HOME), or unset HF_HUB_OFFLINE."
+        f"(same HF_HOME), or {other}."
     )
 
 
