@@ -1,0 +1,260 @@
+"""QuantizedLinear: an nn.Linear whose weight stays in GGUF's quantized blocks, multiplied with
+torch's int4 groupwise CPU kernel (`_weight_int4pack_mm_for_cpu`, w = (c - 8) * scale + zero)."""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
+
+KERNEL_GROUP = 32  # the smallest group the int4 kernel takes (it accepts 32, 64, 128, 256)
+PACK_BLOCK_N = 64  # the int4 CPU packing interleaves rows in blocks of 64 (tail: N % 64 rows)
+ROW_MULTIPLE = 16  # the packing needs N divisible by 16; other sizes are padded with zero rows
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+# How each type's integer codes map onto 4-bit kernel codes. 4-bit types use c = code + shift.
+# 8-bit Q8_0 and 6-bit Q6_K codes are split code = hi * 2**lo_bits + lo into two 4-bit codes
+# that sit side by side along a doubled K; the activations are repeated to match, the hi copy
+# multiplied by 2**lo_bits (a power of two, so exact). Measured in benchmarks/quant_speed.py:
+# this is faster than dequantizing int8 codes in row chunks, and exact.
+_SHIFT = {GGMLQuantizationType.Q4_0: 8, GGMLQuantizationType.Q4_1: 0, GGMLQuantizationType.Q4_K: 0}
+_LO_BITS = {GGMLQuantizationType.Q8_0: 4, GGMLQuantizationType.Q6_K: 2}
+
+
+def supported_gguf_type(ggml_type: GGMLQuantizationType) -> bool:
+    """Whether a GGUF tensor of this type can stay quantized in a QuantizedLinear."""
+    return ggml_type in SUPPORTED_TYPES
+
+
+class Int4Matrix(nn.Module):
+    """One weight matrix in the int4 kernel's packed layout, rows padded to a multiple of 16.
+
+    `lo_bits` = 0: K' = K, codes are the GGUF codes shifted into 0..15. `lo_bits` > 0: each
+    decode group of `chunk` codes becomes [hi codes, lo codes] along K' = 2K, and the kernel sees
+    x' = [x_chunk * 2**lo_bits, x_chunk] per chunk."""
+
+    packed: torch.Tensor  # uint8 [padded_out, K' / 2], torch's int4 CPU layout
+    scale_zeros: torch.Tensor  # kernel dtype [K' / 32, padded_out, 2]: (scale, zero) per group
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
+                 in_features: int, lo_bits: int, chunk: int) -> None:
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zeros", scale_zeros)
+        self.out_features, self.in_features = out_features, in_features
+        self.lo_bits, self.chunk = lo_bits, chunk
+
+    @classmethod
+    def from_codes(cls, group: GroupCodes, ggml_type: GGMLQuantizationType,
+                   kernel_dtype: torch.dtype) -> Int4Matrix:
+        out_features, in_features = group.codes.shape
+        lo_bits = _LO_BITS.get(ggml_type, 0)
+        if lo_bits:
+            codes, scales, zeros = _split_codes(group, lo_bits)
+        else:
+            codes, scales, zeros = _shift_codes(group, _SHIFT[ggml_type])
+        pad = -out_features % ROW_MULTIPLE
+        if pad:  # code 8 with scale 0 and zero 0 is a zero weight
+            codes = nn.functional.pad(codes, (0, 0, 0, pad), value=8)
+            scales, zeros = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (scales, zeros))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+        scale_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
+        return cls(packed, scale_zeros.to(kernel_dtype), out_features, in_features, lo_bits,
+                   group.group_size)
+
+    @property
+    def k_prime(self) -> int:
+        return self.in_features * (2 if self.lo_bits else 1)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] in the kernel dtype -> [M, out] in the kernel dtype."""
+        if self.lo_bits:
+            x = self._expand(x)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, KERNEL_GROUP,
+                                                       self.scale_zeros)
+        return y if y.shape[1] == self.out_features else y[:, : self.out_features]
+
+    def _expand(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        mult = x.new_tensor([2.0**self.lo_bits, 1.0]).view(1, 1, 2, 1)
+        chunks = x.view(num_tokens, -1, 1, self.chunk)  # [M, K / chunk, 1, chunk]
+        return (chunks * mult).view(num_tokens, self.k_prime)  # [M, K']
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), in]: the weight rows `ids`, dequantized from the packed codes."""
+        codes = _unpack_rows(self.packed, self.k_prime, ids).float()  # [T, K']
+        sz = self.scale_zeros[:, ids].float()  # [K' / 32, T, 2]
+        groups = codes.view(len(ids), -1, KERNEL_GROUP) - 8  # [T, K' / 32, 32]
+        w = groups * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
+        if not self.lo_bits:
+            return w.view(len(ids), self.in_features)
+        halves = w.view(len(ids), -1, 2, self.chunk)  # [T, K / chunk, (hi, lo), chunk]
+        return (halves[:, :, 0] * 2.0**self.lo_bits + halves[:, :, 1]).view(len(ids), -1)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed) + _nbytes(self.scale_zeros)
+
+
+class QuantizedLinear(nn.Module):
+    """Drop-in for nn.Linear over GGUF-quantized weights (CPU only).
+
+    The weight is a row-stack of Int4Matrix segments (one per run of same-typed GGUF parts).
+    forward runs the int4 kernel in `kernel_dtype` and returns x's dtype; bf16 is the fast
+    kernel on CPUs (torch's fp32 int4 kernel is exact but 10-30x slower, see quant_speed)."""
+
+    bias: torch.Tensor | None  # [out] in `dtype`
+
+    def __init__(self, segments: list[Int4Matrix], bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        in_sizes = {s.in_features for s in segments}
+        assert len(in_sizes) == 1, f"parts disagree on in_features: {sorted(in_sizes)}"
+        self.segments = nn.ModuleList(segments)
+        self.in_features = in_sizes.pop()
+        self.out_features = sum(s.out_features for s in segments)
+        self.dtype = dtype
+        assert bias is None or bias.shape == (self.out_features,), f"bias {tuple(bias.shape)}"
+        self.register_buffer("bias", None if bias is None else bias.to(dtype))
+
+    @classmethod
+    def from_gguf(cls, parts: list[GGUFWeight], bias: torch.Tensor | None, dtype: torch.dtype,
+                  kernel_dtype: torch.dtype = torch.bfloat16) -> QuantizedLinear:
+        """Row-stack `parts` (e.g. q, k, v) into one layer; adjacent same-typed parts share one
+        packed matrix. `dtype` is the model's dtype (bias, embedding rows)."""
+        if kernel_dtype not in KERNEL_DTYPES:
+            raise ValueError(f"kernel_dtype={kernel_dtype}: expected one of {KERNEL_DTYPES}")
+        for part in parts:
+            if not supported_gguf_type(part.ggml_type):
+                raise NotImplementedError(f"GGUF type {part.ggml_type.name} cannot stay quantized")
+        segments = [Int4Matrix.from_codes(_stack(run), run[0].ggml_type, kernel_dtype)
+                    for run in _same_type_runs(parts)]
+        return cls(segments, bias, dtype)
+
+    @property
+    def matrices(self) -> list[Int4Matrix]:
+        """The segments, top rows first (typed view of the ModuleList)."""
+        return [m for m in self.segments if isinstance(m, Int4Matrix)]
+
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        return self.matrices[0].scale_zeros.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.kernel_dtype).contiguous()  # [M, in]
+        if x2.shape[0] == 0:
+            y = x2.new_empty(0, self.out_features)
+        else:
+            outs = [segment.matmul(x2) for segment in self.matrices]
+            y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [M, out]
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*lead, self.out_features)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight ([*ids.shape, in] in `dtype`), dequantizing only those rows."""
+        flat = ids.reshape(-1)
+        out = torch.empty(len(flat), self.in_features, dtype=self.dtype)
+        start = 0
+        for segment in self.matrices:
+            hit = (flat >= start) & (flat < start + segment.out_features)
+            if hit.any():
+                out[hit] = segment.rows(flat[hit] - start).to(self.dtype)
+            start += segment.out_features
+        return out.view(*ids.shape, self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [out, in]: the weight the kernel multiplies with."""
+        return torch.cat([s.rows(torch.arange(s.out_features)) for s in self.matrices])
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the weight (packed codes, scales, zeros) and bias."""
+        bias = 0 if self.bias is None else _nbytes(self.bias)
+        return sum(s.nbytes for s in self.matrices) + bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, kernel_dtype={self.kernel_dtype}")
+
+
+def _same_type_runs(parts: list[GGUFWeight]) -> list[list[GGUFWeight]]:
+    runs: list[list[GGUFWeight]] = []
+    for part in parts:
+        if runs and runs[-1][0].ggml_type == part.ggml_type:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
+
+
+def _stack(parts: list[GGUFWeight]) -> GroupCodes:
+    decoded = [decode(p) for p in parts]
+    offsets = [d.offsets for d in decoded if d.offsets is not None]
+    return GroupCodes(
+        torch.cat([d.codes for d in decoded]),
+        torch.cat([d.scales for d in decoded]),
+        torch.cat(offsets) if offsets else None,
+        decoded[0].group_size,
+    )
+
+
+def _shift_codes(group: GroupCodes, shift: int) -> tuple[torch.Tensor, ...]:
+    """4-bit codes: c = code + shift, and (c - 8) * s + z = s * code + offset gives z."""
+    assert group.group_size == KERNEL_GROUP, f"group {group.group_size}"
+    scales = group.scales  # [out, K / 32]
+    offsets = torch.zeros_like(scales) if group.offsets is None else group.offsets
+    # Q4_1/Q4_K: z = offset + 8 * s is the one rounding the rewrite adds (last float bit)
+    zeros = offsets + (8 - shift) * scales
+    return group.codes.to(torch.int16) + shift, scales, zeros
+
+
+def _split_codes(group: GroupCodes, lo_bits: int) -> tuple[torch.Tensor, ...]:
+    """Wider codes: hi = code >> lo_bits (-8..7) and lo = code & mask, each a 4-bit kernel code.
+
+    A chunk of 32 (Q8_0) gives two kernel groups, hi (zero 0) and lo (c = lo, zero 8s). A chunk
+    of 16 (Q6_K) gives one kernel group [hi 16, lo 16] sharing one zero, so lo is stored as
+    lo + 8 (lo <= 3) and the zero is 0."""
+    out_features = group.codes.shape[0]
+    chunk, codes = group.group_size, group.codes.to(torch.int16)
+    codes = codes.view(out_features, -1, 1, chunk)  # [out, K / chunk, 1, chunk]
+    lo_shift = 0 if lo_bits == 4 else 8
+    hi, lo = (codes >> lo_bits) + 8, (codes & (2**lo_bits - 1)) + lo_shift
+    kernel_codes = torch.cat([hi, lo], dim=2).view(out_features, -1)  # [out, 2K]
+    s = group.scales  # [out, K / chunk]
+    if chunk == KERNEL_GROUP:
+        scales = torch.stack([s, s], -1).view(out_features, -1)  # [out, 2K / 32]
+        zeros = torch.stack([torch.zeros_like(s), 8 * s], -1).view(out_features, -1)
+    else:
+        assert 2 * chunk == KERNEL_GROUP and lo_shift == 8, f"chunk {chunk}, lo_bits {lo_bits}"
+        scales, zeros = s, torch.zeros_like(s)
+    return kernel_codes, scales, zeros
+
+
+def _unpack_rows(packed: torch.Tensor, k_prime: int, ids: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [len(ids), K'] of rows `ids`, read from torch's int4 CPU packing.
+
+    Full blocks of 64 rows are stored k-major, 32 bytes per k: row r of the block is byte r % 32,
+    nibble r // 32. The last N % 64 rows form one block of N % 64 / 2 bytes per k: row r is
+    byte r // 2, nibble r % 2. tests/test_quant.py checks this against the packing op."""
+    num_rows = packed.shape[0]
+    full = num_rows // PACK_BLOCK_N * PACK_BLOCK_N
+    ids = ids.long()
+    in_full = ids < full
+    start = torch.where(in_full, ids // PACK_BLOCK_N * PACK_BLOCK_N, full)
+    r = ids - start
+    half = torch.where(in_full, PACK_BLOCK_N, num_rows - full) // 2  # bytes per k
+    col = torch.where(in_full, r % half.clamp(min=1), r // 2)
+    nibble = torch.where(in_full, r // half.clamp(min=1), r % 2)
+    k = torch.arange(k_prime)
+    index = (start * (k_prime // 2) + col)[:, None] + k[None, :] * half[:, None]  # [T, K']
+    return (packed.view(-1)[index] >> (4 * nibble)[:, None].to(torch.uint8)) & 0x0F
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
