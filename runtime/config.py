@@ -62,6 +62,9 @@ class EngineConfig:
                "expected one of auto, float32, bfloat16, float16")
         check_field(self.quantization in QUANTIZATION_CHOICES, "quantization",
                     self.quantization, "expected one of gguf, none (or unset for auto)")
+        check_field(self.quantization != "gguf" or self.device == "cpu", "quantization",
+                    self.quantization, "GGUF blocks are multiplied by a CPU kernel; on a GPU "
+                    "leave it unset (the GGUF is dequantized)")
         check_field(self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                "expected 'cpu' or 'cuda[:N]'")
         check_field(self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens",
@@ -113,16 +116,20 @@ def resolved_dtype_name(dtype: str, device: str = "cpu") -> str:
     return "float32"
 
 
-@functools.cache
 def cpu_has_native_bf16() -> bool:
     """True when this CPU has bf16 dot-product instructions (x86 AVX-512-bf16 or AMX-bf16)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none to read)."""
     try:
         cpuinfo = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no way to tell cheaply, so stay with the safe float32
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
-                  if line.startswith("flags")), [])
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:  # not Linux: no way to tell cheaply, so every fast path stays off
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                           if line.startswith("flags")), []))
 
 
 C = TypeVar("C")

@@ -91,7 +91,8 @@ class GGUFModel:
 
         supported: Any = None
         if keep_quantized:
-            from forklm.runtime.quant.gguf_formats import GGUFWeight, supported_gguf_type
+            from forklm.runtime.quant.gguf_formats import GGUFWeight
+            from forklm.runtime.quant.linear import supported_gguf_type
 
             supported = supported_gguf_type
         dequantized = set()

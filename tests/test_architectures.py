@@ -1,0 +1,169 @@
+"""Every architecture forklm serves, as a tiny random transformers checkpoint: greedy tokens (alone,
+batched, over a cached prefix, with chunked prefill) and prompt logprobs equal transformers' in
+fp32. Prompts and generations run past the sliding windows (8) of the models that have them."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import pytest
+import torch
+import transformers
+
+from forklm.runtime.engine import Engine
+from forklm.runtime.errors import UnsupportedModelError
+from tests.conftest import assert_idle_and_clean, hf_greedy
+from tests.tiny_models import ARCHITECTURES, SLIDING_WINDOW, build_tiny_model
+
+NUM_NEW = 24
+GREEDY = {"temperature": 0, "max_new_tokens": NUM_NEW, "ignore_eos": True}
+TEXTS = [  # 5, 14, 23 and 41 tokens with the default tokenizer
+    "Paris is the capital of",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "A radix tree stores strings by their shared prefixes, so a lookup walks one edge per "
+    "distinct run of characters.",
+    "Once upon a time, in a village by the mountains, there lived an old clockmaker who repaired "
+    "every clock in town except his own, which had stopped at midnight many years before anyone "
+    "could remember why.",
+]
+LOGPROB_ATOL = 1e-4
+
+
+class TinyCase:
+    """One architecture: its transformers model, saved folder, and forklm engines built on first
+    use (so a model forklm refuses fails the tests that need it, not the fixture)."""
+
+    def __init__(self, name: str, folder: pathlib.Path, tokenizer, prompts: list[list[int]]):
+        self.name, self.folder, self.prompts = name, folder, prompts
+        self.hf_model = build_tiny_model(name, folder, tokenizer)
+        self._engines: list[Engine] = []
+
+    @functools.cached_property
+    def reference(self) -> list[list[int]]:
+        return [hf_greedy(self.hf_model, ids, NUM_NEW) for ids in self.prompts]
+
+    def _engine(self, **config) -> Engine:
+        engine = Engine(model_path=str(self.folder), dtype="float32", max_total_tokens=2048,
+                        debug_check_invariants=True,
+                        **ARCHITECTURES[self.name].engine_config, **config)
+        self._engines.append(engine)
+        return engine
+
+    @functools.cached_property
+    def engine(self) -> Engine:
+        return self._engine()
+
+    @functools.cached_property
+    def chunked_engine(self) -> Engine:
+        return self._engine(chunked_prefill_size=4, disable_radix_cache=True)
+
+    def shutdown(self) -> None:
+        for engine in self._engines:
+            engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    ids = [tokenizer.encode(t) for t in TEXTS]
+    assert max(len(p) for p in ids) > 4 * SLIDING_WINDOW and min(len(p) for p in ids) >= 5
+    return ids
+
+
+# Module scope with params: pytest runs every test of one architecture before building the next,
+# and shuts its engines down in between, so one tiny model and two engines are alive at a time.
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def case(request, tokenizer, prompts, tmp_path_factory):
+    tiny = TinyCase(request.param, tmp_path_factory.mktemp(request.param), tokenizer, prompts)
+    yield tiny
+    tiny.shutdown()
+
+
+def _outputs(results) -> list[list[int]]:
+    return [r["output_ids"] for r in results]
+
+
+def test_one_at_a_time(case):
+    engine = case.engine
+    assert [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]
+            for p in case.prompts] == case.reference
+    assert_idle_and_clean(engine)
+
+
+def test_all_together(case):
+    engine = case.engine
+    engine.flush_cache()
+    assert _outputs(engine.generate(input_ids=case.prompts, sampling_params=GREEDY)) == case.reference
+    assert_idle_and_clean(engine)
+
+
+def test_prefix_already_cached(case):
+    engine = case.engine
+    engine.flush_cache()
+    halves = [p[: len(p) // 2] for p in case.prompts]
+    engine.generate(input_ids=halves, sampling_params={"temperature": 0, "max_new_tokens": 1})
+    results = engine.generate(input_ids=case.prompts, sampling_params=GREEDY)
+    assert _outputs(results) == case.reference
+    cached = [r["meta_info"]["cached_tokens"] for r in results]
+    assert all(c >= len(h) for c, h in zip(cached, halves)), cached
+    assert_idle_and_clean(engine)
+
+
+def test_chunked_prefill(case):
+    engine = case.chunked_engine
+    results = engine.generate(input_ids=case.prompts, sampling_params=GREEDY)
+    assert _outputs(results) == case.reference
+    assert all(r["meta_info"]["cached_tokens"] == 0 for r in results)
+    assert_idle_and_clean(engine)
+
+
+def test_logits_match_transformers(case):
+    """Prompt logprobs of the chosen tokens and the top 5 at every position, within 1e-4."""
+    for ids in case.prompts:
+        res = case.engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
+                                   return_logprob=True, logprob_start_len=0, top_logprobs_num=5)
+        with torch.inference_mode():
+            ref = torch.log_softmax(case.hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        ours = torch.tensor([lp for lp, _, _ in res["meta_info"]["input_token_logprobs"][1:]])
+        expect = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        torch.testing.assert_close(ours, expect, atol=LOGPROB_ATOL, rtol=0)
+        for t, top in enumerate(res["meta_info"]["input_top_logprobs"][1:]):
+            values, indices = ref[t].topk(5)
+            assert [tid for _, tid, _ in top] == indices.tolist(), f"position {t}"
+            torch.testing.assert_close(torch.tensor([lp for lp, _, _ in top]), values,
+                                       atol=LOGPROB_ATOL, rtol=0)
+
+
+# ---- refusals -------------------------------------------------------------------------------
+
+
+def test_unsupported_architecture_is_refused(tmp_path, tokenizer):
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=1, n_head=4,
+                                     n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError) as info:
+        Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
+    message = str(info.value)
+    assert "gpt2" in message
+    assert all(name in message for name in ("llama", "qwen2", "gemma2", "phi3", "mixtral"))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    ("hidden_act", "relu2"),
+], ids=["rope_dynamic", "hidden_act_relu2"])
+def test_unhonoured_config_field_is_refused(tmp_path, tokenizer, field, value):
+    """A Llama checkpoint whose config asks for something forklm does not compute is refused, and
+    the message names the field and its value (never silently served with default behaviour)."""
+    build_tiny_model("llama3", tmp_path, tokenizer)
+    config_file = tmp_path / "config.json"
+    config = json.loads(config_file.read_text())
+    config[field] = value
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError) as info:
+        Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
+    shown = value["rope_type"] if isinstance(value, dict) else value
+    assert shown in str(info.value)
+    assert ("rope_type" if isinstance(value, dict) else field) in str(info.value)

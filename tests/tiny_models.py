@@ -1,0 +1,161 @@
+"""Tiny random transformers checkpoints, one per architecture forklm serves, saved as Hugging Face
+folders (safetensors + the default model's tokenizer) so tests can load them in forklm and in
+transformers. Every field that changes the computation is set to a non-default value."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import transformers
+
+SLIDING_WINDOW = 8  # a query sees itself and the 7 keys before it (masking_utils: kv > q - window)
+
+
+class TinyArch(NamedTuple):
+    make_config: Callable[[int, dict[str, Any]], transformers.PretrainedConfig]  # (vocab, common)
+    model_class: type[transformers.PreTrainedModel]
+    weight_scale: float  # random init gives near-uniform logits; scale so argmax is stable
+    # EngineConfig fields a test must pass for forklm to match this reference (phi3_short: a
+    # context length within the original context keeps longrope on its short factors).
+    engine_config: dict[str, Any] = {}
+
+
+def _common(vocab_size: int, tokenizer) -> dict[str, Any]:
+    return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=None)
+
+
+def _llama3(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    # original context 64: rotations with wavelength > 64 are slowed 8x, 16..64 are blended.
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    return transformers.LlamaConfig(**c, tie_word_embeddings=True, rope_parameters=rope)
+
+
+def _qwen2(vocab: int, c: dict, **extra: Any) -> transformers.PretrainedConfig:
+    return transformers.Qwen2Config(**c, tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                    **extra)
+
+
+def _qwen2_sliding(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    # Qwen2 slides the layers i >= max_window_layers: here layers 1 and 2, layer 0 is global.
+    return _qwen2(vocab, {**c, "num_hidden_layers": 3}, use_sliding_window=True,
+                  sliding_window=SLIDING_WINDOW, max_window_layers=1)
+
+
+def _qwen3(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    return transformers.Qwen3Config(**c, head_dim=32, tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def _gemma2(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    # Small caps so both tanh soft-caps bend real values (checked in test_architectures).
+    return transformers.Gemma2Config(
+        **{**c, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
+        hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=1.5,
+        final_logit_softcapping=2.0, sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
+
+
+def _gemma3(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    # Local layers rotate with their own base; the global layer with a linearly scaled one.
+    rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return transformers.Gemma3TextConfig(
+        **{**c, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
+        hidden_activation="gelu_pytorch_tanh", sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=rope, tie_word_embeddings=False)
+
+
+def _phi3(original_context: int) -> Callable[[int, dict], transformers.PretrainedConfig]:
+    """longrope: transformers uses long_factor when a forward's max position + 1 exceeds
+    original_max_position_embeddings, short_factor otherwise; both are scaled by
+    sqrt(1 + ln(max_position_embeddings / original) / ln(original))."""
+
+    def make(vocab: int, c: dict) -> transformers.PretrainedConfig:
+        half = 16 // 2  # head_dim 16
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.25 * i for i in range(half)],
+                "long_factor": [2.0 + 3.0 * i for i in range(half)],
+                "original_max_position_embeddings": original_context}
+        return transformers.Phi3Config(**c, original_max_position_embeddings=original_context,
+                                       rope_parameters=rope, tie_word_embeddings=False)
+
+    return make
+
+
+def _mistral(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    return transformers.MistralConfig(**c, sliding_window=SLIDING_WINDOW,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+
+
+def _mixtral(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    return transformers.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def _qwen3_moe(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    return transformers.Qwen3MoeConfig(
+        **c, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+def _qwen2_moe(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    return transformers.Qwen2MoeConfig(
+        **c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[], rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+
+
+ARCHITECTURES: dict[str, TinyArch] = {
+    "llama3": TinyArch(_llama3, transformers.LlamaForCausalLM, 3.0),
+    "qwen2": TinyArch(_qwen2, transformers.Qwen2ForCausalLM, 3.0),
+    "qwen2_sliding": TinyArch(_qwen2_sliding, transformers.Qwen2ForCausalLM, 3.0),
+    "qwen3": TinyArch(_qwen3, transformers.Qwen3ForCausalLM, 3.0),
+    "gemma2": TinyArch(_gemma2, transformers.Gemma2ForCausalLM, 4.0),
+    "gemma3": TinyArch(_gemma3, transformers.Gemma3ForCausalLM, 4.0),
+    # original context 4, below every test prompt: transformers always takes the long factors,
+    # and so does forklm (its context length, 256, exceeds 4).
+    "phi3": TinyArch(_phi3(4), transformers.Phi3ForCausalLM, 3.0),
+    # original context 128 = forklm's context length: short factors on both sides.
+    "phi3_short": TinyArch(_phi3(128), transformers.Phi3ForCausalLM, 3.0,
+                           {"context_length": 128}),
+    "mistral": TinyArch(_mistral, transformers.MistralForCausalLM, 3.0),
+    "mixtral": TinyArch(_mixtral, transformers.MixtralForCausalLM, 3.0),
+    "qwen3_moe": TinyArch(_qwen3_moe, transformers.Qwen3MoeForCausalLM, 3.0),
+    "qwen2_moe": TinyArch(_qwen2_moe, transformers.Qwen2MoeForCausalLM, 3.0),
+}
+
+
+def tiny_config(name: str, tokenizer) -> transformers.PretrainedConfig:
+    arch = ARCHITECTURES[name]
+    return arch.make_config(len(tokenizer), _common(len(tokenizer), tokenizer))
+
+
+def build_tiny_model(name: str, folder: pathlib.Path | str, tokenizer,
+                     seed: int = 0) -> transformers.PreTrainedModel:
+    """Build ARCHITECTURES[name] with random fp32 weights (scaled by its weight_scale; norm weights
+    jittered), save it
+    and `tokenizer` into `folder`, and return the model in eval mode on the eager attention path."""
+    arch = ARCHITECTURES[name]
+    config = tiny_config(name, tokenizer)
+    config._attn_implementation = "eager"  # the plainest reference: explicit masks and soft-caps
+    torch.manual_seed(seed)
+    model = arch.model_class(config).float().eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            p.mul_(arch.weight_scale)
+            if "norm" in param_name:  # norms start as constants; vary them so a misread shows
+                p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
