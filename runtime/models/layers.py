@@ -86,7 +86,10 @@ def _inv_freq(config: Any, rope: dict[str, Any], dim: int, max_positions: int,
               layer_type: str | None) -> tuple[torch.Tensor, float]:
     kind = rope.get("rope_type", "default")
     if kind == "default":
-        return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)), 1.0
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim))
+        if rope.get("freq_factors"):  # a GGUF's rope_freqs tensor (Llama 3 scaling, precomputed)
+            inv_freq = inv_freq / torch.tensor(rope["freq_factors"], dtype=torch.float32)
+        return inv_freq, 1.0
     kwargs: dict[str, Any] = {"layer_type": layer_type} if layer_type else {}
     if kind == "longrope" and max_positions > rope["original_max_position_embeddings"]:
         kwargs["seq_len"] = rope["original_max_position_embeddings"] + 1
