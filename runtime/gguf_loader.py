@@ -32,6 +32,7 @@ _CACHE_VERSION = 2
 _GGUF_ARCHS = {
     "llama": (transformers.LlamaConfig, True),
     "qwen2": (transformers.Qwen2Config, False),
+    "qwen3": (transformers.Qwen3Config, False),
 }
 _ROPE_FREQS = "rope_freqs.weight"
 _TOKENIZER_ARRAYS = {f"tokenizer.ggml.{k}" for k in ("tokens", "token_type", "scores", "merges")}
@@ -48,6 +49,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
@@ -140,7 +143,7 @@ def _gguf_config(meta: dict, arch: str, tensor_names: set[str]) -> transformers.
         if key("rope.scaling.original_context_length"):
             rope["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
     extra = {}
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         extra["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         extra["head_dim"] = key("attention.key_length") or hidden // heads
     # The GGUF stores eps as float32 (9.9999997e-06); its shortest repr is the intended 1e-05.

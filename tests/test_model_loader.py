@@ -275,8 +275,9 @@ def _write_gguf(path: pathlib.Path, arch: str, config, state_dict: dict[str, tor
     [
         transformers.LlamaConfig(**{**TINY, "vocab_size": 259}, tie_word_embeddings=False),
         transformers.Qwen2Config(**{**TINY, "vocab_size": 259}, tie_word_embeddings=True),
+        transformers.Qwen3Config(**{**TINY, "vocab_size": 259}, tie_word_embeddings=True),
     ],
-    ids=["llama-untied", "qwen2-tied"],
+    ids=["llama-untied", "qwen2-tied", "qwen3-tied"],
 )
 def test_tiny_gguf_round_trip(tmp_path, monkeypatch, config):
     monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
