@@ -15,7 +15,7 @@ SLIDING_WINDOW = 8  # a query sees itself and the 7 keys before it (masking_util
 
 
 class TinyArch(NamedTuple):
-    make_config: Callable[[int, dict[str, Any]], transformers.PretrainedConfig]  # (vocab, common)
+    make_config: Callable[[dict[str, Any]], transformers.PretrainedConfig]  # from _common()
     model_class: type[transformers.PreTrainedModel]
     weight_scale: float  # random init gives near-uniform logits; scale so argmax is stable
     # EngineConfig fields a test must pass for forklm to match this reference (phi3_short: a
@@ -23,39 +23,40 @@ class TinyArch(NamedTuple):
     engine_config: dict[str, Any] = {}
 
 
-def _common(vocab_size: int, tokenizer) -> dict[str, Any]:
-    return dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
+def _common(tokenizer) -> dict[str, Any]:
+    return dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=None)
 
 
-def _llama3(vocab: int, c: dict) -> transformers.PretrainedConfig:
+def _llama3(c: dict) -> transformers.PretrainedConfig:
     # original context 64: rotations with wavelength > 64 are slowed 8x, 16..64 are blended.
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     return transformers.LlamaConfig(**c, tie_word_embeddings=True, rope_parameters=rope)
 
 
-def _qwen2(vocab: int, c: dict, **extra: Any) -> transformers.PretrainedConfig:
+def _qwen2(c: dict, **extra: Any) -> transformers.PretrainedConfig:
     return transformers.Qwen2Config(**c, tie_word_embeddings=False,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                                     **extra)
 
 
-def _qwen2_sliding(vocab: int, c: dict) -> transformers.PretrainedConfig:
+def _qwen2_sliding(c: dict) -> transformers.PretrainedConfig:
     # Qwen2 slides the layers i >= max_window_layers: here layers 1 and 2, layer 0 is global.
-    return _qwen2(vocab, {**c, "num_hidden_layers": 3}, use_sliding_window=True,
+    return _qwen2({**c, "num_hidden_layers": 3}, use_sliding_window=True,
                   sliding_window=SLIDING_WINDOW, max_window_layers=1)
 
 
-def _qwen3(vocab: int, c: dict) -> transformers.PretrainedConfig:
+def _qwen3(c: dict) -> transformers.PretrainedConfig:
     return transformers.Qwen3Config(**c, head_dim=32, tie_word_embeddings=False,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
-def _gemma2(vocab: int, c: dict) -> transformers.PretrainedConfig:
-    # Small caps so both tanh soft-caps bend real values (checked in test_architectures).
+def _gemma2(c: dict) -> transformers.PretrainedConfig:
+    # Caps small enough that both tanh soft-caps bend real values (scores reach ~1.6 caps, logits
+    # ~0.9 caps); untied, because a tied tiny Gemma greedily repeats one or two tokens.
     return transformers.Gemma2Config(
         **{**c, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
         hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=1.5,
@@ -64,8 +65,9 @@ def _gemma2(vocab: int, c: dict) -> transformers.PretrainedConfig:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False)
 
 
-def _gemma3(vocab: int, c: dict) -> transformers.PretrainedConfig:
+def _gemma3(c: dict) -> transformers.PretrainedConfig:
     # Local layers rotate with their own base; the global layer with a linearly scaled one.
+    # Untied like _gemma2.
     rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     return transformers.Gemma3TextConfig(
@@ -75,12 +77,13 @@ def _gemma3(vocab: int, c: dict) -> transformers.PretrainedConfig:
         rope_parameters=rope, tie_word_embeddings=False)
 
 
-def _phi3(original_context: int) -> Callable[[int, dict], transformers.PretrainedConfig]:
-    """longrope: transformers uses long_factor when a forward's max position + 1 exceeds
-    original_max_position_embeddings, short_factor otherwise; both are scaled by
+def _phi3(original_context: int) -> Callable[[dict], transformers.PretrainedConfig]:
+    """longrope: transformers takes long_factor for a whole forward when its max position + 1
+    exceeds original_max_position_embeddings, else short_factor (so with a KV cache, keys cached
+    before the switch keep their short rotation); cos/sin of both are scaled by
     sqrt(1 + ln(max_position_embeddings / original) / ln(original))."""
 
-    def make(vocab: int, c: dict) -> transformers.PretrainedConfig:
+    def make(c: dict) -> transformers.PretrainedConfig:
         half = 16 // 2  # head_dim 16
         rope = {"rope_type": "longrope", "rope_theta": 10000.0,
                 "short_factor": [1.0 + 0.25 * i for i in range(half)],
@@ -92,24 +95,24 @@ def _phi3(original_context: int) -> Callable[[int, dict], transformers.Pretraine
     return make
 
 
-def _mistral(vocab: int, c: dict) -> transformers.PretrainedConfig:
+def _mistral(c: dict) -> transformers.PretrainedConfig:
     return transformers.MistralConfig(**c, sliding_window=SLIDING_WINDOW,
                                       rope_parameters={"rope_type": "default", "rope_theta": 1e4})
 
 
-def _mixtral(vocab: int, c: dict) -> transformers.PretrainedConfig:
+def _mixtral(c: dict) -> transformers.PretrainedConfig:
     return transformers.MixtralConfig(**c, num_local_experts=4, num_experts_per_tok=2,
                                       rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
-def _qwen3_moe(vocab: int, c: dict) -> transformers.PretrainedConfig:
+def _qwen3_moe(c: dict) -> transformers.PretrainedConfig:
     return transformers.Qwen3MoeConfig(
         **c, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
-def _qwen2_moe(vocab: int, c: dict) -> transformers.PretrainedConfig:
+def _qwen2_moe(c: dict) -> transformers.PretrainedConfig:
     return transformers.Qwen2MoeConfig(
         **c, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
         shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1,
@@ -137,15 +140,15 @@ ARCHITECTURES: dict[str, TinyArch] = {
 
 
 def tiny_config(name: str, tokenizer) -> transformers.PretrainedConfig:
-    arch = ARCHITECTURES[name]
-    return arch.make_config(len(tokenizer), _common(len(tokenizer), tokenizer))
+    """ARCHITECTURES[name]'s config: 64 wide, 4 heads over 2 KV heads, the tokenizer's vocabulary."""
+    return ARCHITECTURES[name].make_config(_common(tokenizer))
 
 
 def build_tiny_model(name: str, folder: pathlib.Path | str, tokenizer,
                      seed: int = 0) -> transformers.PreTrainedModel:
-    """Build ARCHITECTURES[name] with random fp32 weights (scaled by its weight_scale; norm weights
-    jittered), save it
-    and `tokenizer` into `folder`, and return the model in eval mode on the eager attention path."""
+    """Build ARCHITECTURES[name] with random fp32 weights (scaled by its weight_scale, norm weights
+    jittered), save it and `tokenizer` into `folder` (safetensors), and return it in eval mode on
+    transformers' eager attention."""
     arch = ARCHITECTURES[name]
     config = tiny_config(name, tokenizer)
     config._attn_implementation = "eager"  # the plainest reference: explicit masks and soft-caps
