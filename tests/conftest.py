@@ -7,6 +7,9 @@ import os
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The Triton kernels are tested under the interpreter, which Triton reads when it is imported;
+# transformers' model modules import it, some of them while pytest collects the test files.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -16,6 +19,17 @@ from forklm.runtime.engine import Engine
 from forklm.runtime.model_loader import LoadedModel, load_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Prompts of the full-model comparisons: chat and raw text, a few tokens to ~50.
+EVAL_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+    "Translate 'good morning' into Spanish and German.",
+    "def fibonacci(n):",
+    "Explain what a radix tree is in two sentences.",
+    "Once upon a time, in a village by the mountains,",
+    "2 + 2 * 3 = ? Show your steps.",
+]
 
 
 @pytest.fixture(scope="session")

@@ -7,21 +7,12 @@ import torch
 import transformers
 
 from forklm.runtime.engine import Engine
-from tests.conftest import chat_prompt, hf_greedy
+from tests.conftest import EVAL_QUESTIONS, chat_prompt, hf_greedy
 
 pytestmark = pytest.mark.slow
 
 NUM_NEW = 48
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers and explain why they are prime.",
-    "Translate 'good morning' into Spanish and German.",
-    "def fibonacci(n):",
-    "Explain what a radix tree is in two sentences.",
-    "Once upon a time, in a village by the mountains,",
-    "2 + 2 * 3 = ? Show your steps.",
-]
+QUESTIONS = EVAL_QUESTIONS
 GREEDY = {"temperature": 0, "max_new_tokens": NUM_NEW, "ignore_eos": True}
 
 
@@ -138,9 +129,9 @@ def test_bfloat16_close_to_transformers_bfloat16(make_engine, hf_model, prompts,
     Measured here: max |ours - transformers bf16| 0.34 (transformers bf16 vs its fp32: 0.35);
     overall top-1 agreement 568/575 with transformers bf16, while transformers bf16 agrees with
     its own fp32 at 562/575: the misses are rounding at near-ties, not a systematic difference.
-    On an AVX-512 CPU without bf16 instructions (session 4) the overall figure is 563/575, with the
-    weights bit-identical to an fp32 load cast to bf16: the CPU's bf16 kernels round differently."""
-    engine = make_engine(dtype="bfloat16")
+    On an AVX-512 CPU without bf16 instructions (session 4) the overall figure is 563/575 with
+    logits bit-identical to the code that measured 568: that CPU's bf16 kernels round differently."""
+    engine = make_engine(dtype="bfloat16", quantization="none")  # the GGUF dequantized, in bf16
     hf_bf16 = transformers.LlamaForCausalLM(hf_model.config).to(torch.bfloat16).eval()
     hf_bf16.load_state_dict(hf_model.state_dict())
     agree = total = clear_agree = clear_total = 0

@@ -8,22 +8,11 @@ import pytest
 import torch
 
 from forklm.runtime.quant.linear import QuantizedLinear
-from tests.conftest import chat_prompt, hf_greedy
+from tests.conftest import EVAL_QUESTIONS, chat_prompt, hf_greedy
 
 pytestmark = pytest.mark.slow
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers and explain why they are prime.",
-    "Translate 'good morning' into Spanish and German.",
-    "def fibonacci(n):",
-    "Explain what a radix tree is in two sentences.",
-    "Once upon a time, in a village by the mountains,",
-    "2 + 2 * 3 = ? Show your steps.",
-    "Name three rivers in Africa.",
-    "Why is the sky blue?",
-]
+QUESTIONS = [*EVAL_QUESTIONS, "Name three rivers in Africa.", "Why is the sky blue?"]
 NUM_NEW = 48
 # Measured on an AVX-512 CPU (session 4): 696/711 = 97.9% top-1 agreement; every miss is a
 # near-tie of the fp32 logits (top-2 margin below QUANT_TIE_MARGIN).
