@@ -130,7 +130,7 @@ def test_bfloat16_close_to_transformers_bfloat16(make_engine, hf_model, prompts,
     overall top-1 agreement 568/575 with transformers bf16, while transformers bf16 agrees with
     its own fp32 at 562/575: the misses are rounding at near-ties, not a systematic difference.
     On an AVX-512 CPU without bf16 instructions (session 4) the overall figure is 563/575 with
-    logits bit-identical to the code that measured 568: that CPU's bf16 kernels round differently."""
+    logits bit-identical to the previous loader's on that CPU: its bf16 kernels round differently."""
     engine = make_engine(dtype="bfloat16", quantization="none")  # the GGUF dequantized, in bf16
     hf_bf16 = transformers.LlamaForCausalLM(hf_model.config).to(torch.bfloat16).eval()
     hf_bf16.load_state_dict(hf_model.state_dict())
