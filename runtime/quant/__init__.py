@@ -8,8 +8,8 @@ from forklm.runtime.config import cpu_flags
 
 def quantized_is_faster(device: str) -> bool:
     """Whether a GGUF's quantized blocks decode faster at batch 1 than dequantized float32
-    weights here. Measured (benchmarks/quant_speed.py, benchmarks/RESULTS.md): on an AVX-512 CPU
-    the default model decodes 2.1x faster at batch 1 and 1.9x at batch 16 quantized; on an
+    weights here. Measured (benchmarks/gguf_decode.py, benchmarks/RESULTS.md): on an AVX-512 CPU
+    the default model decodes 1.12x faster at batch 1 and 1.26x at batch 16 quantized; on an
     AVX2-only CPU torch's int4 kernel measured slower than fp32 (session 3), and the kernel is
     CPU-only, so everywhere else the weights are dequantized."""
     return device == "cpu" and "avx512f" in cpu_flags()
