@@ -21,11 +21,12 @@ from forklm.runtime.errors import (  # noqa: E402
     InvalidArgumentError,
     KVCacheFullError,
     ModelNotFoundError,
+    UnsupportedModelError,
 )
 from forklm.runtime.sampling import SamplingParams  # noqa: E402
 
 __all__ = [
     *_dsl.__all__,
     "Engine", "EngineConfig", "EngineShutdownError", "ForkLMError", "InvalidArgumentError",
-    "KVCacheFullError", "ModelNotFoundError", "SamplingParams",
+    "KVCacheFullError", "ModelNotFoundError", "UnsupportedModelError", "SamplingParams",
 ]

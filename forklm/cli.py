@@ -175,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from forklm.runtime.errors import ModelNotFoundError
+
+    try:
+        return args.func(args)
+    except ModelNotFoundError as e:  # a model that cannot be found or run: say why, no traceback
+        print(f"forklm {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

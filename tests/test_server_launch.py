@@ -91,3 +91,11 @@ def test_sigterm_graceful_shutdown_exits_0():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_cli_reports_a_model_it_cannot_find_without_a_traceback(tmp_path, capsys):
+    from forklm.cli import main
+
+    assert main(["generate", "hi", "--model-path", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("forklm generate: error: model_path=") and "Traceback" not in err
