@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from forklm.runtime.engine import Engine
 from forklm.runtime.quant.linear import QuantizedLinear
 from tests.conftest import EVAL_QUESTIONS, chat_prompt, hf_greedy
 
@@ -21,6 +22,14 @@ QUANT_TIE_MARGIN = 0.5
 
 
 @pytest.fixture(scope="module")
+def engine():
+    """The module's own engine (not make_engine's shared ones): freed when the module ends."""
+    with Engine(dtype="float32", quantization="gguf", max_total_tokens=2048,
+                debug_check_invariants=True) as quantized:
+        yield quantized
+
+
+@pytest.fixture(scope="module")
 def sequences(tokenizer, hf_model) -> list[list[int]]:
     """Prompts followed by transformers' fp32 greedy continuation (the exact path's tokens)."""
     prompts = [tokenizer.encode(chat_prompt(tokenizer, q) if i % 2 == 0 else q,
@@ -28,8 +37,7 @@ def sequences(tokenizer, hf_model) -> list[list[int]]:
     return [p + hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
 
 
-def test_quantized_top1_agrees_with_fp32(make_engine, hf_model, sequences):
-    engine = make_engine(quantization="gguf")
+def test_quantized_top1_agrees_with_fp32(engine, hf_model, sequences):
     agree = total = clear_miss = 0
     for ids in sequences:
         res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
@@ -47,8 +55,7 @@ def test_quantized_top1_agrees_with_fp32(make_engine, hf_model, sequences):
     assert clear_miss <= total // 100, f"{clear_miss} misses where fp32 has a clear winner"
 
 
-def test_quantized_weights_stay_near_the_gguf_size(make_engine):
-    engine = make_engine(quantization="gguf")
+def test_quantized_weights_stay_near_the_gguf_size(engine):
     model = engine.parts.runner.model
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(quantized) == 30 * 4 + 1  # qkv, o, gate_up, down per layer + tied embedding/head
@@ -58,8 +65,7 @@ def test_quantized_weights_stay_near_the_gguf_size(make_engine):
     assert total < 110 * 2**20, f"{total / 2**20:.0f} MB"  # GGUF: 98 MB; fp32: 540 MB
 
 
-def test_quantized_greedy_decoding_runs_batched_and_cached(make_engine, sequences):
-    engine = make_engine(quantization="gguf")
+def test_quantized_greedy_is_the_same_alone_and_batched(engine, sequences):
     prompts = [ids[:-NUM_NEW] for ids in sequences[:4]]
     greedy = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     alone = [engine.generate(input_ids=p, sampling_params=greedy)["output_ids"] for p in prompts]
