@@ -232,7 +232,8 @@ def _permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_gguf(path: pathlib.Path, arch: str, config, state_dict: dict[str, torch.Tensor]):
+def _write_gguf(path: pathlib.Path, arch: str, config, state_dict: dict[str, torch.Tensor],
+                quantize_linears: bool = False):
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -263,7 +264,12 @@ def _write_gguf(path: pathlib.Path, arch: str, config, state_dict: dict[str, tor
         if arch == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
             heads = config.num_attention_heads if "q_proj" in part else config.num_key_value_heads
             array = _permute_qk(array, heads)
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        if quantize_linears and part.endswith("_proj"):
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(np.ascontiguousarray(array), q8),
+                              raw_dtype=q8)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -395,3 +401,42 @@ def _add_tensor_to_gguf(path: pathlib.Path, name: str, array: np.ndarray) -> Non
     writer.write_tensors_to_file()
     writer.close()
     path.with_suffix(".tmp").replace(path)
+
+
+def test_quantized_gguf_with_biases_loads_into_quantized_linears(tmp_path, monkeypatch):
+    """A Qwen2 GGUF with Q8_0 linears and float32 q/k/v biases, kept quantized: the fused qkv
+    is one QuantizedLinear over the three parts with the three biases, its weights are gguf's
+    dequantized values up to bf16 scales, and it generates like transformers on those weights (top-1 agreement)."""
+    from forklm.runtime.engine import Engine
+    from forklm.runtime.quant.linear import QuantizedLinear
+
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**{**TINY, "vocab_size": 259}, tie_word_embeddings=False,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    model = _hf_model(config)  # rope_theta as _write_gguf writes it
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    path = tmp_path / "q8.gguf"
+    _write_gguf(path, "qwen2", config, model.state_dict(), quantize_linears=True)
+    dequantized = load_model(str(path)).state_dict()  # what quantization="none" would run
+    model.load_state_dict(dequantized, strict=False)
+    with Engine(model_path=str(path), dtype="float32", quantization="gguf",
+                max_total_tokens=256) as engine:
+        attn = engine.parts.runner.model.model.layers[1].self_attn
+        assert isinstance(attn.qkv_proj, QuantizedLinear)
+        prefix = "model.layers.1.self_attn."
+        expected = torch.cat([dequantized[f"{prefix}{n}_proj.weight"] for n in "qkv"])
+        # bf16 kernel scales: each group's scale is rounded to bf16 (8 significant bits)
+        err = (attn.qkv_proj.dequantize() - expected).abs().max()
+        assert err <= expected.abs().max() * 2**-8, err
+        bias = torch.cat([dequantized[f"{prefix}{n}_proj.bias"] for n in "qkv"])
+        assert attn.qkv_proj.bias is not None and torch.equal(attn.qkv_proj.bias, bias)
+        ids = list(range(3, 43))
+        res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
+                              return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+    ours = torch.tensor([top[0][1] for top in res["meta_info"]["input_top_logprobs"][1:]])
+    with torch.inference_mode():
+        reference = model(torch.tensor([ids])).logits[0, :-1].argmax(-1)
+    assert (ours == reference).float().mean() >= 0.9

@@ -123,7 +123,8 @@ class WeightLoader:
             if sorted(parts) != list(range(expected)):
                 raise ModelNotFoundError(f"{path}: quantized parts {sorted(parts)} of {expected}")
             bias = getattr(module, "bias", None)
-            if bias is not None and bias.is_meta:
+            bias_parts = self.filled.pop((path, "bias"), set())  # its module is replaced below
+            if bias is not None and (bias.is_meta or len(bias_parts) != expected):
                 raise ModelNotFoundError(f"{path}.bias is missing from the checkpoint")
             assert self.quantized_factory is not None
             new = self.quantized_factory([parts[i] for i in range(expected)], bias, self.dtype)
