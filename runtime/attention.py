@@ -26,6 +26,11 @@ class AttentionLayerSpec:
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask
 
 
+def layer_specs(layers: Sequence[AttentionLayerSpec] | None, num_layers: int) -> list[AttentionLayerSpec]:
+    """One spec per layer; None means plain causal attention everywhere."""
+    return list(layers) if layers else [AttentionLayerSpec()] * num_layers
+
+
 class AttentionBackend(Protocol):
     """Stores the new tokens' K/V into the pool, then attends over each request's context."""
 
@@ -58,7 +63,7 @@ class TorchAttention:
         self.pool = pool
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.layers = list(layers) if layers else [AttentionLayerSpec()] * pool.num_layers
+        self.layers = layer_specs(layers, pool.num_layers)
         self.scales = [spec.scale or head_dim**-0.5 for spec in self.layers]
         self.windows = sorted({spec.sliding_window for spec in self.layers if spec.sliding_window})
         self.mask: torch.Tensor | None = None

@@ -11,7 +11,7 @@ import torch
 from forklm.kernels.decode_attention import decode_attention
 from forklm.kernels.extend_attention import extend_attention
 from forklm.kernels.store_kv import store_kv
-from forklm.runtime.attention import AttentionLayerSpec
+from forklm.runtime.attention import AttentionLayerSpec, layer_specs
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.kv_pool import KVPool
@@ -28,7 +28,7 @@ class TritonAttention:
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  layers: Sequence[AttentionLayerSpec] | None = None):
-        layers = list(layers) if layers else [AttentionLayerSpec()] * pool.num_layers
+        layers = layer_specs(layers, pool.num_layers)
         if any(spec.sliding_window or spec.softcap is not None for spec in layers):
             raise InvalidArgumentError("attention_backend", "triton",
                                        "the Triton kernels have no sliding windows or soft-capping "

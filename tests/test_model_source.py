@@ -17,8 +17,11 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from forklm.runtime import model_source
 from forklm.runtime.errors import ModelNotFoundError
-from forklm.runtime.model_loader import default_model_gguf
-from forklm.runtime.model_source import resolve_model_source, resolve_tokenizer_source
+from forklm.runtime.model_source import (
+    default_model_gguf,
+    resolve_model_source,
+    resolve_tokenizer_source,
+)
 from tests.conftest import hf_greedy
 
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40

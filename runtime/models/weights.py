@@ -105,7 +105,7 @@ class WeightLoader:
             dst.copy_(value)
         # A whole fused matrix in the checkpoint (Phi-3's qkv_proj) fills every part at once.
         shards = ([target.shard] if target.shard is not None
-                  else range(len(_shard_sizes(module, target.param))))
+                  else range(_num_shards(module, target.param)))
         self.filled.setdefault((target.module, target.param), set()).update(
             (target.expert, shard) for shard in shards)
 
@@ -155,12 +155,15 @@ def _shard_sizes(module: nn.Module, param: str) -> tuple[int, ...]:
     """Rows of each fused part of `module.param` (of one expert's slice for stacked experts)."""
     if isinstance(module, FusedLinear):
         return module.part_sizes
-    if param == "w13":  # gate rows, then up rows
-        inter = getattr(module, param).shape[1] // 2
-        return (inter, inter)
-    return (getattr(module, param).shape[-2 if param == "w2" else 0],)
+    assert param == "w13", f"{param} has no fused parts"
+    inter = getattr(module, param).shape[1] // 2  # gate rows, then up rows
+    return (inter, inter)
+
+
+def _num_shards(module: nn.Module, param: str) -> int:
+    return len(_shard_sizes(module, param)) if isinstance(module, FusedLinear) or param == "w13" else 1
 
 
 def _parts_expected(module: nn.Module, param: str) -> int:
     experts = getattr(module, param).shape[0] if param in ("w13", "w2") else 1
-    return experts * (len(_shard_sizes(module, param)) if param != "w2" else 1)
+    return experts * _num_shards(module, param)
