@@ -188,10 +188,10 @@ def walk(nodes: list[Node]) -> list[Node]:
 class ProgramLimits:
     """What one graph may ask of a server; each field names the error when exceeded."""
 
-    max_nodes: int = 10_000
+    max_nodes: int = 2000
     max_fork_size: int = 64
-    max_repeat: int = 100  # iterations of a loop body, nested repeats multiplied
-    max_total_tokens: int = 262_144  # sum over gens of max_tokens x fork branches x repeats
+    max_repeat: int = 256  # iterations of a loop body, nested repeats multiplied
+    max_total_tokens: int = 131_072  # sum over gens of max_tokens x fork branches x repeats
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -252,50 +252,13 @@ class Graph:
 
         return graph_to_dot(self)
 
-    def check_limits(self, limits: ProgramLimits | None = None) -> None:
-        """Raise ProgramLimitError (named after the limit field) if the graph asks for too much."""
-        limits = limits or ProgramLimits()
-        num_nodes = len(walk(self.nodes))
-        if num_nodes > limits.max_nodes:
-            raise ProgramLimitError("max_nodes", num_nodes, f"the graph has more than "
-                                    f"{limits.max_nodes} nodes")
-        for node in walk(self.nodes):
-            if isinstance(node, Fork) and node.size > limits.max_fork_size:
-                raise ProgramLimitError("max_fork_size", node.size, f"fork %{node.id} is larger "
-                                        f"than {limits.max_fork_size}")
-        repeats = _max_iterations(self.nodes)
-        if repeats > limits.max_repeat:
-            raise ProgramLimitError("max_repeat", repeats, f"a loop body may run more than "
-                                    f"{limits.max_repeat} times (nested repeats multiply)")
-        total = _total_tokens(self.nodes)
-        if total > limits.max_total_tokens:
-            raise ProgramLimitError("max_total_tokens", total, f"the gens may generate more than "
-                                    f"{limits.max_total_tokens} tokens in all")
+    def check_limits(self, limits: ProgramLimits | None = None,
+                     default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> None:
+        """Raise ProgramLimitError (named after the limit field) if the graph asks for too much;
+        a gen that sets no max_tokens counts `default_max_new_tokens` (the run's default)."""
+        from forklm.frontend_dsl.limits import check_limits
 
-
-def _total_tokens(nodes: list[Node]) -> int:
-    """Upper bound on generated tokens (fork branches are listed one by one already)."""
-    total = 0
-    for node in nodes:
-        if isinstance(node, Gen):
-            total += int(node.sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
-        elif isinstance(node, Repeat):
-            total += node.count * _total_tokens(node.body)
-        elif isinstance(node, If):
-            total += max(_total_tokens(node.then), _total_tokens(node.orelse))
-        else:
-            total += sum(_total_tokens(block) for block in child_blocks(node))
-    return total
-
-
-def _max_iterations(nodes: list[Node]) -> int:
-    """How many times the most repeated node may run (the product of its enclosing counts)."""
-    most = 1
-    for node in nodes:
-        factor = node.count if isinstance(node, Repeat) else 1
-        for block in child_blocks(node):
-            most = max(most, factor * _max_iterations(block))
-    return most
+        check_limits(self, limits or ProgramLimits(), default_max_new_tokens)
 
 
 def _merge_texts(nodes: list[Node]) -> list[Node]:

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from forklm.frontend_dsl.ir import ProgramLimits
 from forklm.runtime.config import check_field as _check
 from forklm.runtime.config import config_from_kwargs
+
+_PROGRAM_LIMITS = ProgramLimits()  # the defaults of the max_program_* fields below
 
 
 @dataclass(frozen=True)
@@ -24,11 +27,11 @@ class ServerConfig:
     max_request_body_bytes: int = 8 * 1024 * 1024
     # The Retry-After seconds a 503 (queue full) suggests.
     retry_after_s: int = 1
-    # Limits on one POST /v1/programs/run request (see forklm/server/programs.py).
-    max_program_nodes: int = 2000
-    max_fork_size: int = 64
-    max_repeat: int = 256
-    max_program_tokens: int = 131072
+    # Limits on one POST /v1/programs/run request: `program_limits` (ProgramLimits' fields).
+    max_program_nodes: int = _PROGRAM_LIMITS.max_nodes
+    max_fork_size: int = _PROGRAM_LIMITS.max_fork_size
+    max_repeat: int = _PROGRAM_LIMITS.max_repeat
+    max_program_tokens: int = _PROGRAM_LIMITS.max_total_tokens
     # Seconds SIGTERM waits for in-flight requests before aborting them.
     graceful_shutdown_s: float = 30.0
     log_level: str = "warning"
@@ -46,6 +49,11 @@ class ServerConfig:
                "must be >= 0")
         _check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
                "log_level", self.log_level, "expected critical, error, warning, info or debug")
+
+    @property
+    def program_limits(self) -> ProgramLimits:
+        return ProgramLimits(max_nodes=self.max_program_nodes, max_fork_size=self.max_fork_size,
+                             max_repeat=self.max_repeat, max_total_tokens=self.max_program_tokens)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerConfig:

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from forklm.frontend_dsl.backends.engine_backend import EngineBackend
 from forklm.frontend_dsl.interpreter import GraphProgram
-from forklm.frontend_dsl.ir import Gen, Graph, ProgramLimits, walk
+from forklm.frontend_dsl.ir import DEFAULT_MAX_NEW_TOKENS, Graph, walk
 from forklm.frontend_dsl.primitives import LOGPROB_OPTIONS
 from forklm.frontend_dsl.state import ProgramState
 from forklm.frontend_dsl.textual import ProgramSyntaxError, parse_program
@@ -73,7 +73,8 @@ class ProgramRunRequest(BaseModel):
 async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
     graph = _load_graph(body)
     defaults = _check_defaults(body.sampling_params)
-    _check_limits(graph, request.app.state.config, defaults)
+    graph.check_limits(request.app.state.config.program_limits,
+                       defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
     items = body.arguments if isinstance(body.arguments, list) else [body.arguments]
     if body.stream and len(items) != 1:
         raise InvalidArgumentError("stream", True, f"streaming runs one program; got a batch of "
@@ -132,22 +133,6 @@ def _check_defaults(sampling: dict[str, Any]) -> dict[str, Any]:
                                        f"{', '.join(LOGPROB_OPTIONS)}")
     SamplingParams.from_dict({k: v for k, v in sampling.items() if k in _SAMPLING_FIELDS})
     return sampling
-
-
-def _limits(config: Any) -> ProgramLimits:
-    return ProgramLimits(max_nodes=config.max_program_nodes, max_fork_size=config.max_fork_size,
-                         max_repeat=config.max_repeat, max_total_tokens=config.max_program_tokens)
-
-
-def _check_limits(graph: Graph, config: Any, defaults: dict[str, Any]) -> None:
-    """The config's limits, counting a run default max_new_tokens for every gen that sets none
-    (check_limits alone counts SamplingParams' default there) on a copy of the graph."""
-    if "max_new_tokens" in defaults:
-        graph = Graph.from_json(graph.to_json())
-        for node in walk(graph.nodes):
-            if isinstance(node, Gen):
-                node.sampling.setdefault("max_new_tokens", defaults["max_new_tokens"])
-    graph.check_limits(_limits(config))
 
 
 def _tracked_engine(request: Request) -> TrackedEngine:
