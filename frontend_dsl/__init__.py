@@ -1,4 +1,4 @@
-"""The forklm program language (see issue 5): SGLang's frontend API over forklm backends."""
+"""The forklm program language: SGLang's frontend API over forklm backends."""
 
 from forklm.frontend_dsl.api import (
     assistant,
@@ -26,9 +26,9 @@ from forklm.frontend_dsl.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from forklm.frontend_dsl.defaults import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 from forklm.frontend_dsl.interpreter import GraphProgram
 from forklm.frontend_dsl.ir import Graph, ProgramLimitError, ProgramLimits
-from forklm.frontend_dsl.primitives import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
 from forklm.frontend_dsl.program import Program
 from forklm.frontend_dsl.program_file import load_program_file, run_program_file
 from forklm.frontend_dsl.state import ProgramState, ProgramStateGroup

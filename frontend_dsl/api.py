@@ -7,15 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from forklm.frontend_dsl.choices import ChoicesSamplingMethod, token_length_normalized
-from forklm.frontend_dsl.primitives import (
-    DTYPE_RULES,
-    LOGPROB_OPTIONS,
-    ExprList,
-    Gen,
-    RoleBegin,
-    RoleEnd,
-    Select,
-)
+from forklm.frontend_dsl.defaults import DTYPE_RULES
+from forklm.frontend_dsl.expr import ExprList
+from forklm.frontend_dsl.ir import LOGPROB_OPTIONS, Gen, LogprobOptions, RoleBegin, RoleEnd, Select
 from forklm.frontend_dsl.program import Program, get_default_backend, set_default_backend
 from forklm.runtime.errors import InvalidArgumentError
 
@@ -29,6 +23,7 @@ __all__ = [
 # gen is passed to SamplingParams under its own name (regex/json_schema/ebnf included).
 _GEN_TO_SAMPLING = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 _NOT_SAMPLING = ("name", "dtype", "choices", "choices_method", *LOGPROB_OPTIONS)
+_DTYPES = (int, float, str, bool)  # as types or by name
 
 
 def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | None = None
@@ -46,7 +41,7 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         presence_penalty: float | None = None, ignore_eos: bool | None = None,
         return_logprob: bool | None = None, logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None, dtype: Any = None, choices: list[str] | None = None,
-        choices_method: ChoicesSamplingMethod | None = None, regex: str | None = None,
+        choices_method: ChoicesSamplingMethod | str | None = None, regex: str | None = None,
         json_schema: str | None = None, ebnf: str | None = None) -> Gen | Select:
     """Generate text into variable `name`. `None` inherits the run's defaults (SamplingParams'
     defaults otherwise: 128 new tokens, temperature 1.0). `choices` makes it a select; `dtype`
@@ -57,11 +52,13 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
                       choices_method or token_length_normalized)
     if regex is not None:
         _check_regex(regex)
+    if dtype in _DTYPES:
+        dtype = dtype.__name__
     if dtype is not None and dtype not in DTYPE_RULES:
         raise InvalidArgumentError("dtype", dtype, "must be int, float, str or bool")
     sampling = {_GEN_TO_SAMPLING.get(k, k): v for k, v in args.items()
                 if k not in _NOT_SAMPLING and v is not None}
-    options = {k: args[k] for k in LOGPROB_OPTIONS if args[k] is not None}
+    options = LogprobOptions(**{k: args[k] for k in LOGPROB_OPTIONS})
     return Gen(name, sampling, options, dtype)
 
 
@@ -93,8 +90,9 @@ def gen_string(name: str | None = None, max_tokens: int | None = None,
 
 def select(name: str | None = None, choices: list[str] | None = None,
            temperature: float = 0.0,
-           choices_method: ChoicesSamplingMethod = token_length_normalized) -> Select:
-    """Append the choice that `choices_method` ranks best, scored in one engine call."""
+           choices_method: ChoicesSamplingMethod | str = token_length_normalized) -> Select:
+    """Append the choice that `choices_method` (a method, or a built-in's name) ranks best,
+    scored in one engine call."""
     if not choices or not all(isinstance(c, str) for c in choices):
         raise InvalidArgumentError("choices", choices, "must be a non-empty list of str")
     if temperature is None:
@@ -112,8 +110,7 @@ def _check_regex(regex: str) -> None:
 
 
 def _role(role: str, expr: Any) -> ExprList:
-    return ExprList([RoleBegin(role), RoleEnd(role)] if expr is None
-                    else [RoleBegin(role), expr, RoleEnd(role)])
+    return ExprList([RoleBegin(role), *([] if expr is None else [expr]), RoleEnd(role)])
 
 
 def system(expr: Any = None) -> ExprList:

@@ -110,3 +110,22 @@ class UnconditionalLikelihoodNormalized(ChoicesSamplingMethod):
 token_length_normalized = TokenLengthNormalized()
 greedy_token_selection = GreedyTokenSelection()
 unconditional_likelihood_normalized = UnconditionalLikelihoodNormalized()
+
+# The built-in methods by the names a graph's JSON uses for them.
+BUILTIN_METHODS: dict[str, ChoicesSamplingMethod] = {
+    "token_length_normalized": token_length_normalized,
+    "greedy_token_selection": greedy_token_selection,
+    "unconditional_likelihood_normalized": unconditional_likelihood_normalized,
+}
+
+
+def builtin_name(method: Any) -> str | None:
+    """The name of a built-in method object (or of a name already), None for any other."""
+    if isinstance(method, str):
+        return method
+    return next((name for name, m in BUILTIN_METHODS.items() if m is method), None)
+
+
+def resolve(method: str | ChoicesSamplingMethod) -> ChoicesSamplingMethod:
+    """The method object a select runs: a built-in's by name, or the object it holds."""
+    return BUILTIN_METHODS[method] if isinstance(method, str) else method

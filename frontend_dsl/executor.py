@@ -3,27 +3,17 @@ so the Python program runs ahead and blocks only when it reads a variable that i
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
-from forklm.frontend_dsl.primitives import (
-    DTYPE_RULES,
-    Gen,
-    RoleBegin,
-    RoleEnd,
-    Select,
-    SetVar,
-    VarScopeBegin,
-    VarScopeEnd,
-    flatten,
-)
+from forklm.frontend_dsl import choices, ir
+from forklm.frontend_dsl.backends.base import Backend, BackendError
+from forklm.frontend_dsl.defaults import RunDefaults
+from forklm.frontend_dsl.expr import cannot_append, flatten
 from forklm.frontend_dsl.streaming import EventLog, TextEvent, VariableEvent
-from forklm.runtime.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -33,22 +23,6 @@ class JoinNode:
     variables: dict[str, list[Any]] = field(default_factory=dict)
     meta_info: dict[str, list[Any]] = field(default_factory=dict)
     text: str = ""
-
-
-@dataclass
-class RunDefaults:
-    """Run-level defaults every gen inherits: SamplingParams-named fields and logprob options."""
-
-    sampling: dict[str, Any] = field(default_factory=dict)
-    logprob_options: dict[str, Any] = field(default_factory=dict)
-
-
-def _produces(node: Any) -> str | None:
-    if isinstance(node, (Gen, Select)):
-        return node.name
-    if isinstance(node, (VarScopeEnd, SetVar)):
-        return node.name
-    return None
 
 
 class Executor:
@@ -78,7 +52,11 @@ class Executor:
 
     # -- user thread ---------------------------------------------------------------------------
     def submit(self, expr: Any) -> None:
+        """Queue `expr`'s nodes; raises ValueError (queueing nothing) for one it cannot run."""
         nodes = flatten(expr) if not isinstance(expr, JoinNode) else [expr]
+        for node in nodes:
+            if not runs(node):
+                raise cannot_append(node)
         with self._cond:
             if self.error is not None:
                 return  # the program already failed; the error is raised at the next read
@@ -163,6 +141,15 @@ class Executor:
             children.append(child)
         return children
 
+    def load_finished(self, text: str, messages: list[dict[str, str]],
+                      variables: dict[Any, Any], meta_info: dict[Any, Any]) -> None:
+        """Fill a fresh executor with a program run elsewhere (a server); the text and variables
+        are logged as events, so streaming readers replay them."""
+        self._append(text)
+        for name, value in variables.items():
+            self._set(name, value, meta_info.get(name))
+        self.messages = [dict(m) for m in messages]
+
     def record_error(self, error: BaseException) -> None:
         """Keep an error raised outside the worker (the program body) unless one came first."""
         with self._cond:
@@ -178,7 +165,7 @@ class Executor:
     def _names(node: Any) -> list[Any]:
         if isinstance(node, JoinNode):
             return [*node.variables]
-        name = _produces(node)
+        name = ir.produced_name(node)
         return [] if name is None else [name]
 
     # -- worker thread -------------------------------------------------------------------------
@@ -203,31 +190,9 @@ class Executor:
                 self.events.notify()
 
     def _execute(self, node: Any) -> None:
-        if isinstance(node, str):
-            self._append(node)
-        elif isinstance(node, Gen):
-            result = self._generate(node)
-            self._set(node.name, result.text, result.meta_info)
-        elif isinstance(node, Select):
-            decision = self.backend.select(self.text, node.choices, node.choices_method)
-            self._append(decision.decision, node.name)
-            self._set(node.name, decision.decision, decision.meta_info)
-        elif isinstance(node, RoleBegin):
-            self._begin_role(node.role)
-        elif isinstance(node, RoleEnd):
-            self._end_role(node.role)
-        elif isinstance(node, VarScopeBegin):
-            self._scopes[node.name] = len(self.text)
-        elif isinstance(node, VarScopeEnd):
-            self._set(node.name, self.text[self._scopes.pop(node.name):], None)
-        elif isinstance(node, SetVar):
-            self._set(node.name, node.value, None)
-        elif isinstance(node, JoinNode):
-            self._append(node.text)
-            for name, values in node.variables.items():
-                self._set(name, values, node.meta_info.get(name))
-        else:
-            raise AssertionError(f"unknown node {node!r}")
+        handler = _handler(node)
+        assert handler is not None, f"submit() queued a node it cannot run: {node!r}"
+        handler(self, node)
 
     def _append(self, text: str, owner: Any = None) -> None:
         """Append to the text and log the piece for streaming; it belongs to every open var_scope
@@ -246,75 +211,88 @@ class Executor:
             self.produced.append(name)
             self.events.append(VariableEvent(name, value))
 
-    def _generate(self, gen: Gen) -> GenResult:
+    # -- the node handlers (one per node type, see _HANDLERS) ----------------------------------
+    def _run_text(self, node: ir.Text) -> None:
+        self._append(node.text)
+
+    def _run_gen(self, gen: ir.Gen) -> None:
         """Call the backend, appending its output as it streams; a backend that does not stream
         (or streams only part) has the rest appended when it returns."""
-        params, options = self._resolve(gen)
-        prompt, streamed = self.text, []
+        params, options = self.defaults.for_gen(gen)
+        streamed: list[str] = []
 
         def on_text(piece: str) -> None:
             streamed.append(piece)
             self._append(piece, gen.name)
 
-        if _accepts_on_text(type(self.backend)):
-            result = self.backend.generate(prompt, params, options, on_text=on_text)
-        else:
-            result = self.backend.generate(prompt, params, options)
+        result = self.backend.generate(self.text, params, options, on_text=on_text)
         sent = "".join(streamed)
         if not result.text.startswith(sent):
             raise BackendError(f"{type(self.backend).__name__} streamed {sent!r}, which does not "
                                f"begin its result {result.text!r}")
         self._append(result.text[len(sent):], gen.name)
-        return result
+        self._set(gen.name, result.text, result.meta_info)
 
-    def _resolve(self, gen: Gen) -> tuple[SamplingParams, dict[str, Any]]:
-        """Run defaults overlaid with the gen's own settings; a dtype adds its regex and stops."""
-        merged = {**self.defaults.sampling, **gen.sampling}
-        if gen.dtype is not None:
-            regex, stops = DTYPE_RULES[gen.dtype]
-            stop = merged.get("stop") or []
-            merged["regex"] = regex
-            merged["stop"] = [*([stop] if isinstance(stop, str) else stop), *stops] or None
-        options = {**self.defaults.logprob_options, **gen.logprob_options}
-        return SamplingParams.from_dict(merged), options
-
-    def load_finished(self, text: str, messages: list[dict[str, str]],
-                      variables: dict[Any, Any], meta_info: dict[Any, Any]) -> None:
-        """Fill a fresh executor with a program run elsewhere (a server); the text and variables
-        are logged as events, so streaming readers replay them."""
-        self._append(text)
-        for name, value in variables.items():
-            self._set(name, value, meta_info.get(name))
-        self.messages = [dict(m) for m in messages]
-
-    def _begin_role(self, role: str) -> None:
+    def _begin_role(self, node: ir.RoleBegin) -> None:
         if self._role is not None:
-            raise ValueError(f"Nested roles are not allowed: {role} inside {self._role[0]}")
-        prefix, suffix = self.backend.role_prefix_suffix(role, self.messages)
-        if not self.messages and role != "system" and self.implied_system is None:
+            raise ValueError(f"Nested roles are not allowed: {node.role} inside {self._role[0]}")
+        prefix, suffix = self.backend.role_prefix_suffix(node.role, self.messages)
+        if not self.messages and node.role != "system" and self.implied_system is None:
             default = self.backend.default_system_prompt()
             if default and default in prefix:  # the template put it in the text: list it too
                 self.implied_system = default
         self._append(prefix)
-        self._role = (role, len(self.text), suffix)
+        self._role = (node.role, len(self.text), suffix)
 
-    def _end_role(self, role: str) -> None:
-        if self._role is None or self._role[0] != role:
-            raise ValueError(f"{role}_end without a matching {role}_begin")
+    def _end_role(self, node: ir.RoleEnd) -> None:
+        if self._role is None or self._role[0] != node.role:
+            raise ValueError(f"{node.role}_end without a matching {node.role}_begin")
         _, start, suffix = self._role
-        self.messages.append({"role": role, "content": self.text[start:].lstrip()})
+        self.messages.append({"role": node.role, "content": self.text[start:].lstrip()})
         self._append(suffix)
         self._role = None
 
+    def _run_select(self, node: ir.Select) -> None:
+        method = choices.resolve(node.choices_method)
+        decision = self.backend.select(self.text, node.choices, method)
+        self._append(decision.decision, node.name)
+        self._set(node.name, decision.decision, decision.meta_info)
 
-_ON_TEXT_SUPPORT: dict[type[Backend], bool] = {}
+    def _begin_scope(self, node: ir.ScopeBegin) -> None:
+        self._scopes[node.name] = len(self.text)
+
+    def _end_scope(self, node: ir.ScopeEnd) -> None:
+        self._set(node.name, self.text[self._scopes.pop(node.name):], None)
+
+    def _run_set(self, node: ir.SetVar) -> None:
+        assert node.source == "literal", f"a program state sets values, not references: {node}"
+        self._set(node.name, node.value, None)
+
+    def _run_join(self, node: JoinNode) -> None:
+        self._append(node.text)
+        for name, values in node.variables.items():
+            self._set(name, values, node.meta_info.get(name))
 
 
-def _accepts_on_text(backend_type: type[Backend]) -> bool:
-    """Backends written before streaming take (prompt, sampling_params, logprob_options) only."""
-    if backend_type not in _ON_TEXT_SUPPORT:
-        params = inspect.signature(backend_type.generate).parameters
-        _ON_TEXT_SUPPORT[backend_type] = "on_text" in params or any(
-            p.kind is p.VAR_KEYWORD for p in params.values())
-    return _ON_TEXT_SUPPORT[backend_type]
+_HANDLERS: dict[type, Callable[[Executor, Any], None]] = {
+    str: Executor._append,
+    ir.Text: Executor._run_text,
+    ir.Gen: Executor._run_gen,
+    ir.Select: Executor._run_select,
+    ir.RoleBegin: Executor._begin_role,
+    ir.RoleEnd: Executor._end_role,
+    ir.ScopeBegin: Executor._begin_scope,
+    ir.ScopeEnd: Executor._end_scope,
+    ir.SetVar: Executor._run_set,
+    JoinNode: Executor._run_join,
+}
 
+
+def _handler(node: Any) -> Callable[[Executor, Any], None] | None:
+    return next((_HANDLERS[t] for t in type(node).__mro__ if t in _HANDLERS), None)
+
+
+def runs(node: Any) -> bool:
+    """Whether a program state can run `node` when it is appended (the interpreter walks the
+    graph's other nodes: its blocks, args and reads)."""
+    return _handler(node) is not None

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
 from typing import Any
 
-from forklm.frontend_dsl import choices as choices_mod
-from forklm.frontend_dsl import ir, primitives
-from forklm.frontend_dsl.executor import RunDefaults
+from forklm.frontend_dsl import ir
+from forklm.frontend_dsl.defaults import RunDefaults
 from forklm.frontend_dsl.ir_codec import check_references
-from forklm.frontend_dsl.program import (
-    _IGNORED_RUN_OPTIONS,
-    _SAMPLING_FIELDS,
-    Program,
-)
+from forklm.frontend_dsl.program import IGNORED_RUN_OPTIONS, Program
 from forklm.frontend_dsl.state import ProgramState, ProgramStateGroup
 from forklm.runtime.errors import InvalidArgumentError
 
@@ -35,52 +31,46 @@ class _Run:
     def block(self, nodes: list[ir.Node], s: ProgramState) -> bool:
         """Run `nodes` on `s`; True when a break was reached (the enclosing repeat stops)."""
         for node in nodes:
-            if isinstance(node, ir.Break):
+            control = _CONTROL.get(type(node))
+            if control is None:
+                s += self.resolve(node, s)
+            elif control(self, node, s):
                 return True
-            if isinstance(node, ir.If):
-                taken = node.then if s[node.var] == node.equals else node.orelse
-                if self.block(taken, s):
-                    return True
-            elif isinstance(node, ir.Repeat):
-                for _ in range(node.count):
-                    if self.block(node.body, s):
-                        break
-            elif isinstance(node, ir.Fork):
-                group = s.fork(node.size)
-                self.groups[node.id] = group
-                for branch, state in zip(node.branches, group):
-                    self.block(branch, state)
-            elif isinstance(node, ir.Join):
-                self.group(node.fork).join(node.mode)
-            else:
-                s += self.expr(node, s)
         return False
 
-    def expr(self, node: ir.Node, s: ProgramState) -> Any:
-        if isinstance(node, ir.Text):
-            return node.text
+    def resolve(self, node: ir.Node, s: ProgramState) -> Any:
+        """What `s` appends for a node: an argument's or a variable's value where the node
+        refers to one, else the node itself."""
         if isinstance(node, ir.Arg):
             return str(self.args[node.name])
-        if isinstance(node, ir.Gen):
-            return primitives.Gen(node.name, dict(node.sampling), dict(node.logprob_options),
-                                  node.dtype)
-        if isinstance(node, ir.Select):
-            return primitives.Select(node.name, list(node.choices), node.temperature,
-                                     getattr(choices_mod, node.choices_method))
         if isinstance(node, ir.Read):
             return self.state(node.state, s)[node.name]
-        if isinstance(node, ir.SetVar):
-            value = node.value
-            if node.source == "arg":
-                value = self.args[node.value]
-            elif node.source == "var":
-                value = self.state(node.state, s)[node.value]
-            return primitives.SetVar(node.name, value)
-        simple = {ir.RoleBegin: primitives.RoleBegin, ir.RoleEnd: primitives.RoleEnd,
-                  ir.ScopeBegin: primitives.VarScopeBegin, ir.ScopeEnd: primitives.VarScopeEnd}
-        if type(node) in simple:
-            return simple[type(node)](getattr(node, "role", None) or node.name)
-        raise AssertionError(f"unknown node {node!r}")
+        if isinstance(node, ir.SetVar) and node.source == "arg":
+            return ir.SetVar(node.name, self.args[node.value])
+        if isinstance(node, ir.SetVar) and node.source == "var":
+            return ir.SetVar(node.name, self.state(node.state, s)[node.value])
+        return node
+
+    # -- the block nodes (see _CONTROL); each returns True when a break ends the enclosing loop
+    def _if(self, node: ir.If, s: ProgramState) -> bool:
+        return self.block(node.then if s[node.var] == node.equals else node.orelse, s)
+
+    def _repeat(self, node: ir.Repeat, s: ProgramState) -> bool:
+        for _ in range(node.count):
+            if self.block(node.body, s):
+                break
+        return False
+
+    def _fork(self, node: ir.Fork, s: ProgramState) -> bool:
+        group = s.fork(node.size)
+        self.groups[node.id] = group
+        for branch, state in zip(node.branches, group):
+            self.block(branch, state)
+        return False
+
+    def _join(self, node: ir.Join, s: ProgramState) -> bool:
+        self.group(node.fork).join(node.mode)
+        return False
 
     def state(self, path: list[int] | None, s: ProgramState) -> ProgramState:
         if path is None:
@@ -94,6 +84,12 @@ class _Run:
         if fork_id not in self.groups:
             raise InvalidArgumentError("fork", fork_id, "used before that fork node ran")
         return self.groups[fork_id]
+
+
+_CONTROL: dict[type, Callable[[_Run, Any, ProgramState], bool]] = {
+    ir.Break: lambda run, node, s: True, ir.If: _Run._if, ir.Repeat: _Run._repeat,
+    ir.Fork: _Run._fork, ir.Join: _Run._join,
+}
 
 
 class GraphProgram(Program):
@@ -118,8 +114,7 @@ class GraphProgram(Program):
 
     def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                ) -> tuple[inspect.BoundArguments, RunDefaults]:
-        known = set(self.arg_names) | _SAMPLING_FIELDS | _IGNORED_RUN_OPTIONS | set(
-            primitives.LOGPROB_OPTIONS)
+        known = set(self.arg_names) | RunDefaults.NAMES | IGNORED_RUN_OPTIONS
         unknown = [k for k in kwargs if k not in known]
         if unknown:
             raise InvalidArgumentError(unknown[0], kwargs[unknown[0]], (

@@ -1,9 +1,9 @@
-"""Request graphs: a program as data (typed nodes in append order, blocks nested), the form that
-tracing a Python program and parsing a textual one both produce, and the interpreter executes.
+"""The program language's nodes (what gen, select and the roles build and a program state runs)
+and request graphs: a program as data, as tracing and the textual syntax both produce it.
 
-A graph is never executed as Python: choices methods are named (one of the three built-ins) and
-every field is a JSON value. `to_text()` is the stable golden-file dump, `to_json()`/`from_json()`
-the wire form, `to_dot()` a Graphviz view; `check_limits()` bounds what a graph may ask for.
+A graph read from JSON or text never runs Python (its selects name built-in choices methods);
+only an in-process select may hold a method object, which the JSON codec refuses. `to_text()` is
+the golden-file dump, `to_json()`/`from_json()` the wire form, `to_dot()` a Graphviz view.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from forklm.frontend_dsl.choices import BUILTIN_METHODS, ChoicesSamplingMethod, builtin_name
+from forklm.frontend_dsl.expr import Expr
 from forklm.runtime.errors import InvalidArgumentError
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
-CHOICES_METHODS = ("token_length_normalized", "greedy_token_selection",
-                   "unconditional_likelihood_normalized")
+CHOICES_METHODS = tuple(BUILTIN_METHODS)
 ROLES = ("system", "user", "assistant")
 SET_SOURCES = ("literal", "arg", "var")
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: what a gen without max_tokens may use
@@ -28,9 +29,30 @@ class ProgramLimitError(InvalidArgumentError):
     """A graph asks for more than the ProgramLimits allow; `.name` is the limit's field name."""
 
 
+@dataclass(frozen=True)
+class LogprobOptions:
+    """A gen's logprob request options (SGLang's names); None = not set here, so the run's
+    default (then the engine's) applies."""
+
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options that are set."""
+        return {k: getattr(self, k) for k in LOGPROB_OPTIONS if getattr(self, k) is not None}
+
+    def overlay(self, other: LogprobOptions) -> LogprobOptions:
+        """These options with those set in `other` taking precedence."""
+        return LogprobOptions(**{**self.to_dict(), **other.to_dict()})
+
+
+LOGPROB_OPTIONS = tuple(f.name for f in dataclasses.fields(LogprobOptions))
+
+
 @dataclass
-class Node:
-    """Base of the graph nodes; `id` is the node's position in a pre-order walk (see Graph)."""
+class Node(Expr):
+    """Base of the nodes; `id` is the node's position in a pre-order walk (see Graph)."""
 
     op: ClassVar[str] = ""
     id: int = field(default=-1, kw_only=True)
@@ -52,22 +74,30 @@ class Arg(Node):
 
 @dataclass
 class Gen(Node):
-    """`sampling` holds SamplingParams-named overrides; the rest inherit the run's defaults."""
+    """Generate a continuation into variable `name`. `sampling` holds SamplingParams-named
+    overrides (only those the program set; the rest inherit the run's defaults); `dtype` (int,
+    float, str, bool by name) constrains the text with a regex and stop strings."""
 
     op: ClassVar[str] = "gen"
     name: str | None
     sampling: dict[str, Any] = field(default_factory=dict)
-    logprob_options: dict[str, Any] = field(default_factory=dict)
+    logprob_options: LogprobOptions = field(default_factory=LogprobOptions)
     dtype: str | None = None
 
 
 @dataclass
 class Select(Node):
+    """Append the best of `choices` as `choices_method` ranks them (greedy only): a built-in's
+    name, or any other ChoicesSamplingMethod object (a built-in object is kept as its name)."""
+
     op: ClassVar[str] = "select"
     name: str | None
     choices: list[str]
     temperature: float = 0.0
-    choices_method: str = "token_length_normalized"
+    choices_method: str | ChoicesSamplingMethod = "token_length_normalized"
+
+    def __post_init__(self) -> None:
+        self.choices_method = builtin_name(self.choices_method) or self.choices_method
 
 
 @dataclass
@@ -161,6 +191,11 @@ class Break(Node):
 NODE_TYPES: dict[str, type[Node]] = {t.op: t for t in (
     Text, Arg, Gen, Select, RoleBegin, RoleEnd, ScopeBegin, ScopeEnd, Read, SetVar, Fork, Join,
     If, Repeat, Break)}
+
+
+def produced_name(node: Any) -> str | None:
+    """The variable a node sets when it runs (a gen, select, scope end or set), else None."""
+    return node.name if isinstance(node, (Gen, Select, ScopeEnd, SetVar)) else None
 
 
 def child_blocks(node: Node) -> list[list[Node]]:

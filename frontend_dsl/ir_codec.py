@@ -10,17 +10,20 @@ from collections.abc import Callable
 from typing import Any
 
 from forklm.frontend_dsl import ir
-from forklm.frontend_dsl.primitives import LOGPROB_OPTIONS
+from forklm.frontend_dsl.defaults import DTYPE_RULES
+from forklm.frontend_dsl.ir import LOGPROB_OPTIONS
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling import SamplingParams
 
-DTYPES = ("int", "float", "str", "bool")
+DTYPES = tuple(DTYPE_RULES)
 MAX_DEPTH = 32  # nested blocks; deeper graphs are refused before anything recurses too far
 _MISSING = object()
 
 
 # -- to dict -----------------------------------------------------------------------------------
 def node_to_dict(node: ir.Node) -> dict[str, Any]:
+    """The node as JSON values; InvalidArgumentError for a select whose choices_method is an
+    object (JSON names only the built-ins)."""
     out: dict[str, Any] = {"op": node.op, "id": node.id}
     for f in dataclasses.fields(node):
         if f.name == "id":
@@ -30,6 +33,11 @@ def node_to_dict(node: ir.Node) -> dict[str, Any]:
             value = [[node_to_dict(n) for n in branch] for branch in value]
         elif f.name in ("then", "orelse", "body"):
             value = [node_to_dict(n) for n in value]
+        elif f.name == "logprob_options":
+            value = value.to_dict()
+        elif f.name == "choices_method" and not isinstance(value, str):
+            raise _bad("choices_method", value, f"select {getattr(node, 'name', None)!r} has a "
+                       f"custom choices method; a graph can name only {ir.CHOICES_METHODS}")
         out[f.name] = value
     return out
 
@@ -85,10 +93,10 @@ def _sampling(path: str, v: Any) -> dict[str, Any]:
     return dict(v)
 
 
-def _logprob_options(path: str, v: Any) -> dict[str, Any]:
+def _logprob_options(path: str, v: Any) -> ir.LogprobOptions:
     if not isinstance(v, dict) or any(k not in LOGPROB_OPTIONS for k in v):
         raise _bad(path, v, f"must be an object with keys among {list(LOGPROB_OPTIONS)}")
-    return dict(v)
+    return ir.LogprobOptions(**v)
 
 
 def _choices(path: str, v: Any) -> list[str]:

@@ -25,12 +25,12 @@ def node_label(node: ir.Node) -> str:
     if isinstance(node, (ir.Arg, ir.RoleBegin, ir.RoleEnd)):
         return f"{node.op}({getattr(node, 'name', getattr(node, 'role', ''))})"
     if isinstance(node, ir.Gen):
-        opts = {**node.sampling, **node.logprob_options}
+        opts = {**node.sampling, **node.logprob_options.to_dict()}
         parts = [_q(node.name)] + [f"{k}={_q(opts[k])}" for k in sorted(opts)]
         return f"gen({', '.join(parts + ([f'dtype={node.dtype}'] if node.dtype else []))})"
     if isinstance(node, ir.Select):
         method = ("" if node.choices_method == "token_length_normalized"
-                  else f", method={node.choices_method}")
+                  else f", method={node.choices_method}")  # a custom method object: its repr
         return f"select({_q(node.name)}, choices={_q(node.choices)}{method})"
     if isinstance(node, ir.Read):
         return f"read({_q(node.name)}{_state_text(node.state)})"

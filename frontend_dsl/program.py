@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import logging
 import os
@@ -13,18 +12,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from forklm.frontend_dsl.backends.base import Backend
-from forklm.frontend_dsl.executor import Executor, RunDefaults
-from forklm.frontend_dsl.primitives import LOGPROB_OPTIONS
+from forklm.frontend_dsl.defaults import SAMPLING_FIELDS, RunDefaults
+from forklm.frontend_dsl.executor import Executor
 from forklm.frontend_dsl.state import ProgramState
-from forklm.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from forklm.frontend_dsl.ir import Graph
 
 logger = logging.getLogger(__name__)
 
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-_IGNORED_RUN_OPTIONS = frozenset({"use_thread"})  # SGLang run() options with no meaning here
+IGNORED_RUN_OPTIONS = frozenset({"use_thread"})  # SGLang run() options with no meaning here
 
 _default_backend: Backend | None = None
 _default_lock = threading.Lock()
@@ -197,20 +194,16 @@ class Program:
                ) -> tuple[inspect.BoundArguments, RunDefaults]:
         """Program arguments (bound to the signature, defaults applied) vs run defaults."""
         takes_var_kw = any(p.kind is p.VAR_KEYWORD for p in self.signature.parameters.values())
-        prog_kwargs, defaults = dict(self.bind_arguments), RunDefaults()
-        for key, value in kwargs.items():
-            if key in self.arg_names or (takes_var_kw and key not in _SAMPLING_FIELDS):
-                prog_kwargs[key] = value
-            elif key in _SAMPLING_FIELDS:
-                if value is not None:
-                    defaults.sampling[key] = value
-            elif key in LOGPROB_OPTIONS:
-                if value is not None:
-                    defaults.logprob_options[key] = value
-            elif key not in _IGNORED_RUN_OPTIONS:
+        prog_kwargs = {k: v for k, v in kwargs.items()
+                       if k in self.arg_names or (takes_var_kw and k not in SAMPLING_FIELDS)}
+        defaults, rest = RunDefaults.from_kwargs(
+            {k: v for k, v in kwargs.items() if k not in prog_kwargs})
+        for key in rest:
+            if key not in IGNORED_RUN_OPTIONS:
                 raise TypeError(f"{self.func.__name__}() got an unexpected keyword {key!r}; it is "
                                 f"neither a program argument {self.arg_names} nor a run default "
-                                f"{sorted(_SAMPLING_FIELDS | set(LOGPROB_OPTIONS))}")
+                                f"{sorted(RunDefaults.NAMES)}")
+        prog_kwargs = {**self.bind_arguments, **prog_kwargs}
         bound = self.signature.bind(None, *args, **prog_kwargs)
         bound.apply_defaults()
         return bound, defaults

@@ -7,17 +7,9 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Generic, TypeVar
 
 from forklm.frontend_dsl.executor import Executor, JoinNode
-from forklm.frontend_dsl.primitives import (
-    Expr,
-    RoleBegin,
-    RoleEnd,
-    SetVar,
-    VarScopeBegin,
-    VarScopeEnd,
-)
+from forklm.frontend_dsl.expr import Expr, ExprList
+from forklm.frontend_dsl.ir import JOIN_MODES, RoleBegin, RoleEnd, ScopeBegin, ScopeEnd, SetVar
 from forklm.frontend_dsl.streaming import PieceFilter, TextEvent
-
-_JOIN_MODES = ("gather_variable", "concate_and_append")
 
 
 class ChatBlocks:
@@ -29,8 +21,7 @@ class ChatBlocks:
 
     def _role(self, role: str, expr: Any) -> contextlib.AbstractContextManager[None] | None:
         if expr is not None:
-            for node in (RoleBegin(role), expr, RoleEnd(role)):
-                self._append_node(node)
+            self._append_node(ExprList([RoleBegin(role), expr, RoleEnd(role)]))
             return None
         return self._scope(RoleBegin(role), RoleEnd(role))
 
@@ -46,7 +37,7 @@ class ChatBlocks:
 
     def var_scope(self, name: str) -> contextlib.AbstractContextManager[None]:
         """`with s.var_scope("x"):` makes everything appended inside the block variable `x`."""
-        return self._scope(VarScopeBegin(name), VarScopeEnd(name))
+        return self._scope(ScopeBegin(name), ScopeEnd(name))
 
     @contextlib.contextmanager
     def _scope(self, begin: Any, end: Any) -> Iterator[None]:
@@ -210,6 +201,11 @@ class BranchGroup(Generic[S]):
             self[i] += expr
         return self
 
+    @staticmethod
+    def _check_mode(mode: str) -> None:
+        if mode not in JOIN_MODES:
+            raise ValueError(f"Invalid join mode: {mode!r}; expected one of {JOIN_MODES}")
+
 
 class ProgramStateGroup(BranchGroup[ProgramState]):
     """What `s.fork(n)` returns at run time."""
@@ -220,8 +216,7 @@ class ProgramStateGroup(BranchGroup[ProgramState]):
     def join(self, mode: str = "gather_variable") -> None:
         """Wait for every branch; each variable a branch set becomes a list (branch order) on the
         parent. `concate_and_append` also appends each branch's new text to the parent's."""
-        if mode not in _JOIN_MODES:
-            raise ValueError(f"Invalid join mode: {mode!r}; expected one of {_JOIN_MODES}")
+        self._check_mode(mode)
         executors = [state._ex for state in self.states]
         for ex in executors:
             ex.sync()  # a branch's error is raised here, in the caller's thread

@@ -30,10 +30,9 @@ from typing import Any
 from lark import Lark, Token, Tree, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from forklm.frontend_dsl import api, ir
-from forklm.frontend_dsl import choices as choices_mod
 from forklm.frontend_dsl.ir_codec import check_references
-from forklm.frontend_dsl.tracer import primitive_to_node
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
+from forklm.runtime.sampling import SamplingParams
 
 _GRAMMAR = Path(__file__).with_name("program.lark")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}
@@ -238,12 +237,13 @@ class _Builder:
             bad = next(kw for kw in kwargs if str(kw.children[0]) == unknown[0])
             raise _error_at(bad, f"unknown keyword {unknown[0]!r} for {st.data}", list(known))
         method = options.get("choices_method")
-        if method is not None:
-            if method not in ir.CHOICES_METHODS:
-                raise _error_at(st, f"unknown choices_method {method!r}", list(ir.CHOICES_METHODS))
-            options["choices_method"] = getattr(choices_mod, method)
+        if method is not None and method not in ir.CHOICES_METHODS:
+            raise _error_at(st, f"unknown choices_method {method!r}", list(ir.CHOICES_METHODS))
         try:
-            return self.node(primitive_to_node(func(str(name), **options)))
+            node = func(str(name), **options)
+            if isinstance(node, ir.Gen):
+                SamplingParams.from_dict(node.sampling)
+            return self.node(node)
         except (InvalidArgumentError, TypeError, ValueError) as e:
             raise _error_at(st, f"{st.data} {str(name)!r}: {e}") from None
 

@@ -10,6 +10,7 @@ what the model generates and no fixed graph describes it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 import json
@@ -18,8 +19,10 @@ import secrets
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from forklm.frontend_dsl import choices as choices_mod
-from forklm.frontend_dsl import ir, primitives
+from forklm.frontend_dsl import ir
+from forklm.frontend_dsl.executor import runs
+from forklm.frontend_dsl.expr import Expr, flatten
+from forklm.frontend_dsl.ir_codec import node_to_dict
 from forklm.frontend_dsl.state import BranchGroup, ChatBlocks
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
 from forklm.runtime.sampling import SamplingParams
@@ -27,16 +30,12 @@ from forklm.runtime.sampling import SamplingParams
 if TYPE_CHECKING:
     from forklm.frontend_dsl.program import Program
 
-METHOD_NAMES = {id(getattr(choices_mod, n)): n for n in ir.CHOICES_METHODS}
-_DTYPE_NAMES = {int: "int", float: "float", str: "str", bool: "bool"}
-
-
 class TraceError(ForkLMError, TypeError):
     """The program cannot be turned into a graph (its control flow or text depends on a value that
     exists only at run time); run it directly instead."""
 
 
-class _Placeholder(primitives.Expr):
+class _Placeholder(Expr):
     """A value that exists only at run time; any use but appending it raises TraceError."""
 
     def __init__(self, name: str, why: str):
@@ -116,25 +115,6 @@ def split_markers(text: str, marker_re: re.Pattern[str]) -> list[ir.Node]:
     return [ir.Text(p) if i % 2 == 0 else ir.Arg(p) for i, p in enumerate(parts) if p or i % 2]
 
 
-def primitive_to_node(expr: Any) -> ir.Node:
-    """A gen/select/role/scope primitive as a graph node; TraceError if a graph cannot hold it."""
-    if isinstance(expr, primitives.Gen):
-        SamplingParams.from_dict(expr.sampling)  # invalid settings fail here, not at run time
-        dtype = expr.dtype if expr.dtype is None else _DTYPE_NAMES.get(expr.dtype, expr.dtype)
-        return ir.Gen(expr.name, dict(expr.sampling), dict(expr.logprob_options), dtype)
-    if isinstance(expr, primitives.Select):
-        method = METHOD_NAMES.get(id(expr.choices_method))
-        if method is None:
-            raise TraceError(f"select {expr.name!r} uses a custom choices_method "
-                             f"{expr.choices_method!r}; a graph can name only {ir.CHOICES_METHODS}")
-        return ir.Select(expr.name, list(expr.choices), expr.temperature, method)
-    simple = {primitives.RoleBegin: ir.RoleBegin, primitives.RoleEnd: ir.RoleEnd,
-              primitives.VarScopeBegin: ir.ScopeBegin, primitives.VarScopeEnd: ir.ScopeEnd}
-    if type(expr) in simple:
-        return simple[type(expr)](getattr(expr, "role", None) or expr.name)
-    raise TraceError(f"cannot put {expr!r} in a graph")
-
-
 class TracerState(ChatBlocks):
     """Stands in for ProgramState while tracing: records nodes instead of running them."""
 
@@ -147,7 +127,7 @@ class TracerState(ChatBlocks):
     def __iadd__(self, expr: Any) -> TracerState:
         if self._path and self._path[0] in self._trace.joined:
             raise TraceError("appending to a fork branch after its join() cannot be traced")
-        for item in primitives.flatten(expr):
+        for item in flatten(expr):
             for node in self._convert(item):
                 self.nodes.append(self._trace.node(node))
         return self
@@ -159,14 +139,27 @@ class TracerState(ChatBlocks):
             return [ir.Arg(item._name)]
         if isinstance(item, VarRef):
             return [ir.Read(item._name, None if item.state == self._path else item.state)]
-        if isinstance(item, primitives.SetVar):
+        if isinstance(item, ir.SetVar):
             return [self._set_node(item.name, item.value)]
-        if isinstance(item, primitives.Gen):
-            self._check_no_markers(item.sampling)
-        if isinstance(item, (primitives.Gen, primitives.Select, primitives.VarScopeEnd)):
-            self._known.pop(item.name, None)  # type: ignore[arg-type]
-            self._produced.add(item.name)  # type: ignore[arg-type]
-        return [primitive_to_node(item)]
+        return [self._record(item)]
+
+    def _record(self, node: Any) -> ir.Node:
+        """A copy of the appended node for the graph (the program may append one node twice);
+        TraceError if a graph cannot hold it."""
+        if not isinstance(node, ir.Node) or not runs(node):
+            raise TraceError(f"cannot put {node!r} in a graph")
+        if isinstance(node, ir.Gen):
+            self._check_no_markers(node.sampling)
+            SamplingParams.from_dict(node.sampling)  # invalid settings fail here, not at run time
+        try:
+            node_to_dict(node)
+        except InvalidArgumentError as e:  # e.g. a custom choices_method, which JSON cannot name
+            raise TraceError(str(e)) from e
+        name = ir.produced_name(node)
+        if name is not None:
+            self._known.pop(name, None)
+            self._produced.add(name)
+        return copy.deepcopy(node)
 
     def _check_no_markers(self, value: Any) -> None:
         if self._trace.marker_re.search(json.dumps(value, default=str)):
@@ -198,7 +191,7 @@ class TracerState(ChatBlocks):
     get_var = __getitem__
 
     def __setitem__(self, name: str, value: Any) -> None:
-        self += primitives.SetVar(name, value)
+        self += ir.SetVar(name, value)
 
     set_var = __setitem__
 
@@ -262,8 +255,7 @@ class TracerGroup(BranchGroup["TracerState"]):
         self.states, self.parent, self.fork_id = states, parent, fork_id
 
     def join(self, mode: str = "gather_variable") -> None:
-        if mode not in ir.JOIN_MODES:
-            raise ValueError(f"Invalid join mode: {mode!r}; expected one of {ir.JOIN_MODES}")
+        self._check_mode(mode)
         self.parent._trace.joined.add(self.fork_id)
         self.parent.nodes.append(self.parent._trace.node(ir.Join(self.fork_id, mode)))
         for state in self.states:  # what a branch set is now a (run-time) list on the parent

@@ -25,7 +25,7 @@ class FakeBackend(Backend):
         self.calls: list[tuple[str, object]] = []
         self.lock = threading.Lock()
 
-    def generate(self, prompt, sampling_params, logprob_options):
+    def generate(self, prompt, sampling_params, logprob_options, on_text=None):
         time.sleep(self.delay)
         with self.lock:
             self.calls.append((prompt, sampling_params))

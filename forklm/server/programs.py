@@ -1,4 +1,4 @@
-"""POST /v1/programs/run: run a whole program server-side in one request (issue 6).
+"""POST /v1/programs/run: run a whole program server-side in one request.
 
 Request body (unknown fields are a 400):
 - `program`: a graph object (`Graph.to_json()` of a traced program), or `program_text`: the
@@ -28,7 +28,6 @@ batch: that item's result is only `{"error": {"message", "type", "param"}}` (HTT
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import tempfile
 import threading
@@ -41,21 +40,19 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forklm.frontend_dsl.backends.engine_backend import EngineBackend
+from forklm.frontend_dsl.defaults import SAMPLING_FIELDS, RunDefaults
 from forklm.frontend_dsl.interpreter import GraphProgram
-from forklm.frontend_dsl.ir import DEFAULT_MAX_NEW_TOKENS, Graph, walk
-from forklm.frontend_dsl.primitives import LOGPROB_OPTIONS
+from forklm.frontend_dsl.ir import DEFAULT_MAX_NEW_TOKENS, LOGPROB_OPTIONS, Graph, walk
 from forklm.frontend_dsl.state import ProgramState
 from forklm.frontend_dsl.textual import ProgramSyntaxError, parse_program
 from forklm.runtime.engine import Engine
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling import SamplingParams
 from forklm.server.errors import SSE_DONE, ApiError, sse_event
 from forklm.server.generation import Admission
 from forklm.server.program_runner import TrackedEngine, error_info, item_result, jsonable
 
 router = APIRouter()
 
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _DISCONNECT_POLL_S = 0.25
 
 
@@ -72,9 +69,9 @@ class ProgramRunRequest(BaseModel):
 @router.post("/v1/programs/run")
 async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
     graph = _load_graph(body)
-    defaults = _check_defaults(body.sampling_params)
+    defaults = _run_defaults(body.sampling_params)
     graph.check_limits(request.app.state.config.program_limits,
-                       defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+                       defaults.sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
     items = body.arguments if isinstance(body.arguments, list) else [body.arguments]
     if body.stream and len(items) != 1:
         raise InvalidArgumentError("stream", True, f"streaming runs one program; got a batch of "
@@ -86,12 +83,12 @@ async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
     admission = _admission(request)
     admission.acquire(len(items))  # each running program keeps at least one request in flight
     if body.stream:
-        state = program.run(backend=backend, stream=True, **{**defaults, **items[0]})
+        state = program.run(backend=backend, stream=True, **{**defaults.to_kwargs(), **items[0]})
         events = _released(_sse(state, engine, request), admission, len(items))
         return StreamingResponse(events, media_type="text/event-stream")
 
     def run_all() -> list[dict[str, Any]]:
-        states = program.run_batch(items, backend=backend, **defaults)
+        states = program.run_batch(items, backend=backend, **defaults.to_kwargs())
         return [item_result(state) for state in states]
 
     try:
@@ -122,17 +119,17 @@ def _load_graph(body: ProgramRunRequest) -> Graph:
         raise ApiError(400, f"program_text: {e}", "program_text") from e
 
 
-def _check_defaults(sampling: dict[str, Any]) -> dict[str, Any]:
+def _run_defaults(sampling: dict[str, Any]) -> RunDefaults:
     """Run defaults: SamplingParams names (validated together now) and the logprob options; a
     null means "no default" (SGLang's reading)."""
-    sampling = {k: v for k, v in sampling.items() if v is not None}
-    for key, value in sampling.items():
-        if key not in _SAMPLING_FIELDS and key not in LOGPROB_OPTIONS:
-            raise InvalidArgumentError(f"sampling_params.{key}", value, "unknown run default; "
-                                       f"known: {', '.join(sorted(_SAMPLING_FIELDS))}, "
-                                       f"{', '.join(LOGPROB_OPTIONS)}")
-    SamplingParams.from_dict({k: v for k, v in sampling.items() if k in _SAMPLING_FIELDS})
-    return sampling
+    defaults, unknown = RunDefaults.from_kwargs(
+        {k: v for k, v in sampling.items() if v is not None})
+    if unknown:
+        key, value = next(iter(unknown.items()))
+        raise InvalidArgumentError(f"sampling_params.{key}", value, "unknown run default; "
+                                   f"known: {', '.join(sorted(SAMPLING_FIELDS))}, "
+                                   f"{', '.join(LOGPROB_OPTIONS)}")
+    return defaults.checked()
 
 
 def _tracked_engine(request: Request) -> TrackedEngine:

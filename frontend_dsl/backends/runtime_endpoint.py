@@ -1,4 +1,4 @@
-"""RuntimeEndpoint: a program backend over a forklm server's HTTP API (issue 6)."""
+"""RuntimeEndpoint: a program backend over a forklm server's HTTP API."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import httpx
 from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
 from forklm.frontend_dsl.backends.engine_backend import EngineBackend
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod
-from forklm.frontend_dsl.executor import Executor, RunDefaults
+from forklm.frontend_dsl.defaults import RunDefaults
+from forklm.frontend_dsl.executor import Executor
 from forklm.frontend_dsl.ir import ProgramLimits
-from forklm.frontend_dsl.primitives import LOGPROB_OPTIONS
 from forklm.frontend_dsl.state import ProgramState
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling import SamplingParams
@@ -133,9 +133,7 @@ class RuntimeEndpoint(Backend):
     def _finished_state(self, result: dict[str, Any], defaults: dict[str, Any]) -> ProgramState:
         """A done state holding the server's text, messages, variables and their meta (or the
         item's error, raised when the state is read); appending to it runs on this endpoint."""
-        ex = Executor(self, RunDefaults(
-            sampling={k: v for k, v in defaults.items() if k not in LOGPROB_OPTIONS},
-            logprob_options={k: v for k, v in defaults.items() if k in LOGPROB_OPTIONS}))
+        ex = Executor(self, RunDefaults.from_kwargs(defaults)[0])
         if "error" in result:
             ex.error = _error_from(result["error"], "/v1/programs/run")
             return ProgramState(ex)
