@@ -13,6 +13,7 @@ import torch
 from forklm.runtime.attention import create_attention_backend
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.constrained import GrammarBackend
+from forklm.runtime.intake import RequestIntake
 from forklm.runtime.kv_manager import KVCacheManager
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import LoadedModel, load_model
@@ -36,6 +37,7 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     grammar: GrammarBackend
+    intake: RequestIntake
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -55,14 +57,17 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                                     spec.num_kv_heads, spec.head_dim, model.attention_layers)
     logger.info("model %s (%s, %s), KV capacity %d tokens", loaded.source, spec.model_type, dtype,
                 capacity)
+    eos_token_ids = frozenset(loaded.eos_token_ids)
     return EngineParts(
         config=config, model_config=hf, tokenizer=loaded.tokenizer,
-        eos_token_ids=frozenset(loaded.eos_token_ids), context_len=context_len,
+        eos_token_ids=eos_token_ids, context_len=context_len,
         vocab_size=spec.vocab_size, kv=kv, scheduler=Scheduler(config, kv),
         runner=ModelRunner(model, attn, kv, config.device),
         # The logits are vocab_size wide, which may exceed the tokenizer's length.
         grammar=GrammarBackend.for_tokenizer(loaded.tokenizer, spec.vocab_size, loaded.eos_token_ids,
                                              jump_forward=config.enable_jump_forward),
+        intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
+                             eos_token_ids, config.random_seed),
     )
 
 

@@ -59,6 +59,7 @@ class Req:
     logprob_start_len: int = -1  # -1: output logprobs only (SGLang's default)
     top_logprobs_num: int = 0
     max_total_len: int = 0  # the context length: generation stops (length) when reached
+    index: int = 0  # position among the results of its generate() call (RequestGroup)
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     output_ids: list[int] = field(default_factory=list)

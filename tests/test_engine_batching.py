@@ -228,6 +228,22 @@ def test_n_samples(make_engine, tokenizer):
     assert_idle_and_clean(engine)
 
 
+def test_n_samples_stream_with_their_index(make_engine, tokenizer):
+    engine = make_engine()
+    prompt = chat_prompt(tokenizer, "Write a sentence about cats.")
+    params = {"n": 2, "temperature": 0.8, "seed": 7, "max_new_tokens": 16, "ignore_eos": True}
+    results = engine.generate(prompt, params)
+    chunks = list(engine.generate(prompt, params, stream=True))
+    for i, result in enumerate(results):
+        mine = [c for c in chunks if c["index"] == i]
+        assert [t for c in mine for t in c["output_ids"]] == result["output_ids"]
+        assert "".join(c["text"] for c in mine) == result["text"]
+        assert mine[-1]["meta_info"]["finish_reason"] == result["meta_info"]["finish_reason"]
+        assert all(c["meta_info"]["finish_reason"] is None for c in mine[:-1])
+    assert {c["index"] for c in chunks} == {0, 1}
+    assert_idle_and_clean(engine)
+
+
 def generate_or_abort(engine: Engine, prompt: str, params: dict, timeout_s: float) -> dict:
     """generate(), but a request still unfinished after timeout_s is aborted and the test fails
     (instead of hanging the suite)."""

@@ -1,5 +1,5 @@
 """Server pieces without a model: ServerConfig validation, tool-call planning and parsing, the
-admission counter, and request-count estimation."""
+admission counter, and the engine requests a call counts (the intake, on a fake tokenizer)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import json
 import pytest
 
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.intake import RequestIntake
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError
-from forklm.server.generation import Admission, count_reqs
+from forklm.server.generation import Admission
 from forklm.server.protocol import ChatCompletionRequest
 from forklm.server.tools import plan_tools
 
@@ -80,8 +81,25 @@ def test_admission_counts_and_refuses():
     assert adm.admitted == 0
 
 
-def test_count_reqs():
-    assert count_reqs({"prompt": "x"}) == 1
-    assert count_reqs({"prompt": ["a", "b"], "sampling_params": {"n": 3}}) == 6
-    assert count_reqs({"input_ids": [[1], [2]], "sampling_params": [{"n": 2}, {}]}) == 3
-    assert count_reqs({"input_ids": [1, 2, 3], "sampling_params": {"n": "bad"}}) == 1
+class _CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 100 for c in text]
+
+
+def test_intake_counts_prompts_times_n():
+    intake = RequestIntake(_CharTokenizer(), vocab_size=100, context_len=64, kv_capacity=256,
+                           eos_token_ids=frozenset({0}), random_seed=0)
+
+    def count(**call) -> int:
+        return len(intake.build(**call))
+
+    assert count(prompt="x") == 1
+    assert count(prompt=["a", "b"], sampling_params={"n": 3}) == 6
+    assert count(input_ids=[[1], [2]], sampling_params=[{"n": 2}, {}]) == 3
+    with pytest.raises(InvalidArgumentError, match="n"):  # refused before anything is admitted
+        count(input_ids=[1, 2, 3], sampling_params={"n": "bad"})
+    group = intake.build(prompt="x", sampling_params={"n": 2, "seed": 5}, rid="r")
+    assert group.rids == ["r-0", "r-1"] and not group.single
+    assert [req.index for req in group.reqs] == [0, 1]
+    assert intake.build(prompt=["a", "b"], rid="r").rids == ["r-0", "r-1"]
+    assert intake.build(prompt=["a", [5, 6]]).prompt_index(1) == 1

@@ -1,18 +1,20 @@
 """How endpoints call the engine: admission against the bounded queue, the async engine API,
-per-request timing and metrics. Endpoints build the engine arguments; this runs them."""
+per-request timing and metrics. Endpoints prepare the engine call (Engine.prepare: validated,
+tokenized, one request per sample); this admits, runs and times exactly those requests."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
 from forklm.runtime.engine import Engine
+from forklm.runtime.intake import RequestGroup
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError
 from forklm.server.metrics import ServerMetrics
@@ -61,88 +63,60 @@ class GenerationService:
     def model_name(self) -> str:
         return self.config.served_model_name or self.engine.config.model_path
 
-    async def generate(self, endpoint: str, call: dict[str, Any],
-                       request: Request | None = None) -> Any:
-        """Run one engine call (async_generate keywords, no stream); its result dict or list.
-        With the HTTP `request`, a client that disconnects before the result aborts the call
+    async def generate(self, endpoint: str, group: RequestGroup,
+                       request: Request | None = None) -> list[dict[str, Any]]:
+        """Run a prepared call (Engine.prepare) and return its result dicts, in order.
+        With the HTTP `request`, a client that disconnects before the results aborts the call
         (its KV returns to the pool) instead of letting it run to the end for nobody."""
         if request is None:
-            return await self._generate(endpoint, call)
-        task = asyncio.ensure_future(self._generate(endpoint, call))
+            return await self._run(endpoint, group)
+        task = asyncio.ensure_future(self._run(endpoint, group))
         while not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
-                task.cancel()  # cancelling async_generate aborts its engine requests
+                task.cancel()  # closing the stream aborts its engine requests
         return await task
 
-    async def _generate(self, endpoint: str, call: dict[str, Any]) -> Any:
-        num = count_reqs(call)
-        if num == 1 and _is_single(call):  # streamed inside, to time the first token
-            return await _collect(await self.open_stream(endpoint, call))
-        self.admission.acquire(num)
-        try:
-            result = await self.engine.async_generate(**call)
-        finally:
-            self.admission.release(num)
-        for r in result if isinstance(result, list) else [result]:
-            self.metrics.record_result(endpoint, r)
-            _make_json_safe(r["meta_info"])
-        return result
+    async def _run(self, endpoint: str, group: RequestGroup) -> list[dict[str, Any]]:
+        return await _collect(await self.open_stream(endpoint, group), len(group))
 
-    async def open_stream(self, endpoint: str, call: dict[str, Any]) -> ChunkStream:
-        """Admit, validate and start a streamed call (errors here become HTTP statuses) and return
-        its chunks: each chunk's text/output_ids are increments; the last has finish_reason."""
-        self.admission.acquire(1)
-        return await self._start(endpoint, call)
-
-    async def open_streams(self, endpoint: str,
-                           calls: list[dict[str, Any]]) -> AsyncIterator[tuple[int, dict]]:
-        """Several single streams at once (OpenAI n > 1 or a prompt list), merged as (index,
-        chunk) in arrival order; admitted together or not at all, and started concurrently."""
-        self.admission.acquire(len(calls))
-        started = await asyncio.gather(*(self._start(endpoint, c) for c in calls),
-                                       return_exceptions=True)
-        failed = [s for s in started if isinstance(s, BaseException)]
-        if failed:
-            for s in started:
-                if isinstance(s, ChunkStream):
-                    await s.aclose()
-            raise failed[0]
-        return _merge([s for s in started if isinstance(s, ChunkStream)])
-
-    async def _start(self, endpoint: str, call: dict[str, Any]) -> ChunkStream:
-        """Submit one admitted call and wait for its first chunk. The admission is released when
-        the stream ends or is closed, or here if it cannot start.
+    async def open_stream(self, endpoint: str, group: RequestGroup) -> ChunkStream:
+        """Admit the group's requests, compile their constraints and start them (errors here
+        become HTTP statuses); returns the chunks of all of them: each chunk's text/output_ids
+        are increments, `index` names its result when there are several, and each result's last
+        chunk has its finish_reason. The admission is released when the stream ends or is closed.
 
         Awaiting the first chunk here starts the iterator: a started async generator is closed by
         the event loop even if the response never iterates it (client gone before the headers),
-        which aborts the request and releases its admission; an unstarted one would leak both."""
+        which aborts the requests and releases the admission; an unstarted one would leak both."""
+        num = len(group)
+        self.admission.acquire(num)
         try:
-            chunks = await self.engine.async_generate(**call, stream=True)
+            chunks = await self.engine.async_stream(group)
         except BaseException:
-            self.admission.release(1)
+            self.admission.release(num)
             raise
-        timed = self._timed(endpoint, chunks)
+        timed = self._timed(endpoint, chunks, num)
         return ChunkStream(await timed.__anext__(), timed)
 
-    async def _timed(self, endpoint: str, chunks: Any) -> AsyncGenerator[dict, None]:
-        """Pass chunks through, timing the first token and the rest. Closing this iterator early
-        (client gone) closes the engine's, which aborts the request and frees its KV."""
-        start, first = time.perf_counter(), None
+    async def _timed(self, endpoint: str, chunks: Any, num: int) -> AsyncGenerator[dict, None]:
+        """Pass chunks through, timing each result's first token and the rest. Closing this
+        iterator early (client gone) closes the engine's, which aborts the requests."""
+        start, first = time.perf_counter(), dict[int, float]()
         try:
             async for chunk in chunks:
-                meta = chunk["meta_info"]
+                meta, i = chunk["meta_info"], chunk.get("index", 0)
                 _make_json_safe(meta)
-                if first is None and (chunk["output_ids"] or meta["finish_reason"]):
-                    first = time.perf_counter()
-                if meta["finish_reason"] is not None and first is not None:
+                if i not in first and (chunk["output_ids"] or meta["finish_reason"]):
+                    first[i] = time.perf_counter()
+                if meta["finish_reason"] is not None:
                     self.metrics.record_result(endpoint, chunk)
-                    self.metrics.record_timing(first - start, time.perf_counter() - first,
+                    self.metrics.record_timing(first[i] - start, time.perf_counter() - first[i],
                                                meta["completion_tokens"])
                 yield chunk
         finally:
             await chunks.aclose()
-            self.admission.release(1)
+            self.admission.release(num)
 
 
 class ChunkStream:
@@ -183,66 +157,19 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def count_reqs(call: dict[str, Any]) -> int:
-    """Engine requests a call makes (prompts x n), for admission; a malformed call counts 1 and
-    is then rejected by the engine's own validation."""
-    prompt = call.get("prompt", call.get("input_ids"))
-    num_prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(
-        prompt[0], int) else 1
-    params = call.get("sampling_params")
-    params_list = params if isinstance(params, list) else [params] * num_prompts
-    total = 0
-    for p in params_list:
-        n = p.get("n", 1) if isinstance(p, dict) else getattr(p, "n", 1)
-        total += n if isinstance(n, int) and n >= 1 else 1
-    return max(total, 1)
-
-
-def _is_single(call: dict[str, Any]) -> bool:
-    prompt = call.get("prompt", call.get("input_ids"))
-    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
-                                       and isinstance(prompt[0], int))
-
-
-async def _collect(chunks: ChunkStream) -> dict[str, Any]:
-    """A stream's chunks joined into one result dict (the last chunk carries the final meta)."""
-    text: list[str] = []
-    ids: list[int] = []
-    last: dict[str, Any] = {}
+async def _collect(chunks: ChunkStream, num: int) -> list[dict[str, Any]]:
+    """A stream's chunks joined into one result dict per index (each result's last chunk
+    carries its final meta)."""
+    texts: list[list[str]] = [[] for _ in range(num)]
+    ids: list[list[int]] = [[] for _ in range(num)]
+    metas: list[dict[str, Any]] = [{} for _ in range(num)]
     try:
         async for chunk in chunks:
-            text.append(chunk["text"])
-            ids.extend(chunk["output_ids"])
-            last = chunk
+            i = chunk.get("index", 0)
+            texts[i].append(chunk["text"])
+            ids[i].extend(chunk["output_ids"])
+            metas[i] = chunk["meta_info"]
     finally:
         await chunks.aclose()
-    return {"text": "".join(text), "output_ids": ids, "meta_info": last["meta_info"]}
-
-
-async def _merge(streams: list[ChunkStream]) -> AsyncIterator[tuple[int, dict]]:
-    """Interleave async iterators; on early close every one is closed (aborting its request)."""
-    queue: asyncio.Queue[tuple[int, dict | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: ChunkStream) -> None:
-        try:
-            async for chunk in stream:
-                await queue.put((i, chunk))
-        finally:
-            await stream.aclose()
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, chunk = await queue.get()
-            if chunk is None:
-                remaining -= 1
-            else:
-                yield i, chunk
-        for t in tasks:
-            t.result()  # re-raise a stream's error
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return [{"text": "".join(t), "output_ids": o, "meta_info": m}
+            for t, o, m in zip(texts, ids, metas)]

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from forklm.runtime.intake import RequestGroup
 from forklm.server.errors import ApiError, sse_frames
 from forklm.server.generation import ChunkStream, GenerationService
 from forklm.server.protocol import AbortRequest, GenerateRequest
@@ -29,27 +30,27 @@ def service_of(request: Request) -> GenerationService:
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     service = service_of(request)
-    call = _engine_call(body)
+    group = _prepare(service, body)
     if body.stream:
-        chunks = await service.open_stream("generate", call)
+        chunks = await service.open_stream("generate", group)
         return StreamingResponse(sse_frames(_cumulative(chunks, body.return_text_in_logprobs)),
                                  media_type="text/event-stream")
-    result = await service.generate("generate", call, request)
-    results = result if isinstance(result, list) else [result]
+    results = await service.generate("generate", group, request)
     for r in results:
         _drop_logprob_text(r, body.return_text_in_logprobs)
-    return result
+    return results[0] if group.single else results
 
 
-def _engine_call(body: GenerateRequest) -> dict[str, Any]:
+def _prepare(service: GenerationService, body: GenerateRequest) -> RequestGroup:
     params = body.sampling_params
     if isinstance(params, list):
         params = [_drop_nulls(p) for p in params]
     elif params is not None:
         params = _drop_nulls(params)
-    return {"prompt": body.text, "input_ids": body.input_ids, "sampling_params": params,
-            "return_logprob": body.return_logprob, "logprob_start_len": body.logprob_start_len,
-            "top_logprobs_num": body.top_logprobs_num, "rid": body.rid}
+    return service.engine.prepare(
+        prompt=body.text, input_ids=body.input_ids, sampling_params=params,
+        return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
+        top_logprobs_num=body.top_logprobs_num, rid=body.rid, stream=body.stream)
 
 
 def _drop_nulls(params: dict[str, Any]) -> dict[str, Any]:
@@ -76,13 +77,18 @@ def _drop_logprob_text(result: dict[str, Any], keep: bool) -> None:
 
 
 async def _cumulative(chunks: ChunkStream, keep_text: bool) -> AsyncGenerator[dict, None]:
-    """SGLang's stream shape: every event carries the text and ids so far."""
-    text, ids = "", list[int]()
+    """SGLang's stream shape: every event carries its result's text and ids so far (and, with
+    n > 1, the result's `index`)."""
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
     try:
         async for chunk in chunks:
-            text += chunk["text"]
-            ids = ids + chunk["output_ids"]
-            out = {"text": text, "output_ids": ids, "meta_info": chunk["meta_info"]}
+            i = chunk.get("index", 0)
+            texts[i] = texts.get(i, "") + chunk["text"]
+            ids[i] = ids.get(i, []) + chunk["output_ids"]
+            out = {"text": texts[i], "output_ids": ids[i], "meta_info": chunk["meta_info"]}
+            if "index" in chunk:
+                out["index"] = i
             _drop_logprob_text(out, keep_text)
             yield out
     finally:
@@ -98,10 +104,11 @@ async def health() -> dict[str, str]:
 async def health_generate(request: Request) -> dict[str, Any]:
     """Generate one token end to end; 503 when the engine cannot within the timeout."""
     service = service_of(request)
-    call = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    group = service.engine.prepare(input_ids=[0], sampling_params={"max_new_tokens": 1,
+                                                                   "temperature": 0.0})
     try:
-        result = await asyncio.wait_for(service.generate("health_generate", call),
-                                        _HEALTH_TIMEOUT_S)
+        (result,) = await asyncio.wait_for(service.generate("health_generate", group),
+                                           _HEALTH_TIMEOUT_S)
     except (asyncio.TimeoutError, RuntimeError) as e:
         raise ApiError(503, f"engine cannot generate: {e!r}") from e
     reason = result["meta_info"]["finish_reason"]

@@ -1,20 +1,22 @@
 """OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions (with tools).
-n > 1 and prompt lists are fanned out to single-sample engine requests, so every sample can be
-streamed and timed alike."""
+A request's prompts and its n samples are one engine call; choice i is the call's result i
+(prompt-major), streamed or not."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.intake import RequestGroup
 from forklm.server import openai_convert as conv
 from forklm.server.errors import sse_frames
+from forklm.server.generation import ChunkStream, GenerationService
 from forklm.server.native_api import service_of
 from forklm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from forklm.server.tools import ToolPlan, plan_tools
@@ -43,20 +45,19 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise InvalidArgumentError("echo", True, "is not supported with stream")
     if body.best_of not in (None, body.n):
         raise InvalidArgumentError("best_of", body.best_of, "only best_of == n is supported")
-    prompts = _prompt_list(body.prompt)
     max_tokens = body.max_tokens if body.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
-    call = _base_call(body, conv.sampling_dict(body, max_tokens), body.logprobs)
-    calls = conv.fan_out(call, prompts, body.n)
+    group = _prepare(service, body, body.prompt, conv.sampling_dict(body, max_tokens),
+                     body.logprobs)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": body.model}
     if body.stream:
-        merged = await service.open_streams("completions", calls)
-        return _sse(_completion_events(merged, head, body, len(calls)))
-    results = await _gather(service, "completions", calls, request)
+        chunks = await service.open_stream("completions", group)
+        return _sse(_completion_events(chunks, head, body, len(group)))
+    results = await service.generate("completions", group, request)
     tokenizer = service.engine.tokenizer
     choices = []
     for i, r in enumerate(results):
-        echo = _prompt_text(prompts[i // body.n], tokenizer) if body.echo else ""
+        echo = _prompt_text(group.prompts[group.prompt_index(i)], tokenizer) if body.echo else ""
         choices.append({"index": i, "text": echo + r["text"],
                         "logprobs": conv.completion_logprobs(r["meta_info"], len(echo)),
                         "finish_reason": conv.finish_reason(r["meta_info"]),
@@ -64,23 +65,15 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
 
 
-def _prompt_list(prompt: Any) -> list[Any]:
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    if not prompt:
-        raise InvalidArgumentError("prompt", prompt, "must not be empty")
-    return list(prompt)
-
-
 def _prompt_text(prompt: Any, tokenizer: Any) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 
-async def _completion_events(merged: AsyncIterator[tuple[int, dict]], head: dict[str, Any],
+async def _completion_events(chunks: ChunkStream, head: dict[str, Any],
                              body: CompletionRequest, num: int) -> AsyncGenerator[dict, None]:
     finals: list[dict[str, Any]] = [{}] * num
-    async for i, chunk in merged:
-        meta = chunk["meta_info"]
+    async for chunk in chunks:
+        meta, i = chunk["meta_info"], chunk.get("index", 0)
         logprobs = conv.completion_logprobs(meta, 0) if meta["finish_reason"] else None
         yield {**head, "choices": [{"index": i, "text": chunk["text"], "logprobs": logprobs,
                                     "finish_reason": conv.finish_reason(meta),
@@ -105,14 +98,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                                 else service.engine.parts.context_len)
     _add_tool_constraint(params, plan)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    calls = conv.fan_out(_base_call(body, params, top), [prompt], body.n)
+    group = _prepare(service, body, prompt, params, top)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": body.model}
     if body.stream:
-        merged = await service.open_streams("chat", calls)
+        chunks = await service.open_stream("chat", group)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return _sse(_chat_events(merged, chunk_head, body, plan, len(calls)))
-    results = await _gather(service, "chat", calls, request)
+        return _sse(_chat_events(chunks, chunk_head, body, plan, len(group)))
+    results = await service.generate("chat", group, request)
     choices = [{"index": i, **_chat_choice(r, plan)} for i, r in enumerate(results)]
     return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
 
@@ -160,7 +153,7 @@ def _chat_choice(result: dict[str, Any], plan: ToolPlan) -> dict[str, Any]:
             "matched_stop": conv.matched_stop(meta)}
 
 
-async def _chat_events(merged: AsyncIterator[tuple[int, dict]], head: dict[str, Any],
+async def _chat_events(chunks: ChunkStream, head: dict[str, Any],
                        body: ChatCompletionRequest, plan: ToolPlan,
                        num: int) -> AsyncGenerator[dict, None]:
     """Content streams as it comes; with tools active a reply is held until it finishes,
@@ -170,8 +163,9 @@ async def _chat_events(merged: AsyncIterator[tuple[int, dict]], head: dict[str, 
     for i in range(num):
         yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
-    async for i, chunk in merged:
-        meta, done = chunk["meta_info"], chunk["meta_info"]["finish_reason"] is not None
+    async for chunk in chunks:
+        meta, i = chunk["meta_info"], chunk.get("index", 0)
+        done = meta["finish_reason"] is not None
         texts[i] += chunk["text"]
         if done:
             finals[i] = chunk
@@ -193,22 +187,13 @@ async def _chat_events(merged: AsyncIterator[tuple[int, dict]], head: dict[str, 
 
 
 # -- shared ------------------------------------------------------------------------------------
-def _base_call(body: Any, params: dict[str, Any], top_logprobs: int | None) -> dict[str, Any]:
-    return {"sampling_params": params, "return_logprob": top_logprobs is not None,
-            "top_logprobs_num": top_logprobs or 0, "rid": body.rid}
-
-
-async def _gather(service: Any, endpoint: str, calls: list[dict[str, Any]],
-                  request: Request) -> list[dict]:
-    """Run single-sample calls as one engine batch call (one admission, prompt-major order)."""
-    if len(calls) == 1:
-        return [await service.generate(endpoint, calls[0], request)]
-    keys = ("prompt", "input_ids")
-    key = next(k for k in keys if calls[0][k] is not None)
-    batch = {**calls[0], key: [c[key] for c in calls],
-             "sampling_params": [c["sampling_params"] for c in calls],
-             "rid": None if calls[0]["rid"] is None else [c["rid"] for c in calls]}
-    return await service.generate(endpoint, batch, request)
+def _prepare(service: GenerationService, body: Any, prompt: Any, params: dict[str, Any],
+             top_logprobs: int | None) -> RequestGroup:
+    """The engine call of a request: its prompt(s), n samples each, logprobs when asked."""
+    return service.engine.prepare(
+        prompt=prompt, sampling_params={**params, "n": body.n},
+        return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
+        rid=body.rid)
 
 
 def _sse(events: AsyncGenerator[dict, None]) -> StreamingResponse:

@@ -28,7 +28,7 @@ def check_model(service: GenerationService, body: _SamplingFields) -> None:
 
 
 def sampling_dict(body: _SamplingFields, max_new_tokens: int) -> dict[str, Any]:
-    """The SamplingParams dict of one sample (n is fanned out by the caller)."""
+    """The SamplingParams dict of the request, but for n (the caller adds it)."""
     if body.logit_bias:
         raise InvalidArgumentError("logit_bias", body.logit_bias, "is not supported")
     params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
@@ -55,23 +55,6 @@ def _response_format_schema(body: _SamplingFields) -> dict[str, Any] | None:
         raise InvalidArgumentError("response_format.json_schema", None,
                                    "type json_schema needs json_schema.schema")
     return fmt.json_schema.schema_
-
-
-def fan_out(call: dict[str, Any], prompts: list[Any], n: int) -> list[dict[str, Any]]:
-    """One single-prompt n=1 call per (prompt, sample), prompt-major; sample k of a seeded
-    request uses seed + k, as the engine does for n > 1."""
-    calls: list[dict[str, Any]] = []
-    rid, many = call.get("rid"), len(prompts) * n > 1
-    for prompt in prompts:
-        for k in range(n):
-            params = dict(call["sampling_params"])
-            if params.get("seed") is not None and k:
-                params["seed"] = params["seed"] + k
-            key = "prompt" if isinstance(prompt, str) else "input_ids"
-            calls.append({**call, "prompt": None, "input_ids": None, key: prompt,
-                          "sampling_params": params,
-                          "rid": f"{rid}-{len(calls)}" if rid and many else rid})
-    return calls
 
 
 def finish_reason(meta: dict[str, Any]) -> str | None:

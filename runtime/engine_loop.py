@@ -1,0 +1,210 @@
+"""EngineLoop: the engine's background thread. Between scheduler steps it runs the calls posted to
+its inbox (submit, abort, flush, stats); a step is schedule -> forward -> sample -> after_step."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from forklm.runtime.builder import EngineParts
+from forklm.runtime.errors import EngineShutdownError
+from forklm.runtime.output_processor import finish, process_logits
+from forklm.runtime.request import FinishReason, Req, ReqOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """Owns the scheduler and KV state through its thread: every method named `_..._now` runs on
+    that thread only; `post`/`call` are the thread-safe way in."""
+
+    def __init__(self, parts: EngineParts):
+        self.parts, self.config = parts, parts.config
+        self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._reqs: dict[str, Req] = {}
+        self._stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                       "forward_s": 0.0, "step_s": 0.0, "steps": 0, "decode_steps": 0,
+                       "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0}
+        self.closed = False
+        self.last_error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="forklm-engine", daemon=True)
+        self._thread.start()
+
+    def post(self, fn: Callable[[], None]) -> None:
+        if self.closed:
+            raise EngineShutdownError("the engine has been shut down")
+        self._inbox.put(fn)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread (between steps) and return its result."""
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller, not swallowed
+                fut.set_exception(e)
+
+        self.post(run)
+        return fut.result()
+
+    def submit(self, reqs: list[Req]) -> None:
+        """Queue reqs (their sinks set) together: they join the same scheduling step."""
+        self.post(lambda: self._add_all_now(reqs))
+
+    def abort(self, rid: str, message: str) -> None:
+        self.post(lambda: self._abort_now(rid, message))
+
+    def stop(self) -> None:
+        """Finish every pending request with an abort, then end the thread."""
+        if self.closed:
+            return
+        self.post(self._stop_now)
+        self._thread.join(timeout=30)
+
+    # -- the thread (engine thread only below) -------------------------------------------------
+    def _run(self) -> None:
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        while not self.closed:
+            self._drain_inbox(block=not self.parts.scheduler.has_work)
+            if not self.closed:
+                self._guarded_step()
+
+    def _guarded_step(self) -> None:
+        """A bug in a step must not hang callers: fail every active request loudly instead."""
+        try:
+            self._step()
+            if self.config.debug_check_invariants:
+                self.parts.kv.check_invariants(self.parts.scheduler.active_reqs())
+        except Exception as e:
+            logger.exception("engine step failed; aborting all requests")
+            self.last_error = e
+            for rid in list(self._reqs):
+                self._abort_now(rid, f"internal error: {e!r}")
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            fn = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn()
+            try:
+                fn = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        sched, t0 = self.parts.scheduler, time.perf_counter()
+        batch = sched.schedule()
+        self._emit_aborted()
+        if batch is None:
+            return
+        try:
+            t1 = time.perf_counter()
+            logits, layout = self.parts.runner.forward(batch)
+            t2 = time.perf_counter()
+            num_generated = process_logits(batch, logits, layout, self.parts.grammar)
+        except Exception as e:  # a failing batch must not hang its callers or stop the engine
+            logger.exception("engine step failed")
+            for req in batch.reqs:
+                sched.abort(req)  # idempotent; also removes requests that finished mid-step
+                self._reqs.pop(req.rid, None)
+                if not req.finished:
+                    finish(req, FinishReason("abort", message=f"engine error: {e}"))
+            return
+        sched.after_step(batch)
+        self._record_step(batch, time.perf_counter() - t0, t2 - t1, num_generated)
+
+    def _record_step(self, batch: Any, step_s: float, forward_s: float, num_generated: int) -> None:
+        s = self._stats
+        s["steps"] += 1
+        s["step_s"] += step_s
+        s["forward_s"] += forward_s
+        s["generated_tokens"] += num_generated
+        if batch.is_decode or batch.is_catch_up:
+            s["decode_steps"] += 1
+            s["decode_tokens"] += num_generated
+            s["decode_s"] += step_s
+        else:
+            s["prefill_tokens"] += sum(batch.extend_lens)
+            s["prefill_s"] += step_s
+
+    def _emit_aborted(self) -> None:
+        sched = self.parts.scheduler
+        while sched.aborted:
+            req = sched.aborted.pop()
+            self._reqs.pop(req.rid, None)
+            finish(req, req.finish_reason or FinishReason("abort"))
+
+    def _add_all_now(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            self._add_now(req)
+
+    def _add_now(self, req: Req) -> None:
+        if req.rid in self._reqs:
+            finish(req, FinishReason("abort", message=f"duplicate rid {req.rid!r}"))
+            return
+        self._reqs[req.rid] = req
+        wrapped = req.sink
+
+        def sink(out: ReqOutput) -> None:
+            if out.finished:
+                self._reqs.pop(out.rid, None)
+                self._stats["prompt_tokens"] += len(out.req.origin_input_ids)
+                self._stats["cached_tokens"] += out.req.cached_tokens
+            wrapped(out)
+
+        req.sink = sink
+        self.parts.scheduler.waiting.append(req)
+
+    def _abort_now(self, rid: str, message: str) -> None:
+        req = self._reqs.get(rid)
+        if req is None or req.finished:
+            return
+        self.parts.scheduler.abort(req)
+        finish(req, FinishReason("abort", message=message))
+
+    def flush_now(self) -> bool:
+        if self.parts.scheduler.has_work:
+            return False
+        self.parts.kv.flush()
+        return True
+
+    def _stop_now(self) -> None:
+        for rid in list(self._reqs):
+            self._abort_now(rid, "engine shut down")
+        self.closed = True
+
+    def stats_now(self) -> dict[str, Any]:
+        sched, kv, s = self.parts.scheduler, self.parts.kv, self._stats
+        cached = kv.cache.total_size if kv.cache else 0
+        free = kv.allocator.num_free
+        return {
+            "running": len(sched.running) + (1 if sched.chunked_req else 0),
+            "waiting": len(sched.waiting),
+            "kv_capacity": kv.allocator.capacity,
+            "kv_free": free,
+            "kv_cached": cached,
+            "kv_used": kv.allocator.capacity - free - cached,
+            # distinct tokens the reserved slots stand for (cache + running requests' own tokens)
+            "kv_tokens_needed": cached + sum(r.num_computed - r.prefix_len
+                                             for r in sched.active_reqs() if r.row is not None),
+            "prompt_tokens": s["prompt_tokens"],
+            "cache_hit_tokens": s["cached_tokens"],
+            "cache_hit_rate": s["cached_tokens"] / max(s["prompt_tokens"], 1),
+            "generated_tokens": s["generated_tokens"],
+            "decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
+            "prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
+            "steps": s["steps"],
+            "overhead_ms_per_step": 1000 * (s["step_s"] - s["forward_s"]) / max(s["steps"], 1),
+            "forward_ms_per_step": 1000 * s["forward_s"] / max(s["steps"], 1),
+        }
