@@ -3,6 +3,7 @@ through each request's slot table with the kernels in forklm.kernels (no gather,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -23,7 +24,7 @@ class TritonAttention:
 
     The kernels take a flattened slot table with per-request start offsets; the engine's padded
     slot_table [batch, width] is that table with kv_start[b] = b * width, so prepare() only moves
-    the batch's index tensors to the pool's device, once per forward.
+    the batch's index tensors to the pool's device, once per forward (into the batch's attn_meta).
     """
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -40,9 +41,8 @@ class TritonAttention:
                                        "(TRITON_INTERPRET=1 runs it on the CPU, slowly, for tests)")
         self.pool = pool
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.meta: dict[str, torch.Tensor] = {}
 
-    def prepare(self, batch: ForwardBatch) -> None:
+    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         table = batch.slot_table.contiguous()  # [batch, width]
         width = table.shape[1]
         meta = {
@@ -54,14 +54,16 @@ class TritonAttention:
             "out_slots": batch.out_slots,  # [num_tokens]
         }
         device = self.pool.device
-        self.meta = {name: t.to(device, torch.int64, non_blocking=True).contiguous()
-                     for name, t in meta.items()}
+        return dataclasses.replace(batch, attn_meta={
+            name: t.to(device, torch.int64, non_blocking=True).contiguous()
+            for name, t in meta.items()})
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]
         -> [num_tokens, num_heads * head_dim]."""
-        meta = self.meta
+        meta = batch.attn_meta
+        assert isinstance(meta, dict), "run the batch prepare() returned"
         k_buffer = self.pool.k_buffer[layer_id]  # [num_slots, num_kv_heads, head_dim]
         v_buffer = self.pool.v_buffer[layer_id]
         store_kv(k_buffer, v_buffer, meta["out_slots"], k, v)

@@ -25,6 +25,17 @@ from forklm.runtime.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What clients may know of the served model (/get_model_info, /v1/models)."""
+
+    model_path: str
+    tokenizer_path: str
+    context_len: int  # prompt + output tokens of one request, at most
+    vocab_size: int  # the logits' width (may exceed the tokenizer's length)
+    dtype: str  # the weights' and KV cache's torch dtype name
+
+
 @dataclass
 class EngineParts:
     config: EngineConfig
@@ -38,6 +49,10 @@ class EngineParts:
     runner: ModelRunner
     grammar: GrammarBackend
     intake: RequestIntake
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(self.config.model_path, self.config.tokenizer_path or self.config.model_path,
+                         self.context_len, self.vocab_size, self.config.torch_dtype_name)
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:

@@ -17,7 +17,7 @@ import xgrammar as xgr
 
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.request import Req
-from forklm.runtime.sampling import Constraint
+from forklm.runtime.sampling_params import Constraint
 
 # Compiled grammars kept, least recently used dropped first. A compiled JSON schema with its
 # token-mask cache takes roughly 0.1-1 MB for a 49k vocabulary.
@@ -157,8 +157,8 @@ class GrammarBackend:
         when they would merge into another first token; the last forced token is left to the
         model, since it might merge with the text that follows.
 
-        Off by default (EngineConfig.enable_jump_forward). On the 32-request JSON workload it
-        cuts the steps by about a third, but it changes greedy outputs: the canonical split of
+        Off by default (EngineConfig.enable_jump_forward). On a batch of 32 JSON-schema requests
+        it cuts the steps by about a third, but it changes greedy outputs: the canonical split of
         forced text (` {"`) can differ from the one the model picks under the mask (` {`, `"`),
         and in bf16 the catch-up step's rounding differs from decode steps'.
         """

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from forklm.runtime.builder import EngineParts, build_engine_parts
+from forklm.runtime.builder import EngineParts, ModelInfo, build_engine_parts
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.engine_client import EngineClient
 from forklm.runtime.engine_loop import EngineLoop
 from forklm.runtime.intake import RequestGroup
 from forklm.runtime.request import Req, ReqOutput
-from forklm.runtime.results import build_result
+from forklm.runtime.results import GenerateOutput
 
 
 class Engine:
@@ -31,6 +31,7 @@ class Engine:
         self.config = EngineConfig.from_kwargs(**config)
         self.parts: EngineParts = build_engine_parts(self.config)
         self.tokenizer = self.parts.tokenizer
+        self.model_info: ModelInfo = self.parts.model_info()
         self._loop = EngineLoop(self.parts)
 
     @property
@@ -43,7 +44,8 @@ class Engine:
                  sampling_params: Any = None, input_ids: list[int] | list[list[int]] | None = None,
                  return_logprob: bool = False, logprob_start_len: int | None = None,
                  top_logprobs_num: int | None = None, stream: bool = False,
-                 rid: str | list[str] | None = None) -> Any:
+                 rid: str | list[str] | None = None,
+                 return_text_in_logprobs: bool = True) -> Any:
         """Generate for one prompt (a dict result) or a list, or n > 1 (a list of results, in
         prompt-major order).
 
@@ -53,24 +55,28 @@ class Engine:
         A constraint (regex, json_schema, ebnf, choices) is compiled before anything is submitted,
         on the grammar thread pool while this call waits; one that does not compile raises a
         ValueError carrying xgrammar's reason, and no request of the call runs.
+        Logprob entries are [logprob, token_id, text]; text is None with
+        return_text_in_logprobs=False (and then never decoded).
         """
         return self.run(self.prepare(
             prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num, stream=stream, rid=rid))
+            top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
+            return_text_in_logprobs=return_text_in_logprobs))
 
     async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
                              input_ids: Any = None, return_logprob: bool = False,
                              logprob_start_len: int | None = None,
                              top_logprobs_num: int | None = None, stream: bool = False,
-                             rid: Any = None) -> Any:
+                             rid: Any = None, return_text_in_logprobs: bool = True) -> Any:
         """Awaitable twin of generate; with stream=True returns an async iterator of chunks."""
         group = self.prepare(
             prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num, stream=stream, rid=rid)
+            top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
+            return_text_in_logprobs=return_text_in_logprobs)
         if group.stream:
-            return await self.async_stream(group)
+            return self._dicts_async(group, await self.async_stream(group))
         await self._compile_async(group)
         futures = [asyncio.wrap_future(f) for f in self._submit_collect(group)]
         return self._shaped(group, list(await asyncio.gather(*futures)))
@@ -86,13 +92,13 @@ class Engine:
         self.parts.grammar.compile_all(group.reqs)
         self.parts.grammar.attach(group.reqs)  # waits for compilation, here, not in the loop
         if group.stream:
-            return self._stream_sync(group)
+            return self._dicts(group, self._stream_sync(group))
         return self._shaped(group, [f.result() for f in self._submit_collect(group)])
 
-    async def async_stream(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
-        """Compile the group's constraints, submit it, and return the async iterator of its chunks
-        (any number of prompts and samples; each chunk names its result in `index` when the group
-        has several). Leaving the iterator early aborts the requests still running."""
+    async def async_stream(self, group: RequestGroup) -> AsyncGenerator[GenerateOutput, None]:
+        """Compile the group's constraints, submit it, and return the async iterator of its
+        chunks as GenerateOutputs (any number of prompts and samples; `index` names each chunk's
+        result). Leaving the iterator early aborts the requests still running."""
         await self._compile_async(group)
         return self._stream_async(group)
 
@@ -136,13 +142,29 @@ class Engine:
             await asyncio.gather(*map(asyncio.wrap_future, compiling), return_exceptions=True)
         self.parts.grammar.attach(group.reqs)
 
-    @staticmethod
-    def _shaped(group: RequestGroup, results: list[dict[str, Any]]) -> Any:
-        return results[0] if group.single else results
+    def _shaped(self, group: RequestGroup, results: list[GenerateOutput]) -> Any:
+        dicts = [group.to_dict(r, self.tokenizer) for r in results]
+        return dicts[0] if group.single else dicts
+
+    def _dicts(self, group: RequestGroup,
+               chunks: Generator[GenerateOutput, None, None]) -> Iterator[dict[str, Any]]:
+        try:
+            for chunk in chunks:
+                yield group.to_dict(chunk, self.tokenizer, chunk=True)
+        finally:
+            chunks.close()  # aborts what still runs when the caller stops early
+
+    async def _dicts_async(self, group: RequestGroup, chunks: AsyncGenerator[GenerateOutput, None]
+                           ) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for chunk in chunks:
+                yield group.to_dict(chunk, self.tokenizer, chunk=True)
+        finally:
+            await chunks.aclose()
 
     def _submit_collect(self, group: RequestGroup) -> list[Future]:
-        """Submit the group; each future resolves to its request's result dict when it finishes.
-        Cancelling a future aborts its request."""
+        """Submit the group; each future resolves to its request's GenerateOutput when it
+        finishes. Cancelling a future aborts its request."""
         futures = [self._collector(req) for req in group.reqs]
         self._loop.submit(group.reqs)
         return futures
@@ -154,7 +176,7 @@ class Engine:
         def sink(out: ReqOutput) -> None:
             text_parts.append(out.delta_text)
             if out.finished and not fut.done():
-                fut.set_result(build_result(out.req, "".join(text_parts), self.tokenizer))
+                fut.set_result(GenerateOutput.of(out.req, "".join(text_parts)))
 
         def on_done(f: Future) -> None:
             if f.cancelled() and not self._loop.closed:  # the caller gave up: stop computing
@@ -164,32 +186,25 @@ class Engine:
         fut.add_done_callback(on_done)
         return fut
 
-    def _chunk(self, group: RequestGroup, out: ReqOutput) -> dict[str, Any]:
-        chunk = build_result(out.req, out.delta_text, self.tokenizer, out.delta_ids,
-                             final=out.finished)
-        if len(group) > 1:
-            chunk["index"] = out.req.index
-        return chunk
-
-    def _stream_sync(self, group: RequestGroup) -> Iterator[dict[str, Any]]:
+    def _stream_sync(self, group: RequestGroup) -> Generator[GenerateOutput, None, None]:
         events: queue.Queue[ReqOutput] = queue.Queue()
         for req in group.reqs:
             req.sink = events.put
         self._loop.submit(group.reqs)
 
-        def chunks() -> Iterator[dict[str, Any]]:
+        def chunks() -> Generator[GenerateOutput, None, None]:
             try:
                 remaining = len(group)
                 while remaining:
                     out = events.get()
                     remaining -= out.finished
-                    yield self._chunk(group, out)
+                    yield _chunk(out)
             finally:
                 self._abort_unfinished(group)
 
         return chunks()
 
-    async def _stream_async(self, group: RequestGroup) -> AsyncIterator[dict[str, Any]]:
+    async def _stream_async(self, group: RequestGroup) -> AsyncGenerator[GenerateOutput, None]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
         for req in group.reqs:
@@ -200,7 +215,7 @@ class Engine:
             while remaining:
                 out = await events.get()
                 remaining -= out.finished
-                yield self._chunk(group, out)
+                yield _chunk(out)
         finally:
             self._abort_unfinished(group)
 
@@ -209,6 +224,10 @@ class Engine:
         for req in group.reqs:
             if not req.finished and not self._loop.closed:
                 self.abort(req.rid)
+
+
+def _chunk(out: ReqOutput) -> GenerateOutput:
+    return GenerateOutput.of(out.req, out.delta_text, out.delta_ids, final=out.finished)
 
 
 if TYPE_CHECKING:  # Engine fulfils the client contract (checked by mypy)

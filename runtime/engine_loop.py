@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from forklm.runtime.builder import EngineParts
+from forklm.runtime.engine_stats import EngineStats
 from forklm.runtime.errors import EngineShutdownError
 from forklm.runtime.output_processor import finish, process_logits
 from forklm.runtime.request import FinishReason, Req, ReqOutput
@@ -29,9 +30,7 @@ class EngineLoop:
         self.parts, self.config = parts, parts.config
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._reqs: dict[str, Req] = {}
-        self._stats = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
-                       "forward_s": 0.0, "step_s": 0.0, "steps": 0, "decode_steps": 0,
-                       "decode_tokens": 0, "decode_s": 0.0, "prefill_tokens": 0, "prefill_s": 0.0}
+        self.stats = EngineStats()
         self.closed = False
         self.last_error: Exception | None = None
         self._thread = threading.Thread(target=self._run, name="forklm-engine", daemon=True)
@@ -122,21 +121,7 @@ class EngineLoop:
                     finish(req, FinishReason("abort", message=f"engine error: {e}"))
             return
         sched.after_step(batch)
-        self._record_step(batch, time.perf_counter() - t0, t2 - t1, num_generated)
-
-    def _record_step(self, batch: Any, step_s: float, forward_s: float, num_generated: int) -> None:
-        s = self._stats
-        s["steps"] += 1
-        s["step_s"] += step_s
-        s["forward_s"] += forward_s
-        s["generated_tokens"] += num_generated
-        if batch.is_decode or batch.is_catch_up:
-            s["decode_steps"] += 1
-            s["decode_tokens"] += num_generated
-            s["decode_s"] += step_s
-        else:
-            s["prefill_tokens"] += sum(batch.extend_lens)
-            s["prefill_s"] += step_s
+        self.stats.record_step(batch, time.perf_counter() - t0, t2 - t1, num_generated)
 
     def _emit_aborted(self) -> None:
         sched = self.parts.scheduler
@@ -159,8 +144,7 @@ class EngineLoop:
         def sink(out: ReqOutput) -> None:
             if out.finished:
                 self._reqs.pop(out.rid, None)
-                self._stats["prompt_tokens"] += len(out.req.origin_input_ids)
-                self._stats["cached_tokens"] += out.req.cached_tokens
+                self.stats.record_finished(out.req)
             wrapped(out)
 
         req.sink = sink
@@ -185,26 +169,4 @@ class EngineLoop:
         self.closed = True
 
     def stats_now(self) -> dict[str, Any]:
-        sched, kv, s = self.parts.scheduler, self.parts.kv, self._stats
-        cached = kv.cache.total_size if kv.cache else 0
-        free = kv.allocator.num_free
-        return {
-            "running": len(sched.running) + (1 if sched.chunked_req else 0),
-            "waiting": len(sched.waiting),
-            "kv_capacity": kv.allocator.capacity,
-            "kv_free": free,
-            "kv_cached": cached,
-            "kv_used": kv.allocator.capacity - free - cached,
-            # distinct tokens the reserved slots stand for (cache + running requests' own tokens)
-            "kv_tokens_needed": cached + sum(r.num_computed - r.prefix_len
-                                             for r in sched.active_reqs() if r.row is not None),
-            "prompt_tokens": s["prompt_tokens"],
-            "cache_hit_tokens": s["cached_tokens"],
-            "cache_hit_rate": s["cached_tokens"] / max(s["prompt_tokens"], 1),
-            "generated_tokens": s["generated_tokens"],
-            "decode_tokens_per_s": s["decode_tokens"] / s["decode_s"] if s["decode_s"] else 0.0,
-            "prefill_tokens_per_s": s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] else 0.0,
-            "steps": s["steps"],
-            "overhead_ms_per_step": 1000 * (s["step_s"] - s["forward_s"]) / max(s["steps"], 1),
-            "forward_ms_per_step": 1000 * s["forward_s"] / max(s["steps"], 1),
-        }
+        return self.stats.snapshot(self.parts.scheduler, self.parts.kv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +28,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_logits] int64, packed rows whose logits are wanted
     max_q_len: int
     is_decode: bool
+    # The attention backend's per-batch state (masks, index tensors on its device), set by its
+    # prepare() on the copy of the batch the layers then run with.
+    attn_meta: Any = None
 
     @property
     def batch_size(self) -> int:

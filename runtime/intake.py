@@ -14,7 +14,8 @@ import torch
 from forklm.runtime.detokenizer import IncrementalDetokenizer
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.request import Req
-from forklm.runtime.sampling import SamplingParams
+from forklm.runtime.results import GenerateOutput
+from forklm.runtime.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,12 @@ class RequestGroup:
     @property
     def rids(self) -> list[str]:
         return [req.rid for req in self.reqs]
+
+    def to_dict(self, output: GenerateOutput, tokenizer: Any, chunk: bool = False) -> dict[str, Any]:
+        """An output of this call in SGLang's shape: logprob text decoded only when the call
+        asked for it; a chunk names its result's `index` when the call has several."""
+        return output.to_dict(tokenizer if self.return_text_in_logprobs else None,
+                              with_index=chunk and len(self.reqs) > 1)
 
     def prompt_index(self, index: int) -> int:
         """The prompt that result `index` continues."""

@@ -10,7 +10,7 @@ import torch
 from forklm.runtime.constrained import GrammarBackend
 from forklm.runtime.model_runner import LogitsRows
 from forklm.runtime.request import FinishReason, Req, ReqOutput
-from forklm.runtime.sampling import sample
+from forklm.runtime.sampler import sample
 from forklm.runtime.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from forklm.runtime.detokenizer import IncrementalDetokenizer
-from forklm.runtime.sampling import SamplingParams
+from forklm.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import xgrammar

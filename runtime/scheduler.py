@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.kv_manager import KVCacheManager
@@ -24,21 +25,29 @@ LPM_MAX_QUEUE = 128
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
 
 
+# What a step computes: "prefill" (new requests' prompts, maybe a chunk), "decode" (one token for
+# every running request), or "catch_up" (running requests computing the tokens a jump-forward
+# appended: several per request, like a prefill, but they stay in the running set).
+Phase = Literal["prefill", "decode", "catch_up"]
+
+
 @dataclass
 class ScheduledBatch:
     reqs: list[Req]
     extend_lens: list[int]  # new tokens computed per request this step (1 each for decode)
-    is_decode: bool
+    phase: Phase
     # Per request: this step ends its prefill (or is a decode), so a token is sampled for it.
     samples: list[bool]
-    # The running requests, some computing several tokens that jump-forward appended: run like
-    # a prefill (several tokens per request) but they stay in the running set.
-    is_catch_up: bool = False
 
     @classmethod
     def prefill(cls, reqs: list[Req], extend_lens: list[int]) -> ScheduledBatch:
         samples = [r.num_computed == r.fill_len for r in reqs]
-        return cls(reqs, extend_lens, False, samples)
+        return cls(reqs, extend_lens, "prefill", samples)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per request: the forward may take the decode path."""
+        return self.phase == "decode"
 
 
 class Scheduler:
@@ -185,9 +194,8 @@ class Scheduler:
             self.new_token_ratio - NEW_TOKEN_RATIO_DECAY,
             MIN_NEW_TOKEN_RATIO * self.config.schedule_conservativeness,
         )
-        is_decode = all(n == 1 for n in lens)
-        return ScheduledBatch(list(self.running), lens, is_decode, [True] * len(lens),
-                              is_catch_up=not is_decode)
+        phase: Phase = "decode" if all(n == 1 for n in lens) else "catch_up"
+        return ScheduledBatch(list(self.running), lens, phase, [True] * len(lens))
 
     def _num_uncomputed(self) -> int:
         return sum(req.num_uncomputed for req in self.running)
@@ -217,7 +225,7 @@ class Scheduler:
                 if req is self.chunked_req:
                     self.chunked_req = None
                 continue
-            if not batch.is_decode and not batch.is_catch_up:
+            if batch.phase == "prefill":
                 self.kv.cache_unfinished(req)
                 if batch.samples[i]:
                     self.running.append(req)

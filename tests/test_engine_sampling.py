@@ -240,6 +240,20 @@ def test_output_logprobs_match_transformers(engine, hf_model, tokenizer, story_p
         assert top[0][0] == pytest.approx(chosen[0], abs=1e-6)
 
 
+def test_logprob_text_only_when_asked(engine, story_prompt):
+    call = {"sampling_params": {**GREEDY, "max_new_tokens": 4}, "return_logprob": True,
+            "top_logprobs_num": 2}
+    with_text = engine.generate(story_prompt, **call)
+    bare = engine.generate(story_prompt, **call, return_text_in_logprobs=False)
+    entries, bare_entries = (r["meta_info"]["output_token_logprobs"] for r in (with_text, bare))
+    tops, bare_tops = (r["meta_info"]["output_top_logprobs"] for r in (with_text, bare))
+    assert "".join(e[2] for e in entries) == with_text["text"]
+    assert all(isinstance(e[2], str) for top in tops for e in top)
+    assert [e[1] for e in bare_entries] == [e[1] for e in entries]  # (logprobs: to rounding)
+    assert all(e[2] is None for e in bare_entries)
+    assert all(e[2] is None for top in bare_tops for e in top)
+
+
 def test_prompt_logprobs_with_cached_prefix(engine, tokenizer, story_prompt):
     ids = tokenizer.encode(story_prompt, add_special_tokens=False)
     engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})  # caches the prompt

@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forklm.runtime import sampling
+from forklm.runtime import sampler
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling import SamplingParams, apply_penalties, sample
+from forklm.runtime.sampler import apply_penalties, sample
+from forklm.runtime.sampling_params import SamplingParams
 
 
 @dataclass
@@ -222,14 +223,14 @@ def test_top_p_wider_than_first_candidate_batch():
     rows = [Row(p, torch.Generator().manual_seed(i)) for i in range(3000)]
     drawn = set(sample(logits.expand(3000, -1).clone(), rows).token_ids)
     allowed = allowed_ref(logits[0], p)
-    assert drawn <= allowed and len(allowed) > sampling._MIN_CANDIDATES
-    assert min(drawn) < 200 - sampling._MIN_CANDIDATES
+    assert drawn <= allowed and len(allowed) > sampler._MIN_CANDIDATES
+    assert min(drawn) < 200 - sampler._MIN_CANDIDATES
 
 
 def test_inverse_cdf_never_lands_on_zero_weight():
     weights = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
     u = torch.tensor([1.0, 1.0])  # worst case: u * total == total
-    assert sampling._inverse_cdf(weights, u).tolist() == [1, 1]
+    assert sampler._inverse_cdf(weights, u).tolist() == [1, 1]
 
 
 def test_logprobs_are_log_softmax_after_temperature_and_top_logprobs_sorted():

@@ -10,7 +10,7 @@ from forklm.runtime.kv_manager import KVCacheManager
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.radix_cache import RadixCache
 from forklm.runtime.request import FinishReason, Req
-from forklm.runtime.sampling import SamplingParams
+from forklm.runtime.sampling_params import SamplingParams
 from forklm.runtime.scheduler import ScheduledBatch, Scheduler
 
 

@@ -70,6 +70,19 @@ def test_generate_stream_is_cumulative_and_matches(client):
     assert events[-1]["meta_info"]["finish_reason"] == full["meta_info"]["finish_reason"]
 
 
+def test_generate_stream_n2_is_cumulative_per_index(client):
+    params = {"n": 2, "temperature": 0.8, "seed": 3, "max_new_tokens": 8, "ignore_eos": True}
+    req = {"text": "Count with me: 1, 2, 3,", "sampling_params": params}
+    full = client.post("/generate", json=req).json()
+    with client.stream("POST", "/generate", json={**req, "stream": True}) as r:
+        events = sse_payloads(r)
+    for i, result in enumerate(full):
+        mine = [e for e in events if e["index"] == i]
+        assert mine[-1]["text"] == result["text"]
+        assert mine[-1]["output_ids"] == result["output_ids"]
+        assert mine[-1]["meta_info"]["finish_reason"] == result["meta_info"]["finish_reason"]
+
+
 def test_generate_logprobs(client, live_server):
     req = {"text": "Hello, my name is", "sampling_params": {**GREEDY, "max_new_tokens": 4},
            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3}

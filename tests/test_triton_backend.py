@@ -69,8 +69,8 @@ def test_triton_backend_matches_torch_backend(kv_lens, q_lens):
                 create_attention_backend("triton", pools[1], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)]
     outs = []
     for backend in backends:
-        backend.prepare(batch)
-        outs.append(backend.forward(1, q, k, v, batch))
+        prepared = backend.prepare(batch)
+        outs.append(backend.forward(1, q, k, v, prepared))
     assert outs[1].shape == (n, NUM_HEADS * HEAD_DIM)
     assert torch.allclose(outs[1], outs[0], atol=1e-5)
     assert torch.equal(pools[1].k_buffer, pools[0].k_buffer)
@@ -102,9 +102,9 @@ def test_shared_prefix_split_equals_plain_attention(monkeypatch, kv_lens, q_lens
         monkeypatch.setattr(attention, "_FLASH_WITH_LSE", op)
         backend = TorchAttention(pool, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
         backend.min_split_batch = 2
-        backend.prepare(batch)
-        assert (backend.shared_slots is not None) == (min_shared == 32)
-        outs.append(backend.forward(1, q, k, v, batch).float())
+        prepared = backend.prepare(batch)
+        assert (prepared.attn_meta.shared_slots is not None) == (min_shared == 32)
+        outs.append(backend.forward(1, q, k, v, prepared).float())
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
     torch.testing.assert_close(outs[2], outs[0], atol=atol, rtol=0)

@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from forklm.runtime.engine import Engine
 from forklm.runtime.intake import RequestGroup
+from forklm.runtime.results import GenerateOutput, join_chunks
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError
 from forklm.server.metrics import ServerMetrics
@@ -64,8 +65,8 @@ class GenerationService:
         return self.config.served_model_name or self.engine.config.model_path
 
     async def generate(self, endpoint: str, group: RequestGroup,
-                       request: Request | None = None) -> list[dict[str, Any]]:
-        """Run a prepared call (Engine.prepare) and return its result dicts, in order.
+                       request: Request | None = None) -> list[GenerateOutput]:
+        """Run a prepared call (Engine.prepare) and return its results, in order.
         With the HTTP `request`, a client that disconnects before the results aborts the call
         (its KV returns to the pool) instead of letting it run to the end for nobody."""
         if request is None:
@@ -77,14 +78,13 @@ class GenerationService:
                 task.cancel()  # closing the stream aborts its engine requests
         return await task
 
-    async def _run(self, endpoint: str, group: RequestGroup) -> list[dict[str, Any]]:
+    async def _run(self, endpoint: str, group: RequestGroup) -> list[GenerateOutput]:
         return await _collect(await self.open_stream(endpoint, group), len(group))
 
     async def open_stream(self, endpoint: str, group: RequestGroup) -> ChunkStream:
         """Admit the group's requests, compile their constraints and start them (errors here
         become HTTP statuses); returns the chunks of all of them: each chunk's text/output_ids
-        are increments, `index` names its result when there are several, and each result's last
-        chunk has its finish_reason. The admission is released when the stream ends or is closed.
+        are increments, `index` names its result, and each result's last chunk is `finished`. The admission is released when the stream ends or is closed.
 
         Awaiting the first chunk here starts the iterator: a started async generator is closed by
         the event loop even if the response never iterates it (client gone before the headers),
@@ -99,20 +99,20 @@ class GenerationService:
         timed = self._timed(endpoint, chunks, num)
         return ChunkStream(await timed.__anext__(), timed)
 
-    async def _timed(self, endpoint: str, chunks: Any, num: int) -> AsyncGenerator[dict, None]:
+    async def _timed(self, endpoint: str, chunks: AsyncGenerator[GenerateOutput, None],
+                     num: int) -> AsyncGenerator[GenerateOutput, None]:
         """Pass chunks through, timing each result's first token and the rest. Closing this
         iterator early (client gone) closes the engine's, which aborts the requests."""
         start, first = time.perf_counter(), dict[int, float]()
         try:
             async for chunk in chunks:
-                meta, i = chunk["meta_info"], chunk.get("index", 0)
-                _make_json_safe(meta)
-                if i not in first and (chunk["output_ids"] or meta["finish_reason"]):
+                i = chunk.index
+                if i not in first and (chunk.output_ids or chunk.finished):
                     first[i] = time.perf_counter()
-                if meta["finish_reason"] is not None:
-                    self.metrics.record_result(endpoint, chunk)
+                if chunk.finished:
+                    self.metrics.record_output(endpoint, chunk)
                     self.metrics.record_timing(first[i] - start, time.perf_counter() - first[i],
-                                               meta["completion_tokens"])
+                                               chunk.completion_tokens)
                 yield chunk
         finally:
             await chunks.aclose()
@@ -120,17 +120,17 @@ class GenerationService:
 
 
 class ChunkStream:
-    """A started stream of chunk dicts, its first chunk already received and held back.
-    aclose() ends it early: the engine aborts the request and frees its KV."""
+    """A started stream of GenerateOutput chunks, its first chunk already received and held back.
+    aclose() ends it early: the engine aborts the requests and frees their KV."""
 
-    def __init__(self, first: dict[str, Any], rest: AsyncGenerator[dict[str, Any], None]):
-        self._first: dict[str, Any] | None = first
+    def __init__(self, first: GenerateOutput, rest: AsyncGenerator[GenerateOutput, None]):
+        self._first: GenerateOutput | None = first
         self._rest = rest
 
     def __aiter__(self) -> ChunkStream:
         return self
 
-    async def __anext__(self) -> dict[str, Any]:
+    async def __anext__(self) -> GenerateOutput:
         if self._first is not None:
             first, self._first = self._first, None
             return first
@@ -141,35 +141,30 @@ class ChunkStream:
         await self._rest.aclose()
 
 
-def _make_json_safe(meta: dict[str, Any]) -> None:
+def json_safe_logprobs(meta: dict[str, Any]) -> dict[str, Any]:
     """JSON has no -inf: a logprob of a token the grammar masked becomes -9999.0 (OpenAI's
-    convention for "impossible"), so responses never fail to encode."""
+    convention for "impossible"), so responses never fail to encode. Changes `meta` in place."""
     for key, value in meta.items():
         if key.endswith("logprobs") and isinstance(value, list):
-            meta[key] = _finite(value)
+            meta[key] = finite(value)
+    return meta
 
 
-def _finite(x: Any) -> Any:
+def finite(x: Any) -> Any:
+    """x (a number or nested lists of them) with -inf as -9999.0 and other non-finite as None."""
     if isinstance(x, float):
         return x if math.isfinite(x) else (-9999.0 if x < 0 else None)
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [finite(v) for v in x]
     return x
 
 
-async def _collect(chunks: ChunkStream, num: int) -> list[dict[str, Any]]:
-    """A stream's chunks joined into one result dict per index (each result's last chunk
-    carries its final meta)."""
-    texts: list[list[str]] = [[] for _ in range(num)]
-    ids: list[list[int]] = [[] for _ in range(num)]
-    metas: list[dict[str, Any]] = [{} for _ in range(num)]
+async def _collect(chunks: ChunkStream, num: int) -> list[GenerateOutput]:
+    """A stream's chunks joined into one result per index."""
+    parts: list[list[GenerateOutput]] = [[] for _ in range(num)]
     try:
         async for chunk in chunks:
-            i = chunk.get("index", 0)
-            texts[i].append(chunk["text"])
-            ids[i].extend(chunk["output_ids"])
-            metas[i] = chunk["meta_info"]
+            parts[chunk.index].append(chunk)
     finally:
         await chunks.aclose()
-    return [{"text": "".join(t), "output_ids": o, "meta_info": m}
-            for t, o, m in zip(texts, ids, metas)]
+    return [join_chunks(p) for p in parts]

@@ -12,6 +12,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from forklm.runtime.results import GenerateOutput
+
 # Seconds; CPU prefill of a long prompt can take seconds, a cached one milliseconds.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -48,14 +50,24 @@ class ServerMetrics:
                               "Time per output token after the first", buckets=_TPOT_BUCKETS,
                               registry=r)
 
+    def record_output(self, endpoint: str, out: GenerateOutput) -> None:
+        """Count one finished request."""
+        reason = out.finish_reason.type if out.finish_reason else "unknown"
+        self._count(endpoint, reason, out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+
     def record_result(self, endpoint: str, result: dict[str, Any]) -> None:
         """Count one finished request from its SGLang-shaped result dict."""
         meta = result["meta_info"]
         reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+        self._count(endpoint, reason, meta["prompt_tokens"], meta["completion_tokens"],
+                    meta["cached_tokens"])
+
+    def _count(self, endpoint: str, reason: str, prompt_tokens: int, completion_tokens: int,
+               cached_tokens: int) -> None:
         self.requests.labels(endpoint=endpoint, finish_reason=reason).inc()
-        self.prompt_tokens.inc(meta["prompt_tokens"])
-        self.generated_tokens.inc(meta["completion_tokens"])
-        self.cached_tokens.inc(meta["cached_tokens"])
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generated_tokens.inc(completion_tokens)
+        self.cached_tokens.inc(cached_tokens)
 
     def record_timing(self, ttft_s: float, decode_s: float, num_tokens: int) -> None:
         self.ttft.observe(ttft_s)

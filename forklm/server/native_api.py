@@ -14,8 +14,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from forklm.runtime.intake import RequestGroup
+from forklm.runtime.results import GenerateOutput
 from forklm.server.errors import ApiError, sse_frames
-from forklm.server.generation import ChunkStream, GenerationService
+from forklm.server.generation import ChunkStream, GenerationService, json_safe_logprobs
 from forklm.server.protocol import AbortRequest, GenerateRequest
 
 router = APIRouter()
@@ -31,14 +32,21 @@ def service_of(request: Request) -> GenerationService:
 async def generate(body: GenerateRequest, request: Request) -> Any:
     service = service_of(request)
     group = _prepare(service, body)
+    tokenizer = service.engine.tokenizer
     if body.stream:
         chunks = await service.open_stream("generate", group)
-        return StreamingResponse(sse_frames(_cumulative(chunks, body.return_text_in_logprobs)),
+        return StreamingResponse(sse_frames(_cumulative(chunks, group, tokenizer)),
                                  media_type="text/event-stream")
-    results = await service.generate("generate", group, request)
-    for r in results:
-        _drop_logprob_text(r, body.return_text_in_logprobs)
+    results = [_as_json(group, out, tokenizer)
+               for out in await service.generate("generate", group, request)]
     return results[0] if group.single else results
+
+
+def _as_json(group: RequestGroup, out: GenerateOutput, tokenizer: Any,
+             chunk: bool = False) -> dict[str, Any]:
+    result = group.to_dict(out, tokenizer, chunk)
+    json_safe_logprobs(result["meta_info"])
+    return result
 
 
 def _prepare(service: GenerationService, body: GenerateRequest) -> RequestGroup:
@@ -50,7 +58,8 @@ def _prepare(service: GenerationService, body: GenerateRequest) -> RequestGroup:
     return service.engine.prepare(
         prompt=body.text, input_ids=body.input_ids, sampling_params=params,
         return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
-        top_logprobs_num=body.top_logprobs_num, rid=body.rid, stream=body.stream)
+        top_logprobs_num=body.top_logprobs_num, rid=body.rid, stream=body.stream,
+        return_text_in_logprobs=body.return_text_in_logprobs)
 
 
 def _drop_nulls(params: dict[str, Any]) -> dict[str, Any]:
@@ -58,39 +67,19 @@ def _drop_nulls(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v is not None}
 
 
-_LOGPROB_KEYS = ("input_token_logprobs", "output_token_logprobs")
-_TOP_KEYS = ("input_top_logprobs", "output_top_logprobs")
-
-
-def _drop_logprob_text(result: dict[str, Any], keep: bool) -> None:
-    """Logprob entries are [logprob, token_id, text]; text is null unless asked for."""
-    if keep:
-        return
-    meta = result["meta_info"]
-    for key in _LOGPROB_KEYS:
-        if key in meta:
-            meta[key] = [[lp, tid, None] for lp, tid, _ in meta[key]]
-    for key in _TOP_KEYS:
-        if key in meta:
-            meta[key] = [[[lp, tid, None] for lp, tid, _ in pos] if pos is not None else None
-                         for pos in meta[key]]
-
-
-async def _cumulative(chunks: ChunkStream, keep_text: bool) -> AsyncGenerator[dict, None]:
+async def _cumulative(chunks: ChunkStream, group: RequestGroup,
+                      tokenizer: Any) -> AsyncGenerator[dict, None]:
     """SGLang's stream shape: every event carries its result's text and ids so far (and, with
     n > 1, the result's `index`)."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
     try:
         async for chunk in chunks:
-            i = chunk.get("index", 0)
-            texts[i] = texts.get(i, "") + chunk["text"]
-            ids[i] = ids.get(i, []) + chunk["output_ids"]
-            out = {"text": texts[i], "output_ids": ids[i], "meta_info": chunk["meta_info"]}
-            if "index" in chunk:
-                out["index"] = i
-            _drop_logprob_text(out, keep_text)
-            yield out
+            i = chunk.index
+            texts[i] = texts.get(i, "") + chunk.text
+            ids[i] = ids.get(i, []) + chunk.output_ids
+            yield {**_as_json(group, chunk, tokenizer, chunk=True), "text": texts[i],
+                   "output_ids": ids[i]}
     finally:
         await chunks.aclose()
 
@@ -111,21 +100,20 @@ async def health_generate(request: Request) -> dict[str, Any]:
                                            _HEALTH_TIMEOUT_S)
     except (asyncio.TimeoutError, RuntimeError) as e:
         raise ApiError(503, f"engine cannot generate: {e!r}") from e
-    reason = result["meta_info"]["finish_reason"]
-    if reason is None or reason["type"] == "abort":
+    reason = result.finish_reason
+    if reason is None or reason.type == "abort":
         raise ApiError(503, f"engine cannot generate: {reason}")
-    return {"status": "ok", "output_ids": result["output_ids"]}
+    return {"status": "ok", "output_ids": result.output_ids}
 
 
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
     service = service_of(request)
-    engine = service.engine
-    tokenizer_path = engine.config.tokenizer_path or engine.config.model_path
-    return {"model_path": engine.config.model_path, "tokenizer_path": tokenizer_path,
+    info = service.engine.model_info
+    return {"model_path": info.model_path, "tokenizer_path": info.tokenizer_path,
             "served_model_name": service.model_name, "is_generation": True,
-            "context_length": engine.parts.context_len, "vocab_size": engine.parts.vocab_size,
-            "dtype": engine.config.torch_dtype_name}
+            "context_length": info.context_len, "vocab_size": info.vocab_size,
+            "dtype": info.dtype}
 
 
 @router.get("/get_server_info")

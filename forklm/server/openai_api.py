@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.intake import RequestGroup
+from forklm.runtime.results import GenerateOutput
 from forklm.server import openai_convert as conv
 from forklm.server.errors import sse_frames
 from forklm.server.generation import ChunkStream, GenerationService
@@ -31,7 +32,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [{
         "id": service.model_name, "object": "model", "created": 0, "owned_by": "forklm",
         "root": service.engine.config.model_path,
-        "max_model_len": service.engine.parts.context_len}]}
+        "max_model_len": service.engine.model_info.context_len}]}
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
@@ -52,16 +53,16 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             "created": int(time.time()), "model": body.model}
     if body.stream:
         chunks = await service.open_stream("completions", group)
-        return _sse(_completion_events(chunks, head, body, len(group)))
+        return _sse(_completion_events(chunks, head, body, len(group), service.engine.tokenizer))
     results = await service.generate("completions", group, request)
     tokenizer = service.engine.tokenizer
     choices = []
     for i, r in enumerate(results):
         echo = _prompt_text(group.prompts[group.prompt_index(i)], tokenizer) if body.echo else ""
-        choices.append({"index": i, "text": echo + r["text"],
-                        "logprobs": conv.completion_logprobs(r["meta_info"], len(echo)),
-                        "finish_reason": conv.finish_reason(r["meta_info"]),
-                        "matched_stop": conv.matched_stop(r["meta_info"])})
+        choices.append({"index": i, "text": echo + r.text,
+                        "logprobs": conv.completion_logprobs(r, tokenizer, len(echo)),
+                        "finish_reason": conv.finish_reason(r),
+                        "matched_stop": conv.matched_stop(r)})
     return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
 
 
@@ -69,19 +70,18 @@ def _prompt_text(prompt: Any, tokenizer: Any) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
 
 
-async def _completion_events(chunks: ChunkStream, head: dict[str, Any],
-                             body: CompletionRequest, num: int) -> AsyncGenerator[dict, None]:
-    finals: list[dict[str, Any]] = [{}] * num
+async def _completion_events(chunks: ChunkStream, head: dict[str, Any], body: CompletionRequest,
+                             num: int, tokenizer: Any) -> AsyncGenerator[dict, None]:
+    finals: list[GenerateOutput] = []
     async for chunk in chunks:
-        meta, i = chunk["meta_info"], chunk.get("index", 0)
-        logprobs = conv.completion_logprobs(meta, 0) if meta["finish_reason"] else None
-        yield {**head, "choices": [{"index": i, "text": chunk["text"], "logprobs": logprobs,
-                                    "finish_reason": conv.finish_reason(meta),
-                                    "matched_stop": conv.matched_stop(meta)}]}
-        if meta["finish_reason"] is not None:
-            finals[i] = chunk
+        yield {**head, "choices": [{
+            "index": chunk.index, "text": chunk.text,
+            "logprobs": conv.completion_logprobs(chunk, tokenizer, 0),
+            "finish_reason": conv.finish_reason(chunk), "matched_stop": conv.matched_stop(chunk)}]}
+        if chunk.finished:
+            finals.append(chunk)
     if body.stream_options and body.stream_options.include_usage:
-        yield {**head, "choices": [], "usage": conv.usage(finals, body.n)}
+        yield {**head, "choices": [], "usage": conv.usage(_in_order(finals, num), body.n)}
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
@@ -95,7 +95,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     prompt = _chat_prompt(service.engine.tokenizer, body.messages, plan)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = conv.sampling_dict(body, max_tokens if max_tokens is not None
-                                else service.engine.parts.context_len)
+                                else service.engine.model_info.context_len)
     _add_tool_constraint(params, plan)
     top = (body.top_logprobs or 0) if body.logprobs else None
     group = _prepare(service, body, prompt, params, top)
@@ -104,9 +104,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.stream:
         chunks = await service.open_stream("chat", group)
         chunk_head = {**head, "object": "chat.completion.chunk"}
-        return _sse(_chat_events(chunks, chunk_head, body, plan, len(group)))
+        return _sse(_chat_events(chunks, chunk_head, body, plan, len(group),
+                                 service.engine.tokenizer))
     results = await service.generate("chat", group, request)
-    choices = [{"index": i, **_chat_choice(r, plan)} for i, r in enumerate(results)]
+    choices = [{"index": i, **_chat_choice(r.text, r, plan, service.engine.tokenizer)}
+               for i, r in enumerate(results)]
     return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
 
 
@@ -142,48 +144,47 @@ def _add_tool_constraint(params: dict[str, Any], plan: ToolPlan) -> None:
     params["json_schema"] = schema
 
 
-def _chat_choice(result: dict[str, Any], plan: ToolPlan) -> dict[str, Any]:
-    meta = result["meta_info"]
-    calls = plan.parse(result["text"]) if plan.active else None
-    message: dict[str, Any] = {"role": "assistant", "content": None if calls else result["text"]}
+def _chat_choice(text: str, final: GenerateOutput, plan: ToolPlan,
+                 tokenizer: Any) -> dict[str, Any]:
+    """A reply's whole `text` as a choice; `final` is its result (or its last chunk)."""
+    calls = plan.parse(text) if plan.active else None
+    message: dict[str, Any] = {"role": "assistant", "content": None if calls else text}
     if calls:
         message["tool_calls"] = calls
-    return {"message": message, "logprobs": conv.chat_logprobs(meta),
-            "finish_reason": "tool_calls" if calls else conv.finish_reason(meta),
-            "matched_stop": conv.matched_stop(meta)}
+    return {"message": message, "logprobs": conv.chat_logprobs(final, tokenizer),
+            "finish_reason": "tool_calls" if calls else conv.finish_reason(final),
+            "matched_stop": conv.matched_stop(final)}
 
 
-async def _chat_events(chunks: ChunkStream, head: dict[str, Any],
-                       body: ChatCompletionRequest, plan: ToolPlan,
-                       num: int) -> AsyncGenerator[dict, None]:
+async def _chat_events(chunks: ChunkStream, head: dict[str, Any], body: ChatCompletionRequest,
+                       plan: ToolPlan, num: int, tokenizer: Any) -> AsyncGenerator[dict, None]:
     """Content streams as it comes; with tools active a reply is held until it finishes,
     since only the whole text tells whether it is a tool call."""
-    finals: list[dict[str, Any]] = [{}] * num
+    finals: list[GenerateOutput] = []
     texts = [""] * num
     for i in range(num):
         yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
     async for chunk in chunks:
-        meta, i = chunk["meta_info"], chunk.get("index", 0)
-        done = meta["finish_reason"] is not None
-        texts[i] += chunk["text"]
-        if done:
-            finals[i] = chunk
-        if plan.active and not done:
+        i = chunk.index
+        texts[i] += chunk.text
+        if chunk.finished:
+            finals.append(chunk)
+        if plan.active and not chunk.finished:
             continue
         if plan.active:
-            choice = _chat_choice({**chunk, "text": texts[i]}, plan)
+            choice = _chat_choice(texts[i], chunk, plan, tokenizer)
             delta = {k: v for k, v in choice["message"].items() if k != "role"}
             if "tool_calls" in delta:
                 delta["tool_calls"] = [{"index": 0, **c} for c in delta["tool_calls"]]
             reason = choice["finish_reason"]
         else:
-            delta, reason = {"content": chunk["text"]}, conv.finish_reason(meta)
+            delta, reason = {"content": chunk.text}, conv.finish_reason(chunk)
         yield {**head, "choices": [{"index": i, "delta": delta, "finish_reason": reason,
-                                    "logprobs": conv.chat_logprobs(meta) if done else None,
-                                    "matched_stop": conv.matched_stop(meta)}]}
+                                    "logprobs": conv.chat_logprobs(chunk, tokenizer),
+                                    "matched_stop": conv.matched_stop(chunk)}]}
     if body.stream_options and body.stream_options.include_usage:
-        yield {**head, "choices": [], "usage": conv.usage(finals, body.n)}
+        yield {**head, "choices": [], "usage": conv.usage(_in_order(finals, num), body.n)}
 
 
 # -- shared ------------------------------------------------------------------------------------
@@ -194,6 +195,12 @@ def _prepare(service: GenerationService, body: Any, prompt: Any, params: dict[st
         prompt=prompt, sampling_params={**params, "n": body.n},
         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
         rid=body.rid)
+
+
+def _in_order(finals: list[GenerateOutput], num: int) -> list[GenerateOutput]:
+    """Every result's final chunk, by index (a stream ends only when all have finished)."""
+    assert len(finals) == num, (len(finals), num)
+    return sorted(finals, key=lambda out: out.index)
 
 
 def _sse(events: AsyncGenerator[dict, None]) -> StreamingResponse:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.results import GenerateOutput, token_entries
 from forklm.server.errors import ApiError
-from forklm.server.generation import GenerationService
+from forklm.server.generation import GenerationService, finite
 from forklm.server.protocol import _SamplingFields
 
 # OpenAI name -> SamplingParams name, for the fields passed through unchanged otherwise.
@@ -57,50 +58,52 @@ def _response_format_schema(body: _SamplingFields) -> dict[str, Any] | None:
     return fmt.json_schema.schema_
 
 
-def finish_reason(meta: dict[str, Any]) -> str | None:
-    reason = meta.get("finish_reason")
-    return None if reason is None else reason["type"]
+def finish_reason(out: GenerateOutput) -> str | None:
+    return None if out.finish_reason is None else out.finish_reason.type
 
 
-def matched_stop(meta: dict[str, Any]) -> Any:
-    reason = meta.get("finish_reason") or {}
-    return reason.get("matched")
+def matched_stop(out: GenerateOutput) -> str | int | None:
+    return None if out.finish_reason is None else out.finish_reason.matched
 
 
-def usage(results: list[dict[str, Any]], n: int) -> dict[str, Any]:
+def usage(results: list[GenerateOutput], n: int) -> dict[str, Any]:
     """Prompt and cached tokens count each prompt once (its first sample); completions all."""
-    firsts = [r["meta_info"] for r in results[::n]]
-    prompt = sum(m["prompt_tokens"] for m in firsts)
-    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    firsts = results[::n]
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(r.completion_tokens for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}}
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}}
 
 
-def completion_logprobs(meta: dict[str, Any], text_offset: int) -> dict[str, Any] | None:
+def completion_logprobs(out: GenerateOutput, tokenizer: Any,
+                        text_offset: int) -> dict[str, Any] | None:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
-    entries = meta.get("output_token_logprobs")
-    if entries is None:
+    if out.logprobs is None:
         return None
-    tops = meta.get("output_top_logprobs")
+    entries = token_entries(out.logprobs.output_token, tokenizer)
+    tops = out.logprobs.output_top
     offsets, pos = [], text_offset
     for _, _, text in entries:
         offsets.append(pos)
         pos += len(text)
-    return {"tokens": [t for _, _, t in entries], "token_logprobs": [lp for lp, _, _ in entries],
-            "top_logprobs": [{t: lp for lp, _, t in top} for top in tops] if tops else None,
+    return {"tokens": [t for _, _, t in entries],
+            "token_logprobs": [finite(lp) for lp, _, _ in entries],
+            "top_logprobs": [{t: finite(lp) for lp, _, t in token_entries(top, tokenizer)}
+                             for top in tops] if tops else None,
             "text_offset": offsets}
 
 
-def chat_logprobs(meta: dict[str, Any]) -> dict[str, Any] | None:
+def chat_logprobs(out: GenerateOutput, tokenizer: Any) -> dict[str, Any] | None:
     """The chat shape: content = [{token, logprob, bytes, top_logprobs: [...]}]."""
-    entries = meta.get("output_token_logprobs")
-    if entries is None:
+    if out.logprobs is None:
         return None
-    tops = meta.get("output_top_logprobs") or [[] for _ in entries]
-    return {"content": [{**_token(lp, text), "top_logprobs": [_token(a, b) for a, _, b in top]}
-                        for (lp, _, text), top in zip(entries, tops, strict=True)]}
+    entries = token_entries(out.logprobs.output_token, tokenizer)
+    tops = out.logprobs.output_top or [[] for _ in entries]
+    return {"content": [{**_token(lp, text), "top_logprobs": [
+        _token(a, b) for a, _, b in token_entries(top, tokenizer)]}
+        for (lp, _, text), top in zip(entries, tops, strict=True)]}
 
 
 def _token(logprob: float, text: str) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode())}

@@ -121,7 +121,7 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        attn.prepare(batch)
+        batch = attn.prepare(batch)
         x = self._embed(batch.input_ids)  # [T, hidden]
         for layer in self.model.layers:
             x = layer(x, batch, attn)
