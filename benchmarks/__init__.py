@@ -1,1 +1,2 @@
-"""forklm benchmarks (the full suite is issue 3; engine_speed.py measures the engine alone)."""
+"""forklm benchmarks: workloads, runners against forklm and peer servers, the report;
+engine_speed.py measures the engine alone."""

@@ -1,32 +1,63 @@
 """forklm: a structured-generation program runtime for LLMs.
 
 Public API re-exports live here; the engine is in forklm.runtime, the language in forklm.frontend_dsl.
+They load on first use (PEP 562), so importing one runtime module does not load the whole stack.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
 # OpenMP threads that spin while idle make the engine ~15x slower when another process (or the
 # HTTP server's threads) share the cores; this must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from forklm import frontend_dsl as _dsl  # noqa: E402
-from forklm.frontend_dsl import *  # noqa: E402,F403  (the language: SGLang's frontend names)
-from forklm.runtime.config import EngineConfig  # noqa: E402
-from forklm.runtime.engine import Engine  # noqa: E402
-from forklm.runtime.errors import (  # noqa: E402
-    EngineShutdownError,
-    ForkLMError,
-    InvalidArgumentError,
-    KVCacheFullError,
-    ModelNotFoundError,
-    UnsupportedModelError,
-)
-from forklm.runtime.sampling import SamplingParams  # noqa: E402
+# name -> the module that defines it; every other public name is the language's (frontend_dsl).
+_RUNTIME_NAMES = {
+    "Engine": "forklm.runtime.engine",
+    "EngineConfig": "forklm.runtime.config",
+    "SamplingParams": "forklm.runtime.sampling_params",
+    **dict.fromkeys(("EngineShutdownError", "ForkLMError", "InvalidArgumentError",
+                     "KVCacheFullError", "ModelNotFoundError", "UnsupportedModelError"),
+                    "forklm.runtime.errors"),
+}
+_SUBPACKAGES = ("frontend_dsl", "kernels", "runtime", "server")
 
-__all__ = [
-    *_dsl.__all__,
-    "Engine", "EngineConfig", "EngineShutdownError", "ForkLMError", "InvalidArgumentError",
-    "KVCacheFullError", "ModelNotFoundError", "UnsupportedModelError", "SamplingParams",
-]
+if TYPE_CHECKING:  # what __getattr__ gives, for type checkers
+    from forklm.frontend_dsl import *  # noqa: F403
+    from forklm.runtime.config import EngineConfig  # noqa: F401
+    from forklm.runtime.engine import Engine  # noqa: F401
+    from forklm.runtime.errors import (  # noqa: F401
+        EngineShutdownError,
+        ForkLMError,
+        InvalidArgumentError,
+        KVCacheFullError,
+        ModelNotFoundError,
+        UnsupportedModelError,
+    )
+    from forklm.runtime.sampling_params import SamplingParams  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNTIME_NAMES:
+        value = getattr(importlib.import_module(_RUNTIME_NAMES[name]), name)
+    elif name in _SUBPACKAGES:  # `import forklm; forklm.runtime...` as before the lazy loading
+        value = importlib.import_module(f"forklm.{name}")
+    elif name == "__all__":
+        value = [*_dsl_names(), *_RUNTIME_NAMES]
+    elif not name.startswith("_") and name in _dsl_names():
+        value = getattr(importlib.import_module("forklm.frontend_dsl"), name)
+    else:
+        raise AttributeError(f"module 'forklm' has no attribute {name!r}")
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_dsl_names(), *_RUNTIME_NAMES})
+
+
+def _dsl_names() -> list[str]:
+    return list(importlib.import_module("forklm.frontend_dsl").__all__)

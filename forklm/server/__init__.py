@@ -1,1 +1,1 @@
-"""The HTTP server: FastAPI app around one Engine and the program executor (issue 6)."""
+"""The HTTP server: FastAPI app around one Engine and the program executor."""
