@@ -13,7 +13,7 @@ from forklm.frontend_dsl import ir
 from forklm.frontend_dsl.defaults import DTYPE_RULES
 from forklm.frontend_dsl.ir import LOGPROB_OPTIONS
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling import SamplingParams
+from forklm.runtime.sampling_params import SamplingParams
 
 DTYPES = tuple(DTYPE_RULES)
 MAX_DEPTH = 32  # nested blocks; deeper graphs are refused before anything recurses too far

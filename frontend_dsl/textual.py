@@ -32,7 +32,7 @@ from lark import Lark, Token, Tree, UnexpectedCharacters, UnexpectedEOF, Unexpec
 from forklm.frontend_dsl import api, ir
 from forklm.frontend_dsl.ir_codec import check_references
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
-from forklm.runtime.sampling import SamplingParams
+from forklm.runtime.sampling_params import SamplingParams
 
 _GRAMMAR = Path(__file__).with_name("program.lark")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}

@@ -125,10 +125,6 @@ class Engine:
         self._loop.stop()
         self.parts.grammar.close()
 
-    def new_rid(self) -> str:
-        """A fresh request id (the ones the intake gives requests without a rid)."""
-        return self.parts.intake.new_rid()
-
     def __enter__(self) -> Engine:
         return self
 

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from forklm.runtime.engine import Engine
-from forklm.runtime.sampling import SamplingParams
+from forklm.runtime.sampling_params import SamplingParams
 from tests.conftest import assert_idle_and_clean, chat_prompt
 
 GREEDY = {"temperature": 0}

@@ -14,7 +14,7 @@ import torch
 import xgrammar as xgr
 
 from forklm.runtime.constrained import GrammarBackend
-from forklm.runtime.sampling import SamplingParams
+from forklm.runtime.sampling_params import SamplingParams
 
 EOS = 0
 # Single characters, multi-character pieces that cross grammar boundaries, a two-byte character,

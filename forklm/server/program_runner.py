@@ -32,16 +32,15 @@ class TrackedEngine:
 
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  **kwargs: Any) -> Any:
-        rids = [self.engine.new_rid() for _ in range(_num_prompts(prompt, input_ids))]
+        group = self.engine.prepare(prompt=prompt, sampling_params=sampling_params,
+                                    input_ids=input_ids, **kwargs)
+        rids = group.rids
         with self._lock:
             if self.cancelled:
                 raise BackendError("program aborted: the client disconnected")
             self._live.update(rids)
-        single = isinstance(prompt, str) or _is_id_list(prompt) or _is_id_list(input_ids)
-        kwargs["rid"] = rids[0] if single else rids
         try:
-            out = self.engine.generate(prompt=prompt, sampling_params=sampling_params,
-                                       input_ids=input_ids, **kwargs)
+            out = self.engine.run(group)
         except BaseException:
             self._forget(rids)
             raise
@@ -78,15 +77,6 @@ class TrackedEngine:
     def _record(self, result: dict[str, Any]) -> None:
         if self.on_result is not None:
             self.on_result(result)
-
-
-def _is_id_list(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and isinstance(x[0], int)
-
-
-def _num_prompts(prompt: Any, input_ids: Any) -> int:
-    x = prompt if prompt is not None else input_ids
-    return len(x) if isinstance(x, list) and x and not isinstance(x[0], int) else 1
 
 
 # -- results ------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
         raise InvalidArgumentError("stream", True, f"streaming runs one program; got a batch of "
                                    f"{len(items)} arguments")
     engine = _tracked_engine(request)
-    backend = EngineBackend(cast(Engine, engine))  # the EngineBackend logic over tracked calls
+    backend = EngineBackend(engine)  # the EngineBackend logic over tracked calls
     program = GraphProgram(graph)
     info = {"name": graph.name, "num_nodes": len(walk(graph.nodes))}
     admission = _admission(request)

@@ -10,7 +10,8 @@ from jinja2 import TemplateError
 from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from forklm.runtime.engine import Engine
-from forklm.runtime.sampling import SamplingParams
+from forklm.runtime.engine_client import EngineClient
+from forklm.runtime.sampling_params import SamplingParams
 
 # Scoring only: prefill with prompt logprobs, no new token.
 _SCORE_PARAMS = SamplingParams(max_new_tokens=0, temperature=0.0)
@@ -22,8 +23,8 @@ class EngineBackend(Backend):
     """Runs gens and selects on an `Engine` in this process; the chat template is the engine
     tokenizer's own. `EngineBackend()` builds an Engine on the default model."""
 
-    def __init__(self, engine: Engine | None = None, **engine_config: Any):
-        self.engine = engine if engine is not None else Engine(**engine_config)
+    def __init__(self, engine: EngineClient | None = None, **engine_config: Any):
+        self.engine: EngineClient = engine if engine is not None else Engine(**engine_config)
         self.tokenizer = self.engine.tokenizer
         self._default_system = self._find_default_system()
 
@@ -32,7 +33,7 @@ class EngineBackend(Backend):
                  on_text: Callable[[str], None] | None = None) -> GenResult:
         """One engine request; with `on_text` it streams, and each chunk's new text is passed on
         as the engine decodes it (the pieces concatenate to the result's text)."""
-        if on_text is None or sampling_params.n != 1:  # the engine streams one sample only
+        if on_text is None or sampling_params.n != 1:  # n > 1 samples come back whole, as a list
             out = self.engine.generate(prompt=prompt, sampling_params=sampling_params,
                                        **logprob_options)
             _raise_if_aborted(out)

@@ -7,7 +7,7 @@ import json
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import httpx
 
@@ -19,11 +19,10 @@ from forklm.frontend_dsl.executor import Executor
 from forklm.frontend_dsl.ir import ProgramLimits
 from forklm.frontend_dsl.state import ProgramState
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling import SamplingParams
+from forklm.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from forklm.frontend_dsl.ir import Graph
-    from forklm.runtime.engine import Engine
 
 _CLIENT_ERRORS = (400, 404, 413, 422)
 _LIMIT_NAMES = frozenset(f.name for f in dataclasses.fields(ProgramLimits))
@@ -45,8 +44,7 @@ class RuntimeEndpoint(Backend):
         self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         self.model_info = self.call("GET", "/get_model_info")
         self.tokenizer = _load_tokenizer(self.call("GET", "/v1/programs/tokenizer")["files"])
-        # EngineBackend needs only generate/abort/tokenizer of its engine: _RemoteEngine has them.
-        self._local = EngineBackend(cast("Engine", _RemoteEngine(self, self.tokenizer)))
+        self._local = EngineBackend(_RemoteEngine(self, self.tokenizer))  # an EngineClient
 
     # -- Backend -------------------------------------------------------------------------------
     def generate(self, prompt: str, sampling_params: SamplingParams,
@@ -143,7 +141,7 @@ class RuntimeEndpoint(Backend):
 
 
 class _RemoteEngine:
-    """The slice of `Engine` EngineBackend uses (generate, abort, tokenizer), served by HTTP."""
+    """An EngineClient (generate, abort, tokenizer) served by a forklm server over HTTP."""
 
     def __init__(self, endpoint: RuntimeEndpoint, tokenizer: Any):
         self.endpoint, self.tokenizer = endpoint, tokenizer
