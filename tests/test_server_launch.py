@@ -41,7 +41,7 @@ def test_cli_flags_cover_both_configs():
 def test_sigterm_graceful_shutdown_exits_0():
     port = free_port()
     cmd = [sys.executable, "-m", "forklm", "serve", "--port", str(port), "--dtype", "float32",
-           "--max-total-tokens", "4096", "--graceful-shutdown-s", "10", "--log-level", "warning"]
+           "--max-total-tokens", "4096", "--graceful-shutdown-s", "4", "--log-level", "warning"]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
