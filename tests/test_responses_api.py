@@ -1,0 +1,260 @@
+"""POST /v1/responses through the official `openai` client and the OpenAI Agents SDK (both its
+Chat Completions and its Responses model classes) against a real server on the default model:
+plain and streamed responses, the tool round trip (previous_response_id and explicit items),
+text.format json_schema, the 400s; every raw event and response is checked against the `openai`
+package's own pydantic types, strictly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel, ConfigDict, TypeAdapter
+
+from forklm.server.responses_store import ResponseStore
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+CITY = {"type": "string", "enum": ["Paris", "Tokyo"]}  # short, so a forced call ends quickly
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": CITY},
+                          "required": ["city"], "additionalProperties": False}, "strict": True}
+TOOL_RESULT = "sunny and 31 degrees, reading R-4417"  # a marker to find in the next prompt
+_EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+@pytest.fixture(scope="module")
+def client(live_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def prompts(live_server, monkeypatch) -> list[str]:
+    """The prompt text of every engine call the server prepares while the test runs."""
+    engine, seen = live_server.engine, []
+    prepare = engine.prepare
+
+    def recording(**call):
+        seen.append(call.get("prompt"))
+        return prepare(**call)
+
+    monkeypatch.setattr(engine, "prepare", recording)
+    return seen
+
+
+def post(live_server, **body) -> httpx.Response:
+    return httpx.post(live_server.base_url + "/v1/responses", json={"model": MODEL, **body},
+                      timeout=60)
+
+
+def strict(raw: dict) -> Response:
+    """The response as the openai package's own model, validated (the client only constructs)."""
+    return Response.model_validate(raw)
+
+
+def raw_events(live_server, **body) -> list:
+    """A streamed response's frames, each validated as a ResponseStreamEvent."""
+    events, names = [], []
+    with httpx.stream("POST", live_server.base_url + "/v1/responses", timeout=60,
+                      json={"model": MODEL, "stream": True, **body}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                names.append(line.removeprefix("event: "))
+            elif line.startswith("data: "):
+                events.append(_EVENTS.validate_python(json.loads(line.removeprefix("data: "))))
+    assert names == [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+def test_plain_response_is_the_chat_completion(client, live_server):
+    kwargs = dict(model=MODEL, max_output_tokens=8, temperature=0)
+    raw = client.responses.with_raw_response.create(
+        input="Name a fruit.", instructions="Answer briefly.", **kwargs).parse()
+    chat = client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0, messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Name a fruit."}])
+    assert raw.output_text == chat.choices[0].message.content
+    assert raw.usage.input_tokens == chat.usage.prompt_tokens
+    assert raw.usage.output_tokens == chat.usage.completion_tokens == 8
+    assert raw.status == "incomplete" and raw.incomplete_details.reason == "max_output_tokens"
+    again = strict(post(live_server, input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "Name a fruit."}]}], instructions="Answer briefly.",
+        max_output_tokens=8, temperature=0).json())
+    assert again.output_text == raw.output_text and again.id != raw.id
+
+
+def test_streamed_response_events(client, live_server):
+    whole = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=6,
+                                    temperature=0)
+    events = raw_events(live_server, input="Say hello.", max_output_tokens=6, temperature=0)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) >= 2 and "".join(deltas) == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text and final.usage.output_tokens == 6
+
+
+def test_tool_round_trip(client, live_server, prompts):
+    first = client.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                    tools=[WEATHER], tool_choice="required", temperature=0,
+                                    max_output_tokens=40)
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}
+    chained = client.responses.create(model=MODEL, previous_response_id=first.id,
+                                      input=[result], tools=[WEATHER], temperature=0,
+                                      max_output_tokens=6, tool_choice="none")
+    explicit = client.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=6, tool_choice="none", tools=[WEATHER],
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               call.model_dump(exclude_none=True), result])
+    assert prompts[1] == prompts[2]  # the stored conversation is the explicit one
+    assert TOOL_RESULT in prompts[1] and call.arguments.replace(" ", "") in \
+        prompts[1].replace(" ", "")
+    assert chained.output_text == explicit.output_text
+    assert chained.previous_response_id == first.id
+
+
+def test_streamed_tool_call_events(live_server):
+    events = raw_events(live_server, input="Weather in Tokyo?", tools=[WEATHER],
+                        tool_choice={"type": "function", "name": "get_weather"},
+                        temperature=0, max_output_tokens=30)
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert "".join(deltas) == done.arguments
+    assert json.loads(done.arguments) in ({"city": "Paris"}, {"city": "Tokyo"})
+    [item] = events[-1].response.output
+    assert item.type == "function_call" and item.arguments == done.arguments
+    assert events[-1].type == "response.completed" and item.status == "completed"
+
+
+class Pick(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    city: Literal["Paris", "Tokyo"]
+    sunny: bool
+
+
+def test_json_schema_text_format(client):
+    """The SDK's stream helper with a pydantic text_format: it sends text.format json_schema,
+    and parses the final text into the model."""
+    with client.responses.stream(model=MODEL, input="Pick a city.", temperature=0,
+                                 max_output_tokens=40, text_format=Pick) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert isinstance(final.output_parsed, Pick) and final.output_text == text
+    assert final.status == "completed" and final.text.format.type == "json_schema"
+    assert final.text.format.schema_["required"] == ["city", "sunny"]
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input.0.message.content", "text only"),
+    ({"input": [{"type": "computer_call", "id": "c"}]}, "input.0", "not supported"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}]},
+     "input", "--reasoning-parser"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "nothing to answer"),
+    ({"input": "hi", "background": True}, "background", "not supported"),
+    ({"input": "hi", "include": ["file_search_call.results"]}, "include", "not supported"),
+    ({"input": "hi", "truncation": "auto"}, "truncation", "not supported"),
+    ({"input": "hi", "conversation": "conv_1"}, "conversation", "not supported"),
+    ({"input": "hi", "max_output_tokenz": 3}, "max_output_tokenz", "Extra inputs"),
+    ({"input": [{"role": "user", "content": "x"}] * 1025}, "input", "at most 1024"),
+    ({"input": "hi", "tools": [WEATHER] * 129}, "tools", "at most 128"),
+    ({"input": []}, "input", "at least one item"),
+    ({"input": "hi", "model": "gpt-4o"}, "model", "does not exist"),
+])
+def test_unsupported_is_a_clear_400(live_server, body, param, says):
+    r = post(live_server, **body)
+    assert r.status_code in (400, 404), r.text
+    error = r.json()["error"]
+    assert error["param"].replace("list[...].", "").startswith(param), error
+    assert says in error["message"], error
+
+
+def test_previous_response_not_found(live_server):
+    unstored = post(live_server, input="hi", store=False, max_output_tokens=1).json()
+    for missing in ("resp_nope", unstored["id"]):
+        r = post(live_server, input="hi", previous_response_id=missing)
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "previous_response_not_found"
+        assert missing in r.json()["error"]["message"]
+
+
+def test_store_is_bounded_lru():
+    from forklm.server.responses_protocol import MessageItem
+
+    def talk(text: str) -> tuple:
+        return (MessageItem(role="user", content=text),)
+
+    store = ResponseStore(max_responses=2, max_chars=10)
+    store.put("a", talk("1234"))
+    store.put("b", talk("5678"))
+    assert store.get("a") is not None  # now the most recently used
+    store.put("c", talk("9"))
+    assert store.get("b") is None and len(store) == 2  # count bound: b was least recent
+    store.put("d", talk("abcdefg"))  # 4 + 1 + 7 chars > 10: the oldest go
+    assert store.get("a") is None and store.get("c") is not None and store.num_chars == 8
+    store.put("huge", talk("x" * 11))  # over the whole budget: not stored, nothing evicted
+    assert store.get("huge") is None and len(store) == 2
+
+
+# -- the OpenAI Agents SDK -----------------------------------------------------------------------
+class Report(BaseModel):
+    city: Literal["Paris", "Tokyo"]
+    sunny: bool
+
+
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_agents_sdk_runs_a_tool(live_server, prompts, api):
+    """An Agent with a function tool, run to its end: the first turn is forced to call the tool
+    (a tiny model would not choose to); the SDK runs it, resets tool_choice and sends the
+    result back. The Responses model runs streamed (the SDK reads the typed events) with a
+    structured output_type, so its last turn ends by itself (the SDK fails an incomplete one)."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    ran: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Tokyo"]) -> str:
+        """Weather in a city."""
+        ran.append(city)
+        return TOOL_RESULT
+
+    client = openai.AsyncOpenAI(base_url=live_server.base_url + "/v1", api_key="unused",
+                                max_retries=0)
+    model_class = (agents.OpenAIChatCompletionsModel if api == "chat_completions"
+                   else agents.OpenAIResponsesModel)
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the weather.", tools=[get_weather],
+        model=model_class(model=MODEL, openai_client=client),
+        output_type=Report if api == "responses" else None,
+        model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0,
+                                            max_tokens=12 if api == "chat_completions" else 40))
+
+    async def run():
+        if api == "chat_completions":
+            return await agents.Runner.run(agent, "Weather in Paris?", max_turns=2)
+        streamed = agents.Runner.run_streamed(agent, "Weather in Paris?", max_turns=2)
+        kinds = {e.type async for e in streamed.stream_events()}
+        assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+        return streamed
+
+    result = asyncio.run(run())
+    assert ran and ran[0] in ("Paris", "Tokyo")
+    assert len(prompts) == 2 and TOOL_RESULT not in prompts[0] and TOOL_RESULT in prompts[1]
+    assert isinstance(result.final_output, Report if api == "responses" else str)
