@@ -77,7 +77,7 @@ class SamplingParams:
     # token id (int or decimal str) -> added to its logit before sampling, in [-100, 100]
     # (OpenAI's range: +-100 is in effect a ban or a forced choice); stored with int keys.
     logit_bias: Mapping[int, float] | None = None
-    # Carried to the result untouched: forklm runs no custom logit processors that would read it.
+    # SGLang's per-request data for custom logit processors: kept, but forklm runs none.
     custom_params: Mapping[str, Any] | None = None
     stream_interval: int | None = None  # native streams send a chunk per this many tokens
     # Constrained decoding, at most one of: the output fully matches `regex`; is JSON valid under
