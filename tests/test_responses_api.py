@@ -76,8 +76,9 @@ def raw_events(live_server, **body) -> list:
 
 def test_plain_response_is_the_chat_completion(client, live_server):
     kwargs = dict(model=MODEL, max_output_tokens=8, temperature=0)
-    raw = client.responses.with_raw_response.create(
-        input="Name a fruit.", instructions="Answer briefly.", **kwargs).parse()
+    http = client.responses.with_raw_response.create(
+        input="Name a fruit.", instructions="Answer briefly.", **kwargs)
+    raw = http.parse()
     chat = client.chat.completions.create(
         model=MODEL, max_tokens=8, temperature=0, messages=[
             {"role": "system", "content": "Answer briefly."},
@@ -86,10 +87,7 @@ def test_plain_response_is_the_chat_completion(client, live_server):
     assert raw.usage.input_tokens == chat.usage.prompt_tokens
     assert raw.usage.output_tokens == chat.usage.completion_tokens == 8
     assert raw.status == "incomplete" and raw.incomplete_details.reason == "max_output_tokens"
-    again = strict(post(live_server, input=[{"role": "user", "content": [
-        {"type": "input_text", "text": "Name a fruit."}]}], instructions="Answer briefly.",
-        max_output_tokens=8, temperature=0).json())
-    assert again.output_text == raw.output_text and again.id != raw.id
+    assert strict(http.http_response.json()).output_text == raw.output_text
 
 
 def test_streamed_response_events(client, live_server):
@@ -211,6 +209,115 @@ def test_store_is_bounded_lru():
     assert store.get("a") is None and store.get("c") is not None and store.num_chars == 8
     store.put("huge", talk("x" * 11))  # over the whole budget: not stored, nothing evicted
     assert store.get("huge") is None and len(store) == 2
+
+
+# -- units: the output builder on model-native replies, items -> messages --------------------------
+HERMES_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+                '{"city": "Tokyo"}}\n</tool_call>')
+
+
+def built(plan, text: str, piece_len: int, reason: str = "stop"):
+    """`text` read in pieces of `piece_len` chars; the events (validated) and the output."""
+    from forklm.runtime.request import FinishReason
+    from forklm.runtime.results import GenerateOutput
+    from forklm.server.responses_output import OutputBuilder, Sequencer
+
+    builder = OutputBuilder(plan.reader(), Sequencer())
+    events = [e for i in range(0, len(text), piece_len) for e in builder.feed(text[i:i + piece_len])]
+    final = GenerateOutput("r", 0, "", [], FinishReason(reason), 3, 5, 0)
+    events += builder.finish(final)
+    return [_EVENTS.validate_python(e) for e in events], builder.output
+
+
+def weather_plan(**kw):
+    from forklm.server.parsers.tool_calls import get_tool_call_parser
+    from forklm.server.protocol import FunctionDef, Tool
+    from forklm.server.tools import ToolPlan
+
+    tool = Tool(function=FunctionDef(name="get_weather", parameters=WEATHER["parameters"]))
+    return ToolPlan("auto", (tool,), parser=get_tool_call_parser("hermes"), **kw)
+
+
+@pytest.mark.parametrize("piece_len", [1, 7, 1000])  # a tag split across pieces, or whole
+def test_builder_streams_parallel_hermes_calls(piece_len):
+    events, output = built(weather_plan(), HERMES_REPLY, piece_len)
+    assert [o["type"] for o in output] == ["message", "function_call", "function_call"]
+    assert output[0]["content"][0]["text"] == "Let me check."
+    assert [json.loads(o["arguments"]) for o in output[1:]] == [{"city": "Paris"},
+                                                                {"city": "Tokyo"}]
+    for index in (1, 2):
+        pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                  and e.output_index == index]
+        assert "".join(pieces) == output[index]["arguments"]
+        assert output[index]["status"] == "completed" and output[index]["call_id"]
+    if piece_len == 1:  # arguments stream as generated, not at the end
+        assert sum(e.type == "response.function_call_arguments.delta" for e in events) > 4
+    Response.model_validate({"id": "r", "object": "response", "created_at": 0, "model": MODEL,
+                             "output": output, "parallel_tool_calls": True,
+                             "tool_choice": "auto", "tools": []})
+
+
+def test_builder_single_call_reasoning_and_cut_replies():
+    from forklm.server.parsers.reasoning import get_reasoning_parser
+
+    _, output = built(weather_plan(parallel=False), HERMES_REPLY, 5)
+    assert [o["type"] for o in output] == ["message", "function_call"]
+    plan = weather_plan(reasoning=get_reasoning_parser("qwen3"))
+    _, output = built(plan, "<think>It is a weather question.</think>\n\n" + HERMES_REPLY[14:],
+                      3)
+    assert [o["type"] for o in output] == ["reasoning", "function_call", "function_call"]
+    assert output[0]["content"] == [{"type": "reasoning_text",
+                                     "text": "It is a weather question."}]
+    events, output = built(weather_plan(), HERMES_REPLY[:80], 4, reason="length")
+    assert output[-1]["type"] == "function_call" and output[-1]["status"] == "incomplete"
+    _, output = built(weather_plan(), "", 1)  # an empty reply is still one (empty) message
+    assert output == [{**output[0], "content": [{"type": "output_text", "text": "",
+                                                 "annotations": [], "logprobs": []}]}]
+
+
+def test_items_become_chat_messages():
+    from forklm.server.responses_convert import to_messages
+    from forklm.server.responses_protocol import ResponsesRequest
+
+    body = ResponsesRequest(model=MODEL, input=[
+        {"role": "developer", "content": [{"type": "input_text", "text": "Be "},
+                                          {"type": "input_text", "text": "brief."}]},
+        {"role": "user", "content": "Weather?"},
+        {"type": "message", "role": "assistant", "id": "m", "status": "completed", "content": [
+            {"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+        {"type": "reasoning", "id": "rs", "summary": [], "content": [{"type": "reasoning_text",
+                                                                       "text": "hm"}]},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": [
+            {"type": "input_text", "text": "rain"}]}])
+    messages = [m.model_dump(exclude_none=True) for m in to_messages("Sys.", tuple(body.input))]
+    assert [(m["role"], m.get("content")) for m in messages] == [
+        ("system", "Sys."), ("developer", "Be brief."), ("user", "Weather?"),
+        ("assistant", "Checking."), ("tool", "sunny"), ("tool", "rain")]
+    assert [c["id"] for c in messages[3]["tool_calls"]] == ["c1", "c2"]
+    assert [m.get("tool_call_id") for m in messages[4:]] == ["c1", "c2"]
+
+
+def test_request_becomes_chat_request():
+    from forklm.server.responses_convert import input_items, to_chat_request
+    from forklm.server.responses_protocol import ResponsesRequest
+
+    def chat(**body):
+        request = ResponsesRequest(model=MODEL, input="hi", **body)
+        return to_chat_request(request, input_items(request))
+
+    out = chat(text={"format": {"type": "json_object"}}, max_output_tokens=5, top_p=0.5,
+               tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+               parallel_tool_calls=False)
+    assert out.response_format is None  # a forced call is no text reply: no text format
+    assert out.tool_choice.function.name == "get_weather" and out.tools[0].function.strict
+    assert (out.max_completion_tokens, out.top_p, out.parallel_tool_calls) == (5, 0.5, False)
+    assert chat(text={"format": {"type": "json_object"}}).response_format.type == "json_object"
+    fmt = chat(text={"format": {"type": "json_schema", "name": "x", "schema": CITY}})
+    assert fmt.response_format.json_schema.schema_ == CITY
 
 
 # -- the OpenAI Agents SDK -----------------------------------------------------------------------
