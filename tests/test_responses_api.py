@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from forklm.server.responses_store import ResponseStore
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow  # the tests on the live server (the units run in test-fast too)
 MODEL = "SmolLM2-135M-Instruct"
 CITY = {"type": "string", "enum": ["Paris", "Tokyo"]}  # short, so a forced call ends quickly
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
@@ -74,6 +74,7 @@ def raw_events(live_server, **body) -> list:
     return events
 
 
+@slow
 def test_plain_response_is_the_chat_completion(client, live_server):
     kwargs = dict(model=MODEL, max_output_tokens=8, temperature=0)
     http = client.responses.with_raw_response.create(
@@ -90,6 +91,7 @@ def test_plain_response_is_the_chat_completion(client, live_server):
     assert strict(http.http_response.json()).output_text == raw.output_text
 
 
+@slow
 def test_streamed_response_events(client, live_server):
     whole = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=6,
                                     temperature=0)
@@ -105,6 +107,7 @@ def test_streamed_response_events(client, live_server):
     assert final.output_text == whole.output_text and final.usage.output_tokens == 6
 
 
+@slow
 def test_tool_round_trip(client, live_server, prompts):
     first = client.responses.create(model=MODEL, input="What is the weather in Paris?",
                                     tools=[WEATHER], tool_choice="required", temperature=0,
@@ -127,6 +130,7 @@ def test_tool_round_trip(client, live_server, prompts):
     assert chained.previous_response_id == first.id
 
 
+@slow
 def test_streamed_tool_call_events(live_server):
     events = raw_events(live_server, input="Weather in Tokyo?", tools=[WEATHER],
                         tool_choice={"type": "function", "name": "get_weather"},
@@ -146,6 +150,7 @@ class Pick(BaseModel):
     sunny: bool
 
 
+@slow
 def test_json_schema_text_format(client):
     """The SDK's stream helper with a pydantic text_format: it sends text.format json_schema,
     and parses the final text into the model."""
@@ -158,6 +163,7 @@ def test_json_schema_text_format(client):
     assert final.text.format.schema_["required"] == ["city", "sunny"]
 
 
+@slow
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
@@ -184,6 +190,7 @@ def test_unsupported_is_a_clear_400(live_server, body, param, says):
     assert says in error["message"], error
 
 
+@slow
 def test_previous_response_not_found(live_server):
     unstored = post(live_server, input="hi", store=False, max_output_tokens=1).json()
     for missing in ("resp_nope", unstored["id"]):
@@ -326,13 +333,15 @@ class Report(BaseModel):
     sunny: bool
 
 
+@slow
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
 def test_agents_sdk_runs_a_tool(live_server, prompts, api):
     """An Agent with a function tool, run to its end: the first turn is forced to call the tool
     (a tiny model would not choose to); the SDK runs it, resets tool_choice and sends the
     result back. The Responses model runs streamed (the SDK reads the typed events) with a
     structured output_type, so its last turn ends by itself (the SDK fails an incomplete one)."""
-    agents = pytest.importorskip("agents")
+    import agents  # a dev dependency; imported here as it takes ~2 s
+
     agents.set_tracing_disabled(True)
     ran: list[str] = []
 
