@@ -1,42 +1,29 @@
 """Tool calls and reasoning through a real server on a tiny random model whose tokenizer has a
-hermes-style chat template (written here) and `<tool_call>` tokens: forced and auto calls in the
+hermes-style chat template (benchmarks/auto_tool_calls.py's) and `<tool_call>` tokens: forced and auto calls in the
 model's own format, streamed deltas that reassemble to the non-streamed reply, a forced call cut
 off by max_tokens (finish_reason "length"), parallel_tool_calls, reasoning_content."""
 
 from __future__ import annotations
 
 import json
+import pathlib
+import sys
 
 import httpx
 import jsonschema
 import pytest
 from conftest import serve_in_thread
-from tiny_models import build_tiny_model
 
 from forklm.runtime.engine import Engine
+from forklm.server.parsers.tool_calls import HermesParser
+from forklm.server.protocol import ChatCompletionRequest
+from forklm.server.tools import ToolPlan
 
-HERMES_TEMPLATE = (
-    # Tools by name only: the tiny model's context is 256 tokens.
-    "{%- if tools %}<|im_start|>system\n<tools>"
-    "{%- for t in tools %} {{ t.function.name }}{%- endfor %}</tools> Call one as <tool_call>\n"
-    '{"name": <name>, "arguments": <args>}\n</tool_call><|im_end|>\n{%- endif %}'
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
-    "{%- for c in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
-    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
-    "</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}},
-    "required": ["tz"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
+# benchmarks/ is a folder of the repository, not part of the installed package.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.auto_tool_calls import TOOLS, build_hermes_model  # noqa: E402
+
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -45,14 +32,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 def tiny(tmp_path_factory, tokenizer):
     """(server, reasoning server, the <tool_call> token id): two servers on one engine, both
     with the hermes parser detected from the template, the second with deepseek-r1 reasoning."""
-    tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
-    tok.chat_template = HERMES_TEMPLATE
     folder = tmp_path_factory.mktemp("tiny_hermes")
-    build_tiny_model("qwen2", folder, tok)
+    tool_call_id = build_hermes_model(folder, tokenizer)
     engine = Engine(model_path=str(folder), dtype="float32", max_total_tokens=4096)
     servers = serve_in_thread(engine), serve_in_thread(engine, reasoning_parser="deepseek-r1")
-    yield *servers, tok.convert_tokens_to_ids("<tool_call>")
+    yield *servers, tool_call_id
     for server in servers:
         server.stop()
     engine.shutdown()
@@ -166,3 +150,16 @@ def test_auto_plain_reply_and_reasoning(tiny):
     same_reply(streamed, out["message"])
     raw = chat(server, tools=TOOLS, max_tokens=12, separate_reasoning=False)["choices"][0]
     assert raw["message"] == {"role": "assistant", "content": text}
+
+
+def test_auto_tool_calls_benchmark_counts(tiny):
+    """benchmarks/auto_tool_calls.py's measure: constrained, every closed call validates."""
+    from benchmarks.auto_tool_calls import measure
+
+    server, _, tool_call_id = tiny
+    plan = ToolPlan("auto", tuple(ChatCompletionRequest(model="m", messages=ASK,
+                                                        tools=TOOLS).tools or ()),
+                    parser=HermesParser())
+    r = measure(server.engine, plan, True, {tool_call_id: 100.0}, 3)
+    assert r["replies"] == r["opened"] == r["called"] == 3
+    assert r["validated"] == r["parsed"] == r["calls"] - r["cut"] > 0
