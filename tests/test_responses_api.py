@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
+import sys
 from typing import Literal
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import serve_in_thread
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
+from forklm.runtime.engine import Engine
 from forklm.server.responses_store import ResponseStore
 
 slow = pytest.mark.slow  # the tests on the live server (the units run in test-fast too)
@@ -216,6 +220,50 @@ def test_store_is_bounded_lru():
     assert store.get("a") is None and store.get("c") is not None and store.num_chars == 8
     store.put("huge", talk("x" * 11))  # over the whole budget: not stored, nothing evicted
     assert store.get("huge") is None and len(store) == 2
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tmp_path_factory, tokenizer):
+    """A server on a tiny random Qwen2 whose template renders tools and tool turns in the hermes
+    format (benchmarks/auto_tool_calls.py's), with the deepseek-r1 reasoning parser."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from benchmarks.auto_tool_calls import build_hermes_model
+
+    folder = tmp_path_factory.mktemp("tiny_hermes_responses")
+    build_hermes_model(folder, tokenizer)
+    engine = Engine(model_path=str(folder), dtype="float32", max_total_tokens=2048)
+    server = serve_in_thread(engine, reasoning_parser="deepseek-r1")
+    yield server
+    server.stop()
+    engine.shutdown()
+
+
+@slow
+def test_native_template_tool_turns_and_reasoning_items(hermes_server, monkeypatch):
+    """The tool round trip through the model's own template (calls and results in its hermes
+    shape), a reply read as a reasoning item (streamed), and reasoning items carried over."""
+    engine, seen = hermes_server.engine, []
+    prepare = engine.prepare
+    monkeypatch.setattr(engine, "prepare", lambda **call: seen.append(call["prompt"])
+                        or prepare(**call))
+    first = strict(post(hermes_server, model="default", input="Weather?", tools=[WEATHER],
+                        tool_choice={"type": "function", "name": "get_weather"},
+                        temperature=0, max_output_tokens=48).json())
+    [call] = first.output
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    events = raw_events(hermes_server, model="default", previous_response_id=first.id,
+                        tools=[WEATHER],
+                        input=[{"type": "function_call_output", "call_id": call.call_id,
+                                "output": TOOL_RESULT}], temperature=0, max_output_tokens=8)
+    assert f"<tool_response>\n{TOOL_RESULT}\n</tool_response>" in seen[1]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": ' in seen[1]
+    reply = events[-1].response
+    assert reply.output[0].type == "reasoning" and reply.output[0].content[0].text
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == reply.output[0].content[0].text
+    follow = post(hermes_server, model="default", previous_response_id=reply.id, input="Ok.",
+                  max_output_tokens=1)  # the stored reasoning item is taken back
+    assert follow.status_code == 200, follow.text
 
 
 # -- units: the output builder on model-native replies, items -> messages --------------------------
