@@ -9,6 +9,7 @@ import json
 import pytest
 
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.server.config import ServerConfig
 from forklm.server.parsers.reasoning import get_reasoning_parser
 from forklm.server.parsers.tool_calls import (
     StreamDelta,
@@ -113,6 +114,11 @@ def test_registry_and_detection():
     assert detect_tool_call_parser("{{ '[TOOL_CALLS] ' }}") == "mistral"
     assert detect_tool_call_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert detect_tool_call_parser(None) is None
+    for field in ("tool_call_parser", "reasoning_parser"):
+        with pytest.raises(InvalidArgumentError, match="expected one of") as e:
+            ServerConfig(**{field: "nope"})
+        assert e.value.name == field
+    assert ServerConfig(tool_call_parser="mistral", reasoning_parser="qwen3").reasoning_parser
 
 
 THINKING = "<think>\nFirst, the city.\nThen the unit.\n</think>\n\nIt is 20 C."

@@ -24,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.auto_tool_calls import TOOLS, build_hermes_model  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a live server, like test_server_openai
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 

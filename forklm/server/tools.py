@@ -23,6 +23,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling_checks import MAX_STRUCTURES
+from forklm.server.parsers.generic import (
+    ArgumentsStream,
+    CallStream,
+    HeldJsonStream,
+    PlainStream,
+)
 from forklm.server.parsers.reasoning import (
     ReasoningParser,
     ReasoningStream,
@@ -35,11 +41,9 @@ from forklm.server.parsers.tool_calls import (
     ToolCall,
     ToolCallDelta,
     ToolCallParser,
-    ToolCallStream,
     assemble,
     detect_tool_call_parser,
     get_tool_call_parser,
-    new_call_id,
 )
 from forklm.server.protocol import ChatCompletionRequest, Tool
 
@@ -121,17 +125,17 @@ class ToolPlan:
         reasoning = self.reasoning.stream(self.opened) if self.reasoning else None
         return ReplyStream(self, reasoning, self._call_stream())
 
-    def _call_stream(self) -> _CallStream:
+    def _call_stream(self) -> CallStream:
         if self.mode == "none":
-            return _PlainStream()
+            return PlainStream()
         if self.mode == "named":
             assert self.named is not None
-            return _ArgumentsStream(self.named)
+            return ArgumentsStream(self.named)
         if self.mode == "required":
             return JsonParser().stream()
         if self.parser is not None:
             return self.parser.stream()
-        return _HeldStream(self.names)
+        return HeldJsonStream(self.names)
 
     def _tool(self, name: str | None) -> Tool:
         return next(t for t in self.tools if t.function.name == name)
@@ -213,7 +217,7 @@ class ReplyStream:
     `complete[i]` (final after finish) tells whether call i was closed before the text ended.
     Reasoning is split off first; the calls are read from the rest."""
 
-    def __init__(self, plan: ToolPlan, reasoning: ReasoningStream | None, calls: _CallStream):
+    def __init__(self, plan: ToolPlan, reasoning: ReasoningStream | None, calls: CallStream):
         self.plan, self.reasoning, self.calls = plan, reasoning, calls
 
     @property
@@ -242,79 +246,9 @@ class ReplyStream:
         return ReplyDelta(reasoning, delta.content, calls)
 
 
-class _PlainStream:
-    """No tools: every piece is content."""
-
-    def __init__(self) -> None:
-        self.complete: list[bool] = []
-
-    def feed(self, text: str) -> StreamDelta:
-        return StreamDelta(text, [])
-
-    def finish(self) -> StreamDelta:
-        return StreamDelta("", [])
-
-
-class _ArgumentsStream:
-    """A named tool forced: the whole reply is its arguments (a JSON schema constrains it)."""
-
-    def __init__(self, name: str):
-        self.name, self.text, self.complete = name, "", [False]
-
-    def feed(self, text: str) -> StreamDelta:
-        first = not self.text and bool(text)
-        self.text += text
-        if first:
-            return StreamDelta("", [ToolCallDelta(0, new_call_id(), self.name, text)])
-        return StreamDelta("", [ToolCallDelta(0, None, None, text)] if text else [])
-
-    def finish(self) -> StreamDelta:
-        self.complete = [_json_object(self.text) is not None]
-        if not self.text:  # nothing generated (max_tokens 0): still the forced call
-            return StreamDelta("", [ToolCallDelta(0, new_call_id(), self.name, "")])
-        return StreamDelta("", [])
-
-
-class _HeldStream:
-    """"auto" without a parser: only the whole reply tells whether it is a call, so it is held
-    until it ends."""
-
-    def __init__(self, names: frozenset[str]):
-        self.names, self.text, self.complete = names, "", list[bool]()
-
-    def feed(self, text: str) -> StreamDelta:
-        self.text += text
-        return StreamDelta("", [])
-
-    def finish(self) -> StreamDelta:
-        obj = _json_object(self.text)
-        if (obj is None or obj.get("name") not in self.names
-                or not isinstance(obj.get("arguments"), dict)):
-            return StreamDelta(self.text, [])
-        self.complete = [True]
-        args = json.dumps(obj["arguments"], ensure_ascii=False)
-        return StreamDelta("", [ToolCallDelta(0, new_call_id(), obj["name"], args)])
-
-
 def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters or _ANY_OBJECT
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
-    """The reply as one JSON object; a ```json fence around it (a common habit) is allowed."""
-    text = text.strip()
-    if text.startswith("```") and text.endswith("```") and len(text) >= 6:
-        text = text[3:-3].removeprefix("json").strip()
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
 def _shown(choice: Any) -> Any:
     return choice if isinstance(choice, str) else choice.model_dump()
-
-
-# The readers of a reply's calls: feed(text) and finish() -> StreamDelta, complete: list[bool].
-_CallStream = ToolCallStream | _PlainStream | _ArgumentsStream | _HeldStream
