@@ -98,6 +98,7 @@ class OutputBuilder:
         self._reasoning: int | None = None  # output index of the reasoning item
         self._message: int | None = None
         self._calls: dict[int, int] = {}  # call index in the reply -> output index
+        self._call_at: dict[int, int] = {}  # output index -> call index
         self._space = ""
 
     def feed(self, text: str) -> list[Event]:
@@ -113,7 +114,7 @@ class OutputBuilder:
         for index, item in enumerate(self.output):
             text = "".join(self._texts[index])
             if item["type"] == "function_call":
-                call = next(c for c, i in self._calls.items() if i == index)
+                call = self._call_at[index]
                 events += self._call_closed(index, text, call < len(complete) and complete[call])
             else:
                 events += self._part_closed(index, text, "incomplete" if cut else "completed")
@@ -165,7 +166,7 @@ class OutputBuilder:
             index, events = self._open(
                 {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
                  "call_id": piece.id or "", "name": piece.name or "", "arguments": ""})
-            self._calls[piece.index] = index
+            self._calls[piece.index], self._call_at[index] = index, piece.index
         index = self._calls[piece.index]
         if not piece.arguments:
             return events
