@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import serve_in_thread
+from conftest import assert_idle_and_clean, serve_in_thread, wait_until
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
@@ -422,3 +422,11 @@ def test_agents_sdk_runs_a_tool(live_server, prompts, api):
     assert ran and ran[0] in ("Paris", "Tokyo")
     assert len(prompts) == 2 and TOOL_RESULT not in prompts[0] and TOOL_RESULT in prompts[1]
     assert isinstance(result.final_output, Report if api == "responses" else str)
+
+
+@slow
+def test_engines_left_clean(live_server, hermes_server):
+    """After every response above (streamed, cut, forced, failed): no request left running."""
+    for engine in (live_server.engine, hermes_server.engine):
+        wait_until(lambda engine=engine: engine.stats()["running"] == 0)
+        assert_idle_and_clean(engine)
