@@ -192,3 +192,21 @@ def test_auto_without_parser_is_held_and_generic():
     (piece,) = reader.finish().calls
     assert piece.name == "get_time" and piece.arguments == "{}"
     assert plan(tools=TOOLS).reader().read('{"name": "nope", "arguments": {}}').content
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])
+def test_structural_tag_accepts_each_call_form_and_only_valid_arguments(name):
+    """The auto constraint (xgrammar) accepts a call written in each of the format's forms with
+    valid arguments, which the parser reads back, and rejects invalid arguments."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}]
+    p = plan(_Service(name), tools=tools)
+    grammar = xgrammar.Grammar.from_structural_tag(json.dumps(p.structural_tag()))
+    for s in p.parser.structures("get_time", {}):
+        text = s["begin"] + '{"tz": "UTC"}' + s["end"]
+        assert _is_grammar_accept_string(grammar, text), text
+        assert not _is_grammar_accept_string(grammar, s["begin"] + '{"tz": 5}' + s["end"])
+        assert calls_of(p.parser.parse(text)) == [("get_time", '{"tz": "UTC"}')]

@@ -90,15 +90,16 @@ class ToolPlan:
         """For "auto" in a model's format: free text until the model writes the format's
         trigger, then one tool's call with arguments valid by its schema (xgrammar's triggered
         tags; at most one call when parallel is off)."""
-        if self.mode != "auto" or self.parser is None or len(self.tools) > MAX_STRUCTURES:
+        if (self.mode != "auto" or self.parser is None
+                or len(self.tools) * len(self.parser.forms) > MAX_STRUCTURES):
             return None
         parser = self.parser
         tags = [{"type": "tag", "begin": s["begin"], "end": s["end"], "content": {
             "type": "json_schema", "json_schema": s["schema"],
-            "max_whitespace_cnt": _MAX_WHITESPACE}} for s in (
-                parser.structure(t.function.name, _parameters(t)) for t in self.tools)]
+            "max_whitespace_cnt": _MAX_WHITESPACE}}
+            for t in self.tools for s in parser.structures(t.function.name, _parameters(t))]
         return {"type": "structural_tag", "format": {
-            "type": "triggered_tags", "triggers": [parser.trigger], "tags": tags,
+            "type": "triggered_tags", "triggers": parser.triggers, "tags": tags,
             "stop_after_first": not self.parallel}}
 
     def system_prompt(self) -> str:
@@ -108,7 +109,7 @@ class ToolPlan:
                   "parameters": _parameters(t)} for t in self.tools]
         text = "You can call these tools:\n" + json.dumps(specs, indent=1)
         if self.mode == "auto" and self.parser is not None:
-            form = self.parser.structure("<tool name>", {})
+            form = self.parser.structures("<tool name>", {})[0]
             text += (f"\nTo call a tool, reply with {form['begin']}{{...}}{form['end']}; "
                      "otherwise answer normally.")
         elif self.mode == "auto":

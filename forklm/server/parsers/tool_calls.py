@@ -76,23 +76,26 @@ def new_call_id() -> str:
 class ToolCallParser:
     """A format: `opener` starts the calls (None: no tag), `bare_start` lets a reply that starts
     with `{` be calls, `special_tokens_in_text` says the opener is a special token that the text
-    must keep (skip_special_tokens=False), `trigger` and `structure` give the structural-tag
-    constraint of one tool's call (begin, schema, end) once the model opens a call."""
+    must keep (skip_special_tokens=False). `forms` are the ways a call is written, as (trigger,
+    text before the call object, text after its arguments): `triggers` and `structures` give
+    the structural-tag constraint of a tool's call once the model writes a trigger."""
 
     name = ""
     opener: str | None = None
     bare_start = False
     special_tokens_in_text = False
     args_key = "arguments"
+    forms: tuple[tuple[str, str, str], ...] = (('{"name": ', "", "}"),)
 
     @property
-    def trigger(self) -> str:
-        assert self.opener is not None, f"{self.name} has no trigger"
-        return self.opener
+    def triggers(self) -> list[str]:
+        return [trigger for trigger, _, _ in self.forms]
 
-    def structure(self, tool_name: str, schema: dict[str, Any]) -> dict[str, Any]:
-        begin = f'{self.trigger}{{"name": {json.dumps(tool_name)}, "{self.args_key}": '
-        return {"begin": begin, "schema": schema, "end": "}"}
+    def structures(self, tool_name: str, schema: dict[str, Any]) -> list[dict[str, Any]]:
+        """One {begin, schema, end} per form: the call's text up to its arguments, and after."""
+        head = f'{{"name": {json.dumps(tool_name)}, "{self.args_key}": '
+        return [{"begin": before + head, "schema": schema, "end": end}
+                for _, before, end in self.forms]
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
@@ -106,10 +109,7 @@ class ToolCallParser:
 class HermesParser(ToolCallParser):
     name = "hermes"
     opener = "<tool_call>"
-
-    def structure(self, tool_name: str, schema: dict[str, Any]) -> dict[str, Any]:
-        return {"begin": f'<tool_call>\n{{"name": {json.dumps(tool_name)}, "arguments": ',
-                "schema": schema, "end": "}\n</tool_call>"}
+    forms = (("<tool_call>", "<tool_call>\n", "}\n</tool_call>"),)
 
 
 class Llama3Parser(ToolCallParser):
@@ -118,16 +118,15 @@ class Llama3Parser(ToolCallParser):
     bare_start = True
     special_tokens_in_text = True
     args_key = "parameters"
+    # Llama 3.1+ writes JSON calls bare; <|python_tag|> is optional.
+    forms = (("<|python_tag|>", "<|python_tag|>", "}"), ('{"name": ', "", "}"))
 
 
 class MistralParser(ToolCallParser):
     name = "mistral"
     opener = "[TOOL_CALLS]"
     special_tokens_in_text = True
-
-    def structure(self, tool_name: str, schema: dict[str, Any]) -> dict[str, Any]:
-        return {"begin": f'[TOOL_CALLS] [{{"name": {json.dumps(tool_name)}, "arguments": ',
-                "schema": schema, "end": "}]"}
+    forms = (("[TOOL_CALLS]", "[TOOL_CALLS] [", "}]"),)
 
 
 class JsonParser(ToolCallParser):
