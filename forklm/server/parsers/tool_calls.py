@@ -3,8 +3,9 @@
 Formats (SGLang's names): `hermes` `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
 (Qwen2.5, Qwen3, Hermes, SmolLM3), `llama3` `{"name": ..., "parameters": ...}` with an optional
 `<|python_tag|>`, `;` between calls, `mistral` `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`,
-and `json`: bare `{"name": ..., "arguments": ...}` objects from the first character (forklm's own
-format for forced calls and templates without tools).
+and `json`: bare `{"name": ..., "arguments": ...}` objects from the first character (forklm's own,
+for tool_choice "required"). Content is the text before the first call; text between and after
+calls is dropped.
 
 Every parser reads text incrementally: `parser.stream()` gives a ToolCallStream whose
 `feed(text_delta)` returns what can be emitted so far (content, then ToolCallDelta pieces: a
