@@ -383,15 +383,20 @@ class Report(BaseModel):
 
 @slow
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
-def test_agents_sdk_runs_a_tool(live_server, prompts, api):
+def test_agents_sdk_runs_a_tool(live_server, prompts, monkeypatch, api):
     """An Agent with a function tool, run to its end: the first turn is forced to call the tool
     (a tiny model would not choose to); the SDK runs it, resets tool_choice and sends the
-    result back. The Responses model runs streamed (the SDK reads the typed events) with a
-    structured output_type, so its last turn ends by itself (the SDK fails an incomplete one)."""
+    result back. The Responses model runs streamed (the SDK reads the typed events), chained by
+    previous_response_id (the second request sends only the tool result), with a structured
+    output_type, so its last turn ends by itself (the SDK fails an incomplete one)."""
     import agents  # a dev dependency; imported here as it takes ~2 s
 
     agents.set_tracing_disabled(True)
     ran: list[str] = []
+    looked_up: list[str] = []  # the previous_response_ids the server resolved
+    get = ResponseStore.get
+    monkeypatch.setattr(ResponseStore, "get", lambda store, key: looked_up.append(key)
+                        or get(store, key))
 
     @agents.function_tool
     def get_weather(city: Literal["Paris", "Tokyo"]) -> str:
@@ -413,7 +418,8 @@ def test_agents_sdk_runs_a_tool(live_server, prompts, api):
     async def run():
         if api == "chat_completions":
             return await agents.Runner.run(agent, "Weather in Paris?", max_turns=2)
-        streamed = agents.Runner.run_streamed(agent, "Weather in Paris?", max_turns=2)
+        streamed = agents.Runner.run_streamed(agent, "Weather in Paris?", max_turns=2,
+                                              auto_previous_response_id=True)
         kinds = {e.type async for e in streamed.stream_events()}
         assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
         return streamed
@@ -421,6 +427,8 @@ def test_agents_sdk_runs_a_tool(live_server, prompts, api):
     result = asyncio.run(run())
     assert ran and ran[0] in ("Paris", "Tokyo")
     assert len(prompts) == 2 and TOOL_RESULT not in prompts[0] and TOOL_RESULT in prompts[1]
+    assert "Weather in Paris?" in prompts[1]  # from the stored conversation, when chained
+    assert len(looked_up) == (1 if api == "responses" else 0)
     assert isinstance(result.final_output, Report if api == "responses" else str)
 
 
