@@ -210,3 +210,21 @@ def test_structural_tag_accepts_each_call_form_and_only_valid_arguments(name):
         assert _is_grammar_accept_string(grammar, text), text
         assert not _is_grammar_accept_string(grammar, s["begin"] + '{"tz": 5}' + s["end"])
         assert calls_of(p.parser.parse(text)) == [("get_time", '{"tz": "UTC"}')]
+
+
+def test_auto_constraint_params():
+    """The sampling params the chat endpoint adds: a structural tag for auto in a model's
+    format (one call only without parallel calls), the special-token opener kept in the text,
+    nothing over the request's own constraint, a JSON schema for forced calls."""
+    from forklm.server.openai_api import _add_tool_constraint
+
+    params: dict = {}
+    _add_tool_constraint(params, plan(_Service("mistral"), tools=TOOLS, parallel_tool_calls=False))
+    assert params["skip_special_tokens"] is False
+    assert params["structural_tag"]["format"]["stop_after_first"] is True
+    params = {"skip_special_tokens": True, "json_schema": {"type": "object"}}
+    _add_tool_constraint(params, plan(_Service("llama3"), tools=TOOLS))
+    assert params == {"skip_special_tokens": True, "json_schema": {"type": "object"}}
+    params = {}
+    _add_tool_constraint(params, plan(_Service("hermes"), tools=TOOLS, tool_choice="required"))
+    assert set(params) == {"json_schema"}  # forced: the generic JSON call, whatever the format
