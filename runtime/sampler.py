@@ -120,12 +120,20 @@ def _add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> N
 
 
 def _mask_min_new_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Ban the stop ids of rows short of min_new_tokens, except in a row where they are all that
+    is left (a complete grammar that allows only its end): that row may stop."""
     pairs = [(i, t) for i, r in enumerate(rows)
              if len(r.output_ids) < r.sampling_params.min_new_tokens
              for t in r.min_tokens_stop_ids]
-    if pairs:
-        row_idx, tok_idx = torch.tensor(pairs, device=logits.device).unbind(1)
-        logits[row_idx, tok_idx] = float("-inf")
+    if not pairs:
+        return
+    row_idx, tok_idx = torch.tensor(pairs, device=logits.device).unbind(1)
+    saved = logits[row_idx, tok_idx]  # [P], a copy
+    logits[row_idx, tok_idx] = float("-inf")
+    dead = ~torch.isfinite(logits).any(dim=-1)  # [B]
+    if bool(dead.any()):
+        restore = dead[row_idx]
+        logits[row_idx[restore], tok_idx[restore]] = saved[restore]
 
 
 def _scale_by_temperature(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

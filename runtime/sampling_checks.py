@@ -33,8 +33,8 @@ def normalize_logit_bias(bias: object) -> dict[int, float] | None:
         if token_id is None:
             raise InvalidArgumentError("logit_bias", key, "keys must be token ids (ints >= 0)")
         if not (_is_number(value) and abs(value) <= MAX_ABS_LOGIT_BIAS):
-            raise InvalidArgumentError(f"logit_bias[{key}]", value,
-                                       "must be a number in [-100, 100]")
+            raise InvalidArgumentError("logit_bias", {key: value},
+                                       "biases must be numbers in [-100, 100]")
         out[token_id] = float(value)
     return out or None
 

@@ -202,3 +202,21 @@ def test_stop_regex_work_per_token_is_bounded(tokenizer, monkeypatch):
     assert matched is None and len(detok.text) > 7000
     assert max(searched) <= stop_regex.MAX_MATCH_LEN + 16
     assert len("".join(deltas)) >= len(detok.text) - stop_regex.MAX_MATCH_LEN - 16
+
+
+def test_spaces_between_special_tokens_reaches_the_tokenizer():
+    """Slow tokenizers honour it (fast ones ignore it, in SGLang too): it must reach decode."""
+    class Recording:
+        def __init__(self):
+            self.kwargs: list[dict] = []
+
+        def decode(self, ids, **kwargs):
+            self.kwargs.append(kwargs)
+            return "".join(chr(97 + i) for i in ids)
+
+    tok = Recording()
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=False,
+                                   spaces_between_special_tokens=False)
+    assert detok.add([0, 1]).delta == "ab"
+    assert all(k["spaces_between_special_tokens"] is False and k["skip_special_tokens"] is False
+               for k in tok.kwargs) and tok.kwargs

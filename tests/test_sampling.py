@@ -275,3 +275,13 @@ def test_logit_bias_is_added_per_row_in_one_batch():
 def test_bad_logit_bias_names_the_field(bias):
     with pytest.raises(InvalidArgumentError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+def test_min_new_tokens_lets_a_row_stop_when_nothing_else_is_allowed():
+    """A complete grammar may allow only EOS: that row stops; its neighbours keep the ban."""
+    logits = torch.full((2, 10), float("-inf"))
+    logits[0, 2] = 0.0  # the grammar's mask left only EOS
+    logits[1, 2], logits[1, 5] = 50.0, 0.0
+    params = SamplingParams(temperature=0, min_new_tokens=4, ignore_eos=True)
+    rows = [Row(params, min_tokens_stop_ids=[2]), Row(params, min_tokens_stop_ids=[2])]
+    assert sample(logits, rows).token_ids == [2, 5]

@@ -199,6 +199,19 @@ def test_openai_logit_bias_and_stop_regex(client, tokenizer):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and "aris" not in choice["text"]
     r = client.post("/v1/completions", json={**body, "logit_bias": {"1": 150}})
-    assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     r = client.post("/v1/completions", json={**body, "custom_logit_processor": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "custom_logit_processor"
+
+
+def test_openai_fields_map_onto_sampling_params():
+    from forklm.server.openai_convert import sampling_dict
+    from forklm.server.protocol import CompletionRequest
+
+    body = CompletionRequest(model=DEFAULT_MODEL, prompt="x", logit_bias={"3": -1.5},
+                             stop_regex=["a+b"], spaces_between_special_tokens=False,
+                             custom_params={"k": 1}, no_stop_trim=True)
+    params = SamplingParams.from_dict(sampling_dict(body, 8))
+    assert (params.logit_bias, params.stop_regex, params.custom_params) == (
+        {3: -1.5}, ["a+b"], {"k": 1})
+    assert params.spaces_between_special_tokens is False and params.no_stop_trim is True
