@@ -8,6 +8,11 @@ A random model never opens a call by itself, so a logit_bias on the `<tool_call>
 (the same bias in both runs); what follows the opener is the model's own, free or constrained.
 
 Run: `python -m benchmarks.auto_tool_calls [--num-prompts 24] [--bias 100]`
+
+Measured (24 prompts, temperature 0.8, 64 new tokens): with bias 100 every reply opens calls;
+unconstrained none is a call (0/24: free random text after the opener), constrained 24/24 are,
+39 calls of which the 26 closed before max_tokens all parse and validate (13 cut off). With bias
+4, one reply opens a call: unconstrained it is no call, constrained it is a valid one.
 """
 
 from __future__ import annotations
