@@ -228,3 +228,19 @@ def test_auto_constraint_params():
     params = {}
     _add_tool_constraint(params, plan(_Service("hermes"), tools=TOOLS, tool_choice="required"))
     assert set(params) == {"json_schema"}  # forced: the generic JSON call, whatever the format
+
+
+@pytest.mark.parametrize("text,name", [("", "get_time"), ('{"na', None), ('{"name": "get_t', "get_time"),
+                                       ('{"name": "get_weather", "argu', "get_weather"),
+                                       ('{"name": "get_', None)])
+def test_required_call_cut_off_before_its_name(text, name):
+    """A "required" reply cut off early is still a call when only one tool's name fits."""
+    tools = TOOLS if name != "get_time" or text else TOOLS[1:]
+    reader = plan(tools=tools, tool_choice="required").reader()
+    reply = reader.read(text)
+    calls = whole_calls(reply, reader.complete)
+    if name is None:
+        assert calls == [] and reply.content == text
+    else:
+        assert [(c.name, c.arguments, c.complete) for c in calls] == [(name, "", False)]
+        assert reply.content == ""

@@ -28,6 +28,7 @@ from forklm.server.parsers.generic import (
     CallStream,
     HeldJsonStream,
     PlainStream,
+    RequiredStream,
 )
 from forklm.server.parsers.reasoning import (
     ReasoningParser,
@@ -36,7 +37,6 @@ from forklm.server.parsers.reasoning import (
     prompt_opens_think,
 )
 from forklm.server.parsers.tool_calls import (
-    JsonParser,
     StreamDelta,
     ToolCall,
     ToolCallDelta,
@@ -133,7 +133,7 @@ class ToolPlan:
             assert self.named is not None
             return ArgumentsStream(self.named)
         if self.mode == "required":
-            return JsonParser().stream()
+            return RequiredStream(self.names)
         if self.parser is not None:
             return self.parser.stream()
         return HeldJsonStream(self.names)

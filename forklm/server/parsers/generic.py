@@ -8,7 +8,15 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from forklm.server.parsers.tool_calls import StreamDelta, ToolCallDelta, new_call_id
+from forklm.server.parsers.tool_calls import (
+    JsonParser,
+    StreamDelta,
+    ToolCallDelta,
+    ToolCallStream,
+    new_call_id,
+)
+
+_HEAD = '{"name": "'  # how a "required" call starts (its schema compiles compact JSON)
 
 
 class CallStream(Protocol):
@@ -74,6 +82,32 @@ class HeldJsonStream:
         self.complete = [True]
         args = json.dumps(obj["arguments"], ensure_ascii=False)
         return StreamDelta("", [ToolCallDelta(0, new_call_id(), obj["name"], args)])
+
+
+class RequiredStream:
+    """tool_choice "required": a bare JSON call (JsonParser), and a reply cut off before its
+    name was complete is still the call of the one tool whose name it can only be."""
+
+    def __init__(self, names: frozenset[str]):
+        self.names, self.text = names, ""
+        self.inner: ToolCallStream = JsonParser().stream()
+        self.complete = self.inner.complete  # the same list, filled by the inner stream
+
+    def feed(self, text: str) -> StreamDelta:
+        self.text += text
+        return self.inner.feed(text)
+
+    def finish(self) -> StreamDelta:
+        delta = self.inner.finish()
+        text = self.text.strip()
+        if self.inner.ids or not (_HEAD.startswith(text) or text.startswith(_HEAD)):
+            return delta
+        typed, *closed = text[len(_HEAD):].split('"', 1)  # the name so far ("" before it)
+        names = [n for n in self.names if (n == typed if closed else n.startswith(typed))]
+        if len(names) != 1:
+            return delta
+        self.inner.complete.append(False)
+        return StreamDelta("", [ToolCallDelta(0, new_call_id(), names[0], "")])
 
 
 def json_object(text: str) -> dict[str, Any] | None:
