@@ -44,7 +44,7 @@ def _token_id(key: object) -> int | None:
         return None
     if isinstance(key, int):
         return key if key >= 0 else None
-    if isinstance(key, str) and key.isascii() and key.isdigit():
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12:
         return int(key)
     return None
 
@@ -61,7 +61,7 @@ def normalize_structural_tag(tag: object) -> str | None:
     text = tag if isinstance(tag, str) else _dumps(tag)
     try:
         obj = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested beyond Python's stack
         raise InvalidArgumentError("structural_tag", _short(text), f"not valid JSON: {e}") from e
     if not isinstance(obj, dict) or obj.get("type", "structural_tag") != "structural_tag":
         raise InvalidArgumentError("structural_tag", _short(text),

@@ -334,6 +334,8 @@ def test_structural_tag_shapes_are_checked():
         SamplingParams(structural_tag={**WEATHER_TAG, "triggers": ["<call>"]})
     with pytest.raises(ValueError, match="only one of"):
         SamplingParams(structural_tag=WEATHER_TAG, regex="a")
+    with pytest.raises(ValueError, match="structural_tag=.*not valid JSON"):
+        SamplingParams(structural_tag="[" * 100_000)
     spec = SamplingParams(structural_tag=WEATHER_TAG).constraint
     assert spec is not None and spec.kind == "structural_tag"
     assert json.loads(spec.spec) == WEATHER_TAG

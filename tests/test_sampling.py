@@ -271,7 +271,7 @@ def test_logit_bias_is_added_per_row_in_one_batch():
 
 
 @pytest.mark.parametrize("bias", [{"7": 101}, {"-1": 1.0}, {"x": 1.0}, {True: 1.0}, {"7": "1"},
-                                  {"7": math.inf}, [1, 2]])
+                                  {"7": math.inf}, [1, 2], {"1" * 5000: 1.0}])
 def test_bad_logit_bias_names_the_field(bias):
     with pytest.raises(InvalidArgumentError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
