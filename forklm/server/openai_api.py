@@ -4,6 +4,7 @@ A request's prompts and its n samples are one engine call; choice i is the call'
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -93,15 +94,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     conv.check_model(service, body)
     if body.top_logprobs and not body.logprobs:
         raise InvalidArgumentError("top_logprobs", body.top_logprobs, "needs logprobs=true")
-    plan = plan_tools(body, service)
-    prompt = await _chat_prompt(service, body, plan)
-    plan = plan.with_prompt(prompt)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    params = conv.sampling_dict(body, max_tokens if max_tokens is not None
-                                else service.engine.model_info.context_len)
-    _add_tool_constraint(params, plan)
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    group = _prepare(service, body, prompt, params, top)
+    group, plan = await prepare_chat(service, body, plan_tools(body, service))
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": body.model}
     if body.stream:
@@ -113,6 +106,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     choices = [{"index": i, **_chat_choice(r.text, r, plan, service.engine.tokenizer)}
                for i, r in enumerate(results)]
     return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
+
+
+async def prepare_chat(service: GenerationService, body: ChatCompletionRequest,
+                       plan: ToolPlan) -> tuple[RequestGroup, ToolPlan]:
+    """The engine call of a chat request (also the Responses API's) and the plan that reads its
+    replies. Rendering and tokenizing run in a worker thread: both grow with the request."""
+    prompt = await _chat_prompt(service, body, plan)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    params = conv.sampling_dict(body, max_tokens if max_tokens is not None
+                                else service.engine.model_info.context_len)
+    _add_tool_constraint(params, plan)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    group = await asyncio.to_thread(_prepare, service, body, prompt, params, top)
+    return group, plan.with_prompt(prompt)
 
 
 async def _chat_prompt(service: GenerationService, body: ChatCompletionRequest,

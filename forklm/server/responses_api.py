@@ -5,7 +5,6 @@ reads a bounded in-memory store (responses_store)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -16,13 +15,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.intake import RequestGroup
 from forklm.server import openai_convert as conv
 from forklm.server.errors import ApiError, error_body
-from forklm.server.generation import ChunkStream, GenerationService
+from forklm.server.generation import ChunkStream
 from forklm.server.native_api import service_of
-from forklm.server.openai_api import _add_tool_constraint, _chat_prompt
-from forklm.server.protocol import ChatCompletionRequest
+from forklm.server.openai_api import prepare_chat
 from forklm.server.responses_convert import input_items, item_of, to_chat_request
 from forklm.server.responses_output import (
     TERMINAL_EVENTS,
@@ -35,7 +32,7 @@ from forklm.server.responses_output import (
 )
 from forklm.server.responses_protocol import Item, ReasoningItem, ResponsesRequest
 from forklm.server.responses_store import ResponseStore
-from forklm.server.tools import ToolPlan, plan_tools
+from forklm.server.tools import plan_tools
 
 router = APIRouter(prefix="/v1")
 
@@ -54,7 +51,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     if plan.reasoning is None and any(isinstance(i, ReasoningItem) for i in items):
         raise InvalidArgumentError("input", "reasoning", "reasoning items need a server "
                                    "started with --reasoning-parser")
-    group, plan = await _prepare(service, chat, plan)
+    group, plan = await prepare_chat(service, chat, plan)
     head = ResponseHead.of(body, f"resp_{uuid.uuid4().hex}", int(time.time()))
     builder = OutputBuilder(plan.reader(), Sequencer())
 
@@ -113,19 +110,6 @@ def _previous_not_found(previous_id: str | None) -> JSONResponse:
                       "previous_response_id")
     body["error"]["code"] = "previous_response_not_found"
     return JSONResponse(body, status_code=400)
-
-
-async def _prepare(service: GenerationService, chat: ChatCompletionRequest,
-                   plan: ToolPlan) -> tuple[RequestGroup, ToolPlan]:
-    """The engine call, made as chat completions makes it, and the plan for its replies.
-    Rendering and tokenizing run off the event loop."""
-    prompt = await _chat_prompt(service, chat, plan)
-    max_tokens = chat.max_completion_tokens or service.engine.model_info.context_len
-    params = conv.sampling_dict(chat, max_tokens)
-    _add_tool_constraint(params, plan)
-    group = await asyncio.to_thread(service.engine.prepare, prompt=prompt,
-                                    sampling_params={**params, "n": 1})
-    return group, plan.with_prompt(prompt)
 
 
 def _items_of(output: Output) -> tuple[Item, ...]:
