@@ -118,9 +118,11 @@ class GrammarBackend:
                 return compiler.compile_json_schema(spec, any_whitespace=False)
             if kind == "ebnf":
                 return compiler.compile_grammar(spec)
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(structural_tag_format(spec))
             assert kind == "choices", kind
             return compiler.compile_grammar(choices_ebnf(json.loads(spec)))
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, TypeError) as e:
             reason = _LOG_PREFIX.sub("", str(e)).strip()
             shown = spec if len(spec) <= 80 else spec[:77] + "..."
             raise InvalidArgumentError(kind, shown, f"xgrammar cannot compile it: {reason}") from e
@@ -185,3 +187,18 @@ def choices_ebnf(choices: Sequence[str]) -> str:
     """An EBNF grammar whose language is exactly `choices` (JSON string escapes are valid EBNF
     string literals in xgrammar's dialect)."""
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def structural_tag_format(spec: str) -> str:
+    """xgrammar's structural tag JSON for `spec`. SGLang's shape ({"structures": [{begin,
+    schema, end}], "triggers": [...]}) becomes a triggered_tags format: free text until a
+    trigger, then a structure whose begin starts with it, JSON valid under its schema, its end,
+    and free text again; xgrammar's own shape ({"format": ...}) is kept."""
+    obj = json.loads(spec)
+    if "format" in obj:
+        return spec
+    tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
+             "content": {"type": "json_schema", "json_schema": s.get("schema", {})}}
+            for s in obj["structures"]]
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": obj["triggers"], "tags": tags}})

@@ -7,13 +7,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from forklm.runtime.stop_regex import StopRegexSearch
+
 _REPLACEMENT = "\ufffd"  # what decode yields for an incomplete UTF-8 sequence
+_TAIL_LEN = 64  # emitted characters kept for the stop regexes' lookbehind
 
 
 class DetokenizeStep(NamedTuple):
     delta: str  # new stable text, safe to stream now
-    # The stop string found; the text is then final (cut before it, or right after it when
-    # no_stop_trim) and the engine finishes the request.
+    # The stop string (or stop_regex pattern) found; the text is then final (cut before the
+    # match, or right after it when no_stop_trim) and the engine finishes the request.
     matched_stop: str | None
 
 
@@ -25,9 +28,10 @@ class IncrementalDetokenizer:
     does not grow with the output. The window moves forward once its text no longer ends in an
     incomplete character (U+FFFD), which is held back until a later token completes it.
 
-    Stop strings are searched only in the text not yet emitted (`_pending` + the new delta): a
-    trailing piece of text that is a prefix of some stop string is held back, so a match can
-    never start inside emitted text. When several stops match, the one ending first wins (that is
+    Stop strings and stop regexes (runtime/stop_regex.py) are searched only in the text not yet
+    emitted (`_pending` + the new delta): a trailing piece of text that is a prefix of some stop
+    string, or a partial match of some regex, is held back, so a match can never start inside
+    emitted text. When several stops match, the one ending first wins (that is
     the one a character-by-character stream would meet first); on a tie, the longest.
 
     Decoding always passes clean_up_tokenization_spaces=False: that cleanup rewrites text *before*
@@ -35,7 +39,8 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True, no_stop_trim: bool = False):
+                 spaces_between_special_tokens: bool = True, no_stop_trim: bool = False,
+                 stop_regex: Sequence[str] = ()):
         assert all(stop), "stop strings must be non-empty (SamplingParams checks this)"
         self._tokenizer = tokenizer
         self._decode_kwargs = {
@@ -49,6 +54,8 @@ class IncrementalDetokenizer:
         # Every proper prefix of a stop string: a text suffix in this set must be held back.
         self._stop_prefixes = {s[:i] for s in self._stop for i in range(1, len(s))}
         self._max_prefix_len = max((len(s) - 1 for s in self._stop), default=0)
+        self._regex = StopRegexSearch(stop_regex)
+        self._tail = ""  # the last emitted characters: context for the stop regexes
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: ids before it are fully emitted or pending
         self._read_offset = 0  # window end at the last slide, a character boundary
@@ -99,30 +106,35 @@ class IncrementalDetokenizer:
 
     def _emit(self, new: str, final: bool) -> DetokenizeStep:
         buf = self._pending + new
+        found, regex_hold = self._regex.search(self._tail, buf) if self._regex else (None, 0)
         match = self._find_stop(buf)
+        if found is not None and (match is None or (found.end, found.start) < match[:2]):
+            match = (found.end, found.start, found.pattern)
         if match is not None:
-            stop, start = match
+            end, start, stop = match
             self.finished = True
             self._pending = ""
-            return self._push(buf[: start + len(stop) if self._no_stop_trim else start], stop)
-        held = 0 if final else self._held_suffix_len(buf)
+            return self._push(buf[: end if self._no_stop_trim else start], stop)
+        held = 0 if final else max(self._held_suffix_len(buf), regex_hold)
         self._pending = buf[len(buf) - held:] if held else ""
         return self._push(buf[: len(buf) - held], None)
 
     def _push(self, delta: str, stop: str | None) -> DetokenizeStep:
         if delta:
             self._pieces.append(delta)
+            self._tail = (self._tail + delta)[-_TAIL_LEN:]
         return DetokenizeStep(delta, stop)
 
-    def _find_stop(self, buf: str) -> tuple[str, int] | None:
-        """(stop, start) of the match ending first in `buf`, the longest on a tie."""
-        best: tuple[int, int, str] | None = None  # (end, -len, stop)
+    def _find_stop(self, buf: str) -> tuple[int, int, str] | None:
+        """(end, start, stop) of the stop string match ending first in `buf`, the longest on a
+        tie."""
+        best: tuple[int, int, str] | None = None
         for stop in self._stop:
             start = buf.find(stop)
             if start >= 0:
-                key = (start + len(stop), -len(stop), stop)
+                key = (start + len(stop), start, stop)
                 best = key if best is None or key < best else best
-        return None if best is None else (best[2], best[0] - len(best[2]))
+        return best
 
     def _held_suffix_len(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that a stop string starts with."""

@@ -52,9 +52,10 @@ class Engine:
         With stream=True (single prompt), returns an iterator of chunk dicts whose `text` and
         `output_ids` are the increments; the last chunk of each sample carries the finish_reason
         in meta_info, and with n > 1 every chunk names its sample in `index`.
-        A constraint (regex, json_schema, ebnf, choices) is compiled before anything is submitted,
-        on the grammar thread pool while this call waits; one that does not compile raises a
-        ValueError carrying xgrammar's reason, and no request of the call runs.
+        A constraint (regex, json_schema, ebnf, choices, structural_tag) is compiled before
+        anything is submitted, on the grammar thread pool while this call waits; one that does
+        not compile raises a ValueError carrying xgrammar's reason, and no request of the call
+        runs.
         Logprob entries are [logprob, token_id, text]; text is None with
         return_text_in_logprobs=False (and then never decoded).
         """

@@ -111,7 +111,8 @@ class RequestIntake:
             rid=rid, index=index, origin_input_ids=list(ids), sampling_params=params,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer, params.stop or (), params.skip_special_tokens,
-                params.spaces_between_special_tokens, params.no_stop_trim),
+                params.spaces_between_special_tokens, params.no_stop_trim,
+                params.stop_regex or ()),
             eos_token_ids=self.eos_token_ids, sink=_unset_sink,
             generator=self._generator(None if params.seed is None else params.seed + sample),
             return_logprob=logprobs.enabled,
@@ -150,6 +151,10 @@ class RequestIntake:
         for t in params.stop_token_ids or ():
             if not 0 <= t < self.vocab_size:
                 raise InvalidArgumentError("stop_token_ids", t, f"must be in [0, {self.vocab_size})")
+        for t in params.logit_bias or ():
+            if t >= self.vocab_size:
+                raise InvalidArgumentError("logit_bias", t,
+                                           f"token ids must be in [0, {self.vocab_size})")
         if logprobs.start_len >= len(ids):
             raise InvalidArgumentError("logprob_start_len", logprobs.start_len,
                                        f"must be < the prompt length ({len(ids)} tokens)")

@@ -110,12 +110,9 @@ class Req:
 
     @property
     def min_tokens_stop_ids(self) -> list[int]:
-        if self.grammar is not None and self.grammar.is_completed():
-            return []  # a grammar that can end may end: banning EOS could leave no token at all
-        stop_ids = set(self.sampling_params.stop_token_ids or ())
-        if not self.sampling_params.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        return sorted(stop_ids)
+        """Banned while short of min_new_tokens (unless a grammar allows nothing else): EOS even
+        with ignore_eos, as in SGLang and transformers, and the stop_token_ids."""
+        return sorted(set(self.sampling_params.stop_token_ids or ()) | self.eos_token_ids)
 
     @property
     def wants_input_logprobs(self) -> bool:

@@ -3,7 +3,9 @@
 Pipeline per step, vectorized over the rows of `logits` [B, V]:
   1. penalties: repetition (HF/CTRL style) over prompt + output ids, then frequency and presence
      (OpenAI style) over output ids only; skipped when no row uses a penalty.
-  2. min-new-tokens: `min_tokens_stop_ids` get -inf while len(output_ids) < min_new_tokens.
+  2. logit_bias: each row's {token: bias} is added (OpenAI's logit_bias, after the penalties).
+     min-new-tokens: `min_tokens_stop_ids` get -inf while len(output_ids) < min_new_tokens
+     (also with ignore_eos, as SGLang and transformers do).
   3. temperature: sampled rows are divided by their temperature; greedy rows are left as they are.
   4. logprobs = log_softmax of those logits, i.e. *before* top-k/top-p/min-p truncation. The chosen
      token's logprob and the top logprobs are read from it for every row (one log_softmax pass).
@@ -54,6 +56,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
     logits = logits.float()
     params = [r.sampling_params for r in rows]
     apply_penalties(logits, rows)
+    _add_logit_bias(logits, params)
     _mask_min_new_tokens(logits, rows)
     _scale_by_temperature(logits, params)
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
@@ -104,13 +107,33 @@ def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # [R, 1]
 
 
+def _add_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """logits[i, t] += params[i].logit_bias[t], in one scatter for the whole batch."""
+    entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias
+               for t, b in p.logit_bias.items()]
+    if not entries:
+        return
+    rows, toks, biases = zip(*entries, strict=True)
+    index = (torch.tensor(rows, device=logits.device), torch.tensor(toks, device=logits.device))
+    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device),
+                      accumulate=True)
+
+
 def _mask_min_new_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Ban the stop ids of rows short of min_new_tokens, except in a row where they are all that
+    is left (a complete grammar that allows only its end): that row may stop."""
     pairs = [(i, t) for i, r in enumerate(rows)
              if len(r.output_ids) < r.sampling_params.min_new_tokens
              for t in r.min_tokens_stop_ids]
-    if pairs:
-        row_idx, tok_idx = torch.tensor(pairs, device=logits.device).unbind(1)
-        logits[row_idx, tok_idx] = float("-inf")
+    if not pairs:
+        return
+    row_idx, tok_idx = torch.tensor(pairs, device=logits.device).unbind(1)
+    saved = logits[row_idx, tok_idx]  # [P], a copy
+    logits[row_idx, tok_idx] = float("-inf")
+    dead = ~torch.isfinite(logits).any(dim=-1)  # [B]
+    if bool(dead.any()):
+        restore = dead[row_idx]
+        logits[row_idx[restore], tok_idx[restore]] = saved[restore]
 
 
 def _scale_by_temperature(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

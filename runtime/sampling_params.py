@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling_checks import (
+    check_extras,
+    normalize_logit_bias,
+    normalize_structural_tag,
+)
+from forklm.runtime.stop_regex import normalize_stop_regex
 
 # SGLang rewrites temperature < 1e-6 to greedy: dividing logits by it would overflow anyway.
 _GREEDY_TEMPERATURE = 1e-6
@@ -33,14 +39,16 @@ _FLOAT_RULES = {
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                 "no_stop_trim")
 _ALIASES = {"sampling_seed": "seed"}
-CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf", "choices")
+CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf", "choices", "structural_tag")
 
 
 class Constraint(NamedTuple):
     """A decoding constraint in canonical text form; also the grammar compile cache's key."""
 
     kind: str  # one of CONSTRAINT_KINDS
-    spec: str  # the regex, the schema as JSON text, the EBNF text, or the choices as a JSON list
+    # The regex, the schema as JSON text, the EBNF text, the choices as a JSON list, or the
+    # structural tag as JSON text.
+    spec: str
 
 
 @dataclass(frozen=True)
@@ -58,19 +66,30 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] | None = None  # a single str becomes [str]
     stop_token_ids: list[int] | None = None
+    # Regexes searched in the output text as it grows (see runtime/stop_regex.py); [] = none.
+    stop_regex: list[str] | None = None  # a single str becomes [str]
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None  # "sampling_seed" in from_dict; None = the engine picks one
+    # token id (int or decimal str) -> added to its logit before sampling, in [-100, 100]
+    # (OpenAI's range: +-100 is in effect a ban or a forced choice); stored with int keys.
+    logit_bias: Mapping[int, float] | None = None
+    # SGLang's per-request data for custom logit processors: kept, but forklm runs none.
+    custom_params: Mapping[str, Any] | None = None
+    stream_interval: int | None = None  # native streams send a chunk per this many tokens
     # Constrained decoding, at most one of: the output fully matches `regex`; is JSON valid under
     # `json_schema` (a dict or JSON text; stored as text); derives from `ebnf` (xgrammar's EBNF
-    # dialect, start rule `root`); or equals one of `choices`.
+    # dialect, start rule `root`); equals one of `choices`; or follows `structural_tag` (SGLang's
+    # {"type": "structural_tag", "structures": [{begin, schema, end}], "triggers": [...]}, or
+    # xgrammar's {"type": "structural_tag", "format": {...}}; a dict or JSON text, stored as text).
     regex: str | None = None
     json_schema: str | Mapping[str, Any] | None = None
     ebnf: str | None = None
     choices: list[str] | None = None
+    structural_tag: str | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name, (ok, why) in _INT_RULES.items():
@@ -89,6 +108,9 @@ class SamplingParams:
                self.seed, "must be None or an int in [0, 2**64)")
         object.__setattr__(self, "stop", _normalize_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalize_stop_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop_regex", normalize_stop_regex(self.stop_regex))
+        object.__setattr__(self, "logit_bias", normalize_logit_bias(self.logit_bias))
+        check_extras(self.custom_params, self.stream_interval)
         _check_constraint(self)
 
     @classmethod
@@ -173,6 +195,7 @@ def _check_constraint(params: SamplingParams) -> None:
         value = getattr(params, kind)
         _check(value is None or (isinstance(value, str) and value != ""), kind, value,
                "must be a non-empty str")
+    object.__setattr__(params, "structural_tag", normalize_structural_tag(params.structural_tag))
     schema = params.json_schema
     if isinstance(schema, Mapping):
         try:

@@ -289,3 +289,60 @@ def test_at_most_one_constraint():
         SamplingParams(choices=[])
     with pytest.raises(ValueError, match="json_schema"):
         SamplingParams(json_schema=42)
+
+
+# -- structural tags (tool calls constrained after their trigger) --------------------------------
+WEATHER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                  "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                 "days": {"type": "integer", "minimum": 1, "maximum": 9}}}
+WEATHER_TAG = {"type": "structural_tag", "triggers": ["<tool_call>"], "structures": [
+    {"begin": "<tool_call>", "schema": WEATHER_SCHEMA, "end": "</tool_call>"}]}
+# Few-shot: the model copies the call format, but picks cities the schema does not allow.
+TOOL_PROMPT = ('Q: weather in Paris for 2 days?\nA: <tool_call>{"city": "Paris", "days": 2}'
+               '</tool_call>\nQ: weather in Oslo tomorrow?\nA: <tool_call>{"city": "Oslo", '
+               '"days": 1}</tool_call>\nQ: weather in Rome this week?\nA:')
+
+
+def tool_calls(text: str) -> list[str]:
+    return re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+
+
+def valid_call(body: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(body), WEATHER_SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def test_structural_tag_constrains_the_json_after_its_trigger(engine):
+    free, tagged = engine.generate(
+        [TOOL_PROMPT] * 2, [{**GREEDY, "max_new_tokens": 40},
+                            {**GREEDY, "max_new_tokens": 40,
+                             "structural_tag": json.dumps(WEATHER_TAG)}])
+    assert tool_calls(free["text"]) and not all(map(valid_call, tool_calls(free["text"])))
+    calls = tool_calls(tagged["text"])
+    assert calls and all(map(valid_call, calls)), tagged["text"]
+    # Free text before the trigger (the space the model writes first); the end tag closes it.
+    assert tagged["text"].startswith(" <tool_call>{") and "</tool_call>" in tagged["text"]
+
+
+def test_structural_tag_shapes_are_checked():
+    with pytest.raises(ValueError, match="structural_tag=.*needs \"structures\""):
+        SamplingParams(structural_tag={"type": "structural_tag", "structures": []})
+    with pytest.raises(ValueError, match="begin must start with a trigger"):
+        SamplingParams(structural_tag={**WEATHER_TAG, "triggers": ["<call>"]})
+    with pytest.raises(ValueError, match="only one of"):
+        SamplingParams(structural_tag=WEATHER_TAG, regex="a")
+    with pytest.raises(ValueError, match="structural_tag=.*not valid JSON"):
+        SamplingParams(structural_tag="[" * 100_000)
+    spec = SamplingParams(structural_tag=WEATHER_TAG).constraint
+    assert spec is not None and spec.kind == "structural_tag"
+    assert json.loads(spec.spec) == WEATHER_TAG
+
+
+def test_structural_tag_bad_schema_fails_with_xgrammar_reason(engine):
+    bad = {**WEATHER_TAG, "structures": [{"begin": "<tool_call>", "schema": {"type": 5},
+                                          "end": "</tool_call>"}]}
+    with pytest.raises(ValueError, match="structural_tag=.*xgrammar cannot compile it"):
+        engine.generate(TOOL_PROMPT, {"max_new_tokens": 4, "structural_tag": bad})

@@ -158,3 +158,65 @@ def test_streaming_never_emits_text_that_is_later_trimmed(tokenizer, parts, stop
     seen += detok.flush()
     assert seen == detok.text == expected
     assert (matched is not None) == (expected != full or any(s in full for s in stops))
+
+
+# ---- stop_regex ----
+
+def test_stop_regex_trims_at_the_match_and_never_streams_trimmed_text(tokenizer):
+    ids = pieces(tokenizer, "Order ", "#", "12", "3", " shipped", " today")
+    deltas, matched, tail, detok = stream(tokenizer, ids, stop_regex=[r"#\d+ ship"])
+    assert matched == r"#\d+ ship" and tail == ""
+    assert "".join(deltas) == detok.text == "Order "
+    # The partial match "#12" was held back, not streamed and later taken back.
+    assert all("#" not in d for d in deltas)
+    kept, _, _, _ = stream(tokenizer, ids, stop_regex=[r"#\d+ ship"], no_stop_trim=True)
+    assert "".join(kept) == "Order #123 ship"
+
+
+def test_stop_regex_and_stop_string_the_earlier_end_wins(tokenizer):
+    ids = pieces(tokenizer, "a1b2", " STOP", " x99")
+    _, matched, _, detok = stream(tokenizer, ids, chunk_sizes=[len(ids)], stop=["STOP"],
+                                  stop_regex=[r"x\d+"])
+    assert (matched, detok.text) == ("STOP", "a1b2 ")
+    _, matched, _, detok = stream(tokenizer, ids, stop=["x99"], stop_regex=[r"[a-z]\d"])
+    assert (matched, detok.text) == (r"[a-z]\d", "")
+
+
+def test_stop_regex_lookbehind_sees_emitted_text(tokenizer):
+    ids = pieces(tokenizer, "hello", " world", " END", " xEND")
+    _, matched, _, detok = stream(tokenizer, ids, stop_regex=[r"(?<=x)END"])
+    assert matched == r"(?<=x)END" and detok.text == "hello world END x"
+
+
+def test_stop_regex_work_per_token_is_bounded(tokenizer, monkeypatch):
+    """A pattern that partially matches forever: the held text and the searched text stay
+    bounded (linear total work), and the stream goes on."""
+    from forklm.runtime import stop_regex
+
+    searched: list[int] = []
+    search = stop_regex.StopRegexSearch.search
+    monkeypatch.setattr(stop_regex.StopRegexSearch, "search",
+                        lambda self, ctx, buf: searched.append(len(buf)) or search(self, ctx, buf))
+    ids = pieces(tokenizer, "<a>") + tokenizer.encode(" word" * 1500)
+    deltas, matched, _, detok = stream(tokenizer, ids, stop_regex=[r"<a>.*</a>"])
+    assert matched is None and len(detok.text) > 7000
+    assert max(searched) <= stop_regex.MAX_MATCH_LEN + 16
+    assert len("".join(deltas)) >= len(detok.text) - stop_regex.MAX_MATCH_LEN - 16
+
+
+def test_spaces_between_special_tokens_reaches_the_tokenizer():
+    """Slow tokenizers honour it (fast ones ignore it, in SGLang too): it must reach decode."""
+    class Recording:
+        def __init__(self):
+            self.kwargs: list[dict] = []
+
+        def decode(self, ids, **kwargs):
+            self.kwargs.append(kwargs)
+            return "".join(chr(97 + i) for i in ids)
+
+    tok = Recording()
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=False,
+                                   spaces_between_special_tokens=False)
+    assert detok.add([0, 1]).delta == "ab"
+    assert all(k["spaces_between_special_tokens"] is False and k["skip_special_tokens"] is False
+               for k in tok.kwargs) and tok.kwargs

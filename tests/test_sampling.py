@@ -250,3 +250,38 @@ def test_logprobs_are_log_softmax_after_temperature_and_top_logprobs_sorted():
             assert value == pytest.approx(ref[token].item(), abs=1e-5)
         if top:
             assert top[0][1] == ref.argmax().item()
+
+
+# ---- logit_bias ----
+
+def test_logit_bias_is_added_per_row_in_one_batch():
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 5.0
+    rows = [Row(SamplingParams(temperature=0, logit_bias={"7": 6.0})),
+            Row(SamplingParams(temperature=0, logit_bias={4: -100, 1: 2.0})),
+            Row(SamplingParams(temperature=0))]
+    result = sample(logits.clone(), rows)
+    assert result.token_ids == [7, 1, 4]
+    # The logprobs are of the biased distribution, as what is sampled from.
+    biased = logits[0].clone()
+    biased[7] += 6.0
+    assert result.logprobs[0] == pytest.approx(float(torch.log_softmax(biased, -1)[7]))
+    ban = Row(SamplingParams(logit_bias={4: -100.0}), torch.Generator().manual_seed(0))
+    assert all(sample(logits[:1].clone(), [ban]).token_ids[0] != 4 for _ in range(50))
+
+
+@pytest.mark.parametrize("bias", [{"7": 101}, {"-1": 1.0}, {"x": 1.0}, {True: 1.0}, {"7": "1"},
+                                  {"7": math.inf}, [1, 2], {"1" * 5000: 1.0}])
+def test_bad_logit_bias_names_the_field(bias):
+    with pytest.raises(InvalidArgumentError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_min_new_tokens_lets_a_row_stop_when_nothing_else_is_allowed():
+    """A complete grammar may allow only EOS: that row stops; its neighbours keep the ban."""
+    logits = torch.full((2, 10), float("-inf"))
+    logits[0, 2] = 0.0  # the grammar's mask left only EOS
+    logits[1, 2], logits[1, 5] = 50.0, 0.0
+    params = SamplingParams(temperature=0, min_new_tokens=4, ignore_eos=True)
+    rows = [Row(params, min_tokens_stop_ids=[2]), Row(params, min_tokens_stop_ids=[2])]
+    assert sample(logits, rows).token_ids == [2, 5]

@@ -74,7 +74,7 @@ BAD_CHAT = [
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ({**CHAT, "logit_bias": {"1": 5}}, "logit_bias"),
+    ({**CHAT, "logit_bias": {"1": 500}}, "logit_bias"),  # OpenAI's range is [-100, 100]
     ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
 ]
 

@@ -198,9 +198,12 @@ def test_tool_call_stream_and_auto(client):
     stream = client.chat.completions.create(
         model=MODEL, messages=ask("Weather in Rome?"), max_tokens=60, temperature=0,
         tools=[WEATHER_TOOL], tool_choice="required", stream=True)
-    calls = [tc for chunk in stream if chunk.choices for tc in chunk.choices[0].delta.tool_calls or ()]
-    assert len(calls) == 1 and calls[0].function.name == "get_weather"
-    jsonschema.validate(json.loads(calls[0].function.arguments),
+    pieces = [tc for chunk in stream if chunk.choices
+              for tc in chunk.choices[0].delta.tool_calls or ()]
+    assert len(pieces) > 1  # the call streams as it is generated: its name, then arguments
+    assert {p.index for p in pieces} == {0} and [p.function.name for p in pieces if p.id] == [
+        "get_weather"]
+    jsonschema.validate(json.loads("".join(p.function.arguments for p in pieces)),
                         WEATHER_TOOL["function"]["parameters"])
     # auto: a plain answer or a tool call, but always a well-formed one
     out = client.chat.completions.create(model=MODEL, messages=ask("Hi there!"), max_tokens=30,

@@ -13,7 +13,7 @@ from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError
 from forklm.server.generation import Admission
 from forklm.server.protocol import ChatCompletionRequest
-from forklm.server.tools import plan_tools
+from forklm.server.tools import plan_tools, whole_calls
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}}}},
@@ -55,18 +55,24 @@ def test_tool_plans():
         plan_tools(chat(tools=TOOLS + TOOLS[:1]))
 
 
+def calls_of(plan, text: str) -> list[tuple[str, str, bool]]:
+    reader = plan.reader()
+    return [(c.name, c.arguments, c.complete)
+            for c in whole_calls(reader.read(text), reader.complete)]
+
+
 def test_tool_call_parsing():
     auto = plan_tools(chat(tools=TOOLS))
-    (call,) = auto.parse('{"name": "add", "arguments": {"a": 1}}')
-    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
-    assert auto.parse('```json\n{"name": "noop", "arguments": {}}\n```') is not None
+    assert calls_of(auto, '{"name": "add", "arguments": {"a": 1}}') == [("add", '{"a": 1}', True)]
+    assert calls_of(auto, '```json\n{"name": "noop", "arguments": {}}\n```')
     for text in ("Hello!", '{"name": "other", "arguments": {}}', '{"name": "add"}', "[1]", "{"):
-        assert auto.parse(text) is None, text
+        assert calls_of(auto, text) == [], text
+        assert auto.reader().read(text).content == text
     named = plan_tools(chat(tools=TOOLS, tool_choice={"type": "function",
                                                       "function": {"name": "add"}}))
-    (call,) = named.parse('{"a": 2}')
-    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 2}
-    assert named.parse('{"a": ') is None  # cut off by max_tokens: no call
+    ((name, args, complete),) = calls_of(named, '{"a": 2}')
+    assert name == "add" and json.loads(args) == {"a": 2} and complete
+    assert calls_of(named, '{"a": ') == [("add", '{"a": ', False)]  # cut off by max_tokens
 
 
 def test_admission_counts_and_refuses():

@@ -11,7 +11,7 @@ from fastapi import FastAPI, HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from forklm.runtime.engine import Engine
-from forklm.server import native_api, openai_api
+from forklm.server import native_api, openai_api, responses_api
 from forklm.server.config import ServerConfig
 from forklm.server.errors import error_body, install_error_handlers
 from forklm.server.generation import GenerationService
@@ -33,6 +33,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     _include_programs(app)
     app.add_middleware(GuardMiddleware, config=config, metrics=app.state.service.metrics)
     return app

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from forklm.frontend_dsl.ir import ProgramLimits
 from forklm.runtime.config import check_field as _check
 from forklm.runtime.config import config_from_kwargs
+from forklm.server.chat_template import is_template_text
+from forklm.server.parsers.reasoning import REASONING_PARSERS
+from forklm.server.parsers.tool_calls import TOOL_CALL_PARSERS
 
 _PROGRAM_LIMITS = ProgramLimits()  # the defaults of the max_program_* fields below
 
@@ -21,6 +25,8 @@ class ServerConfig:
     api_key: str | None = None
     # The name /v1/models reports and requests must use; None = the engine's model_path.
     served_model_name: str | None = None
+    # A Jinja chat template (a file, or the template itself) used instead of the tokenizer's.
+    chat_template: str | None = None
     # Requests admitted beyond the engine's max_running_requests before new ones get a 503.
     max_queued_requests: int = 256
     # 8 MiB is ~1M tokens of text, far beyond any context; larger bodies are an error or abuse.
@@ -32,6 +38,11 @@ class ServerConfig:
     max_fork_size: int = _PROGRAM_LIMITS.max_fork_size
     max_repeat: int = _PROGRAM_LIMITS.max_repeat
     max_program_tokens: int = _PROGRAM_LIMITS.max_total_tokens
+    # The model's tool-call format (hermes, llama3, mistral, json); None = detected from the chat
+    # template, else the generic JSON tool prompt.
+    tool_call_parser: str | None = None
+    # Splits <think>...</think> into reasoning_content (qwen3, deepseek-r1); None = no split.
+    reasoning_parser: str | None = None
     # Seconds SIGTERM waits for in-flight requests before aborting them.
     graceful_shutdown_s: float = 30.0
     log_level: str = "warning"
@@ -40,11 +51,19 @@ class ServerConfig:
         _check(1 <= self.port <= 65535, "port", self.port, "must be in [1, 65535]")
         _check(self.api_key is None or self.api_key != "", "api_key", self.api_key,
                "must be non-empty when given")
+        _check(self.chat_template is None or is_template_text(self.chat_template)
+               or os.path.isfile(self.chat_template), "chat_template", self.chat_template,
+               "must be a Jinja template or the path of a file holding one")
         for name in ("max_queued_requests", "retry_after_s"):
             _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for name in ("max_request_body_bytes", "max_program_nodes", "max_fork_size",
                      "max_repeat", "max_program_tokens"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        for name, known in (("tool_call_parser", TOOL_CALL_PARSERS),
+                            ("reasoning_parser", REASONING_PARSERS)):
+            value = getattr(self, name)
+            _check(value is None or value in known, name, value,
+                   "expected one of " + ", ".join(known))
         _check(self.graceful_shutdown_s >= 0, "graceful_shutdown_s", self.graceful_shutdown_s,
                "must be >= 0")
         _check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.intake import RequestGroup
 from forklm.runtime.results import GenerateOutput
 from forklm.server.errors import ApiError, sse_frames
@@ -49,7 +50,26 @@ def _as_json(group: RequestGroup, out: GenerateOutput, tokenizer: Any,
     return result
 
 
+# GenerateRequest fields forklm cannot honour -> why; each is a 400 unless null/false.
+UNSUPPORTED_FIELDS = {
+    "custom_logit_processor": "forklm runs no custom logit processors",
+    "return_hidden_states": "forklm does not return hidden states",
+    "lora_path": "forklm serves no LoRA adapters",
+    "image_data": "forklm serves text-only models",
+}
+
+
+def _check_supported(body: GenerateRequest) -> None:
+    for name, why in UNSUPPORTED_FIELDS.items():
+        value = getattr(body, name)
+        values = value if isinstance(value, list) else [value]
+        if any(v is not None and v is not False for v in values):
+            shown = value if isinstance(value, bool) else "<given>"
+            raise InvalidArgumentError(name, shown, f"is not supported: {why}")
+
+
 def _prepare(service: GenerationService, body: GenerateRequest) -> RequestGroup:
+    _check_supported(body)
     params = body.sampling_params
     if isinstance(params, list):
         params = [_drop_nulls(p) for p in params]
@@ -70,14 +90,21 @@ def _drop_nulls(params: dict[str, Any]) -> dict[str, Any]:
 async def _cumulative(chunks: ChunkStream, group: RequestGroup,
                       tokenizer: Any) -> AsyncGenerator[dict, None]:
     """SGLang's stream shape: every event carries its result's text and ids so far (and, with
-    n > 1, the result's `index`)."""
+    n > 1, the result's `index`). A result with stream_interval N gets an event once N new
+    tokens have come (and at its end) instead of at every step."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
+    intervals = {r.index: r.sampling_params.stream_interval or 1 for r in group.reqs}
+    unsent: dict[int, int] = {}  # tokens since the result's last event
     try:
         async for chunk in chunks:
             i = chunk.index
             texts[i] = texts.get(i, "") + chunk.text
             ids[i] = ids.get(i, []) + chunk.output_ids
+            unsent[i] = unsent.get(i, 0) + len(chunk.output_ids)
+            if unsent[i] < intervals[i] and not chunk.finished:
+                continue
+            unsent[i] = 0
             yield {**_as_json(group, chunk, tokenizer, chunk=True), "text": texts[i],
                    "output_ids": ids[i]}
     finally:

@@ -4,6 +4,7 @@ A request's prompts and its n samples are one engine call; choice i is the call'
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -11,16 +12,18 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.intake import RequestGroup
 from forklm.runtime.results import GenerateOutput
 from forklm.server import openai_convert as conv
+from forklm.server.chat_template import load_chat_template, render_chat, template_kwargs
 from forklm.server.errors import sse_frames
 from forklm.server.generation import ChunkStream, GenerationService
 from forklm.server.native_api import service_of
-from forklm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from forklm.server.tools import ToolPlan, plan_tools
+from forklm.server.protocol import ChatCompletionRequest, CompletionRequest
+from forklm.server.tools import ReplyDelta, ToolPlan, plan_tools, whole_calls
 
 router = APIRouter(prefix="/v1")
 _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -91,14 +94,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     conv.check_model(service, body)
     if body.top_logprobs and not body.logprobs:
         raise InvalidArgumentError("top_logprobs", body.top_logprobs, "needs logprobs=true")
-    plan = plan_tools(body)
-    prompt = _chat_prompt(service.engine.tokenizer, body.messages, plan)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    params = conv.sampling_dict(body, max_tokens if max_tokens is not None
-                                else service.engine.model_info.context_len)
-    _add_tool_constraint(params, plan)
-    top = (body.top_logprobs or 0) if body.logprobs else None
-    group = _prepare(service, body, prompt, params, top)
+    group, plan = await prepare_chat(service, body, plan_tools(body, service))
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": body.model}
     if body.stream:
@@ -112,28 +108,47 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
 
 
-def _chat_prompt(tokenizer: Any, messages: list[ChatMessage], plan: ToolPlan) -> str:
-    turns = [_turn(m) for m in messages]
-    if plan.active:
-        turns.insert(0, {"role": "system", "content": plan.system_prompt()})
-    try:
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # a template that rejects the conversation (roles, order)
-        raise InvalidArgumentError("messages", f"<{len(messages)} messages>",
-                                   f"the chat template rejects them: {e}") from e
+async def prepare_chat(service: GenerationService, body: ChatCompletionRequest,
+                       plan: ToolPlan) -> tuple[RequestGroup, ToolPlan]:
+    """The engine call of a chat request (also the Responses API's) and the plan that reads its
+    replies. Rendering and tokenizing run in a worker thread: both grow with the request."""
+    prompt = await _chat_prompt(service, body, plan)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    params = conv.sampling_dict(body, max_tokens if max_tokens is not None
+                                else service.engine.model_info.context_len)
+    _add_tool_constraint(params, plan)
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    group = await asyncio.to_thread(_prepare, service, body, prompt, params, top)
+    return group, plan.with_prompt(prompt)
 
 
-def _turn(m: ChatMessage) -> dict[str, str]:
-    content = m.content if isinstance(m.content, str) else "".join(
-        p.text for p in m.content or ())
-    if m.tool_calls and not content:  # the model sees its earlier calls in the format it uses
-        content = "\n".join(f'{{"name": "{c.function.name}", "arguments": '
-                            f'{c.function.arguments}}}' for c in m.tool_calls)
-    role = "system" if m.role == "developer" else m.role
-    return {"role": role, "content": content}
+async def _chat_prompt(service: GenerationService, body: ChatCompletionRequest,
+                       plan: ToolPlan) -> str:
+    """The request's prompt text, built in a worker thread (the work grows with the request)."""
+
+    def render() -> str:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan.active else None
+        return render_chat(
+            service.engine.tokenizer, messages, tools,
+            template_kwargs(body.chat_template_kwargs, body.reasoning_effort),
+            chat_template=load_chat_template(service.config.chat_template),
+            tool_prompt=plan.system_prompt() if plan.active else None)
+
+    return await run_in_threadpool(render)
 
 
 def _add_tool_constraint(params: dict[str, Any], plan: ToolPlan) -> None:
+    """A forced call: a JSON schema on the whole reply. "auto" in a model's format: each call the
+    model opens is constrained by its tool's schema (a structural tag, unless the request has
+    its own constraint), its special-token opener kept in the text."""
+    if plan.mode == "auto" and plan.parser is not None:
+        if plan.parser.special_tokens_in_text:
+            params.setdefault("skip_special_tokens", False)
+        tag = plan.structural_tag()
+        if tag is not None and not any(k in params for k in ("regex", "ebnf", "json_schema")):
+            params["structural_tag"] = tag
+        return
     schema = plan.schema()
     if schema is None:
         return
@@ -147,44 +162,68 @@ def _add_tool_constraint(params: dict[str, Any], plan: ToolPlan) -> None:
 def _chat_choice(text: str, final: GenerateOutput, plan: ToolPlan,
                  tokenizer: Any) -> dict[str, Any]:
     """A reply's whole `text` as a choice; `final` is its result (or its last chunk)."""
-    calls = plan.parse(text) if plan.active else None
-    message: dict[str, Any] = {"role": "assistant", "content": None if calls else text}
+    reader = plan.reader()
+    reply = reader.read(text)
+    calls = whole_calls(reply, reader.complete)
+    # No text beside calls or reasoning is null content, as OpenAI's replies have it.
+    empty = None if calls or reply.reasoning else reply.content
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content or empty}
+    if plan.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning or None
     if calls:
-        message["tool_calls"] = calls
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.name, "arguments": c.arguments}} for c in calls]
     return {"message": message, "logprobs": conv.chat_logprobs(final, tokenizer),
-            "finish_reason": "tool_calls" if calls else conv.finish_reason(final),
+            "finish_reason": _chat_finish_reason(bool(calls), final),
             "matched_stop": conv.matched_stop(final)}
+
+
+def _chat_finish_reason(called: bool, final: GenerateOutput) -> str | None:
+    """A reply with calls ends in "tool_calls", but a call cut off by max_tokens is "length"."""
+    reason = conv.finish_reason(final)
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 async def _chat_events(chunks: ChunkStream, head: dict[str, Any], body: ChatCompletionRequest,
                        plan: ToolPlan, num: int, tokenizer: Any) -> AsyncGenerator[dict, None]:
-    """Content streams as it comes; with tools active a reply is held until it finishes,
-    since only the whole text tells whether it is a tool call."""
+    """Each reply is read as it comes: reasoning, content and tool-call pieces stream as soon as
+    they are known (text that may start a tag waits for the next chunk)."""
     finals: list[GenerateOutput] = []
-    texts = [""] * num
+    readers = [plan.reader() for _ in range(num)]
+    called = [False] * num
     for i in range(num):
         yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}]}
     async for chunk in chunks:
         i = chunk.index
-        texts[i] += chunk.text
+        delta = readers[i].feed(chunk.text)
         if chunk.finished:
             finals.append(chunk)
-        if plan.active and not chunk.finished:
-            continue
-        if plan.active:
-            choice = _chat_choice(texts[i], chunk, plan, tokenizer)
-            delta = {k: v for k, v in choice["message"].items() if k != "role"}
-            if "tool_calls" in delta:
-                delta["tool_calls"] = [{"index": 0, **c} for c in delta["tool_calls"]]
-            reason = choice["finish_reason"]
-        else:
-            delta, reason = {"content": chunk.text}, conv.finish_reason(chunk)
-        yield {**head, "choices": [{"index": i, "delta": delta, "finish_reason": reason,
-                                    "logprobs": conv.chat_logprobs(chunk, tokenizer),
-                                    "matched_stop": conv.matched_stop(chunk)}]}
+            delta = delta.then(readers[i].finish())
+        called[i] = called[i] or bool(delta.calls)
+        reason = _chat_finish_reason(called[i], chunk) if chunk.finished else None
+        fields, logprobs = _delta_fields(delta), conv.chat_logprobs(chunk, tokenizer)
+        if fields or reason is not None or logprobs is not None:
+            yield {**head, "choices": [{"index": i, "delta": fields, "finish_reason": reason,
+                                        "logprobs": logprobs,
+                                        "matched_stop": conv.matched_stop(chunk)}]}
     if body.stream_options and body.stream_options.include_usage:
         yield {**head, "choices": [], "usage": conv.usage(_in_order(finals, num), body.n)}
+
+
+def _delta_fields(delta: ReplyDelta) -> dict[str, Any]:
+    """A chunk's delta in OpenAI's shape: a call's first piece has its id and name."""
+    fields: dict[str, Any] = {}
+    if delta.reasoning:
+        fields["reasoning_content"] = delta.reasoning
+    if delta.content:
+        fields["content"] = delta.content
+    if delta.calls:
+        fields["tool_calls"] = [
+            {"index": c.index, "function": {"arguments": c.arguments}} if c.id is None else
+            {"index": c.index, "id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in delta.calls]
+    return fields
 
 
 # -- shared ------------------------------------------------------------------------------------

@@ -18,11 +18,14 @@ _PASS_THROUGH = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
                  "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
                  "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
                  "seed": "seed", "min_tokens": "min_new_tokens", "regex": "regex",
-                 "ebnf": "ebnf", "json_schema": "json_schema"}
+                 "ebnf": "ebnf", "json_schema": "json_schema", "logit_bias": "logit_bias",
+                 "stop_regex": "stop_regex", "custom_params": "custom_params",
+                 "spaces_between_special_tokens": "spaces_between_special_tokens"}
 
 
 def check_model(service: GenerationService, body: _SamplingFields) -> None:
-    names = {service.model_name, service.engine.config.model_path}
+    """The served name, the model path and "default" (a name for whatever is served) all work."""
+    names = {service.model_name, service.engine.config.model_path, "default"}
     if body.model not in names:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
                        f"{service.model_name!r}", "model")
@@ -30,8 +33,9 @@ def check_model(service: GenerationService, body: _SamplingFields) -> None:
 
 def sampling_dict(body: _SamplingFields, max_new_tokens: int) -> dict[str, Any]:
     """The SamplingParams dict of the request, but for n (the caller adds it)."""
-    if body.logit_bias:
-        raise InvalidArgumentError("logit_bias", body.logit_bias, "is not supported")
+    if body.custom_logit_processor is not None:
+        raise InvalidArgumentError("custom_logit_processor", "<given>",
+                                   "is not supported: forklm runs no custom logit processors")
     params: dict[str, Any] = {"max_new_tokens": max_new_tokens}
     for name, target in _PASS_THROUGH.items():
         value = getattr(body, name)
