@@ -1,4 +1,4 @@
-"""SGLang-native endpoints: /generate, health, model/server info, flush_cache, abort_request,
+"""SGLang-native endpoints: /generate, /separate_reasoning, health, model/server info, flush_cache, abort_request,
 metrics. Streaming /generate sends SGLang's default shape: each event carries the cumulative
 `text` and `output_ids` so far (clients slice from their last position), then `data: [DONE]`."""
 
@@ -18,7 +18,14 @@ from forklm.runtime.intake import RequestGroup
 from forklm.runtime.results import GenerateOutput
 from forklm.server.errors import ApiError, sse_frames
 from forklm.server.generation import ChunkStream, GenerationService, json_safe_logprobs
-from forklm.server.protocol import AbortRequest, GenerateRequest
+from forklm.server.parsers.reasoning import (
+    ReasoningDelta,
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+    prompt_opens_think,
+)
+from forklm.server.protocol import AbortRequest, GenerateRequest, SeparateReasoningRequest
 
 router = APIRouter()
 _HEALTH_TIMEOUT_S = 30.0
@@ -32,15 +39,50 @@ def service_of(request: Request) -> GenerationService:
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     service = service_of(request)
-    group = _prepare(service, body)
+    reasoning = _reasoning_of(service, body)
+    group = await asyncio.to_thread(_prepare, service, body)  # tokenizing grows with the request
     tokenizer = service.engine.tokenizer
     if body.stream:
         chunks = await service.open_stream("generate", group)
-        return StreamingResponse(sse_frames(_cumulative(chunks, group, tokenizer)),
+        return StreamingResponse(sse_frames(_cumulative(chunks, group, tokenizer, reasoning)),
                                  media_type="text/event-stream")
-    results = [_as_json(group, out, tokenizer)
-               for out in await service.generate("generate", group, request)]
+    results = []
+    for out in await service.generate("generate", group, request):
+        result = _as_json(group, out, tokenizer)
+        if reasoning is not None:
+            _put_reasoning(result, reasoning.parse(out.text, _opened(group, out.index)))
+        results.append(result)
     return results[0] if group.single else results
+
+
+@router.post("/separate_reasoning")
+async def separate_reasoning(body: SeparateReasoningRequest, request: Request) -> dict[str, Any]:
+    """SGLang's endpoint: a reply's reasoning and its content (text)."""
+    name = body.reasoning_parser or service_of(request).config.reasoning_parser
+    if name is None:
+        raise InvalidArgumentError("reasoning_parser", None, "is needed: the server was started "
+                                   "without --reasoning-parser")
+    split = get_reasoning_parser(name).parse(body.text)
+    return {"text": split.content, "reasoning_text": split.reasoning}
+
+
+def _reasoning_of(service: GenerationService, body: GenerateRequest) -> ReasoningParser | None:
+    if not body.separate_reasoning:
+        return None
+    if service.config.reasoning_parser is None:
+        raise InvalidArgumentError("separate_reasoning", True, "needs the server started with "
+                                   "--reasoning-parser")
+    return get_reasoning_parser(service.config.reasoning_parser)
+
+
+def _opened(group: RequestGroup, index: int) -> bool:
+    """Whether result `index`'s prompt (when given as text) already opened <think>."""
+    prompt = group.prompts[group.prompt_index(index)]
+    return isinstance(prompt, str) and prompt_opens_think(prompt)
+
+
+def _put_reasoning(result: dict[str, Any], split: ReasoningDelta) -> None:
+    result["text"], result["reasoning_text"] = split.content, split.reasoning
 
 
 def _as_json(group: RequestGroup, out: GenerateOutput, tokenizer: Any,
@@ -87,11 +129,13 @@ def _drop_nulls(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v is not None}
 
 
-async def _cumulative(chunks: ChunkStream, group: RequestGroup,
-                      tokenizer: Any) -> AsyncGenerator[dict, None]:
+async def _cumulative(chunks: ChunkStream, group: RequestGroup, tokenizer: Any,
+                      reasoning: ReasoningParser | None = None) -> AsyncGenerator[dict, None]:
     """SGLang's stream shape: every event carries its result's text and ids so far (and, with
     n > 1, the result's `index`). A result with stream_interval N gets an event once N new
-    tokens have come (and at its end) instead of at every step."""
+    tokens have come (and at its end) instead of at every step. With a reasoning parser, `text`
+    is the content so far and `reasoning_text` the reasoning so far."""
+    splitters: dict[int, _Splitter] = {}
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
     intervals = {r.index: r.sampling_params.stream_interval or 1 for r in group.reqs}
@@ -105,10 +149,30 @@ async def _cumulative(chunks: ChunkStream, group: RequestGroup,
             if unsent[i] < intervals[i] and not chunk.finished:
                 continue
             unsent[i] = 0
-            yield {**_as_json(group, chunk, tokenizer, chunk=True), "text": texts[i],
-                   "output_ids": ids[i]}
+            event = {**_as_json(group, chunk, tokenizer, chunk=True), "text": texts[i],
+                     "output_ids": ids[i]}
+            if reasoning is not None:
+                splitter = splitters.setdefault(
+                    i, _Splitter(reasoning.stream(_opened(group, i))))
+                _put_reasoning(event, splitter.take(texts[i], chunk.finished))
+            yield event
     finally:
         await chunks.aclose()
+
+
+class _Splitter:
+    """One streamed result's reasoning and content so far, fed only the text not yet seen."""
+
+    def __init__(self, stream: ReasoningStream):
+        self.stream, self.seen, self.reasoning, self.content = stream, 0, "", ""
+
+    def take(self, text: str, finished: bool) -> ReasoningDelta:
+        parts = [self.stream.feed(text[self.seen:])] + ([self.stream.finish()] if finished else [])
+        self.seen = len(text)
+        for part in parts:
+            self.reasoning += part.reasoning
+            self.content += part.content
+        return ReasoningDelta(self.reasoning, self.content)
 
 
 @router.get("/health")

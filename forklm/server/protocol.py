@@ -53,6 +53,17 @@ class GenerateRequest(_Strict):
     lora_path: str | list[str | None] | None = None
     image_data: Any = None
     log_metrics: bool = True  # forklm always records metrics
+    # With the server's --reasoning-parser: `text` is the reply's content, `reasoning_text` its
+    # <think> part.
+    separate_reasoning: bool = False
+
+
+class SeparateReasoningRequest(_Strict):
+    """SGLang's /separate_reasoning body: a finished reply, split by a reasoning parser (the
+    server's --reasoning-parser unless one is named)."""
+
+    text: str
+    reasoning_parser: str | None = None
 
 
 class AbortRequest(_Strict):
