@@ -136,11 +136,8 @@ class FunctionTool(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _functions_only(cls, value: Any) -> Any:
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind != "function":
-            raise ValueError(f"tool type {kind!r} is not supported: only function tools "
-                             "(built-in tools such as web_search run on OpenAI's side)")
-        return value
+        return _function_typed(value, "tool", "only function tools (built-in tools such as "
+                               "web_search run on OpenAI's side)")
 
 
 class FunctionChoice(_Strict):
@@ -150,11 +147,8 @@ class FunctionChoice(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _functions_only(cls, value: Any) -> Any:
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind != "function":
-            raise ValueError(f"tool_choice type {kind!r} is not supported: give none, auto, "
-                             "required or {'type': 'function', 'name': ...}")
-        return value
+        return _function_typed(value, "tool_choice", "give none, auto, required or "
+                               "{'type': 'function', 'name': ...}")
 
 
 class TextFormat(_Strict):
@@ -215,3 +209,11 @@ class ResponsesRequest(_Strict):
     conversation: Any = None
     prompt: Any = None
     context_management: Any = None
+
+
+def _function_typed(value: Any, what: str, hint: str) -> Any:
+    """`value` when it is a function-typed object, else the error naming its type."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind != "function":
+        raise ValueError(f"{what} type {kind!r} is not supported: {hint}")
+    return value
