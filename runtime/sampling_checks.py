@@ -18,6 +18,16 @@ MAX_LOGIT_BIAS_ENTRIES = 4096
 MAX_STRUCTURES = 64
 
 
+def str_list(value: object, field: str) -> list[str] | None:
+    """A str or a list of str (stop, stop_regex) as a list; None stays None."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else value
+    if not (isinstance(items, (list, tuple)) and all(isinstance(s, str) for s in items)):
+        raise InvalidArgumentError(field, value, "must be a str or a list of str")
+    return list(items)
+
+
 def normalize_logit_bias(bias: object) -> dict[int, float] | None:
     """{token id: bias} with int keys (JSON objects give "123"), biases finite in [-100, 100]."""
     if bias is None:

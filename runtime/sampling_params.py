@@ -15,6 +15,7 @@ from forklm.runtime.sampling_checks import (
     check_extras,
     normalize_logit_bias,
     normalize_structural_tag,
+    str_list,
 )
 from forklm.runtime.stop_regex import normalize_stop_regex
 
@@ -175,13 +176,10 @@ def _is_number(v: object) -> bool:
 
 
 def _normalize_stop(stop: object) -> list[str] | None:
-    if stop is None:
-        return None
-    items = [stop] if isinstance(stop, str) else stop
-    if not (isinstance(items, (list, tuple)) and all(isinstance(s, str) for s in items)):
-        raise InvalidArgumentError("stop", stop, "must be a str or a list of str")
-    _check(all(items), "stop", stop, "stop strings must be non-empty")
-    return list(items)
+    items = str_list(stop, "stop")
+    if items is not None:
+        _check(all(items), "stop", stop, "stop strings must be non-empty")
+    return items
 
 
 def _check_constraint(params: SamplingParams) -> None:

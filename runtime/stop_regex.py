@@ -17,6 +17,7 @@ from typing import NamedTuple
 import regex
 
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling_checks import str_list
 
 logger = logging.getLogger(__name__)
 
@@ -33,17 +34,15 @@ _SEARCH_TIMEOUT_S = 0.05
 
 def normalize_stop_regex(value: object) -> list[str] | None:
     """A str or list of str -> the list ([] -> None), each pattern bounded and compiled."""
-    if value is None:
+    items = str_list(value, "stop_regex")
+    if items is None:
         return None
-    items = [value] if isinstance(value, str) else value
-    if not (isinstance(items, (list, tuple)) and all(isinstance(p, str) for p in items)):
-        raise InvalidArgumentError("stop_regex", value, "must be a str or a list of str")
     if len(items) > MAX_STOP_REGEXES:
         raise InvalidArgumentError("stop_regex", f"<{len(items)} patterns>",
                                    f"at most {MAX_STOP_REGEXES} patterns")
     for pattern in items:
         _check_pattern(pattern)
-    return list(items) or None
+    return items or None
 
 
 def _check_pattern(pattern: str) -> None:

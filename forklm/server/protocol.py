@@ -6,9 +6,9 @@ are checked once, by SamplingParams; only the server-side counts and sizes are b
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from forklm.server.chat_template import RESERVED_TEMPLATE_KWARGS
 
@@ -18,6 +18,20 @@ MAX_TOP_LOGPROBS = 20
 MAX_TOOLS = 128  # OpenAI's limit
 # OpenAI's documented metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
 MAX_METADATA_KEYS, MAX_METADATA_KEY_LEN, MAX_METADATA_VALUE_LEN = 16, 64, 512
+
+
+def _bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise ValueError(f"at most {MAX_METADATA_KEYS} keys, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_LEN or len(value) > MAX_METADATA_VALUE_LEN:
+            raise ValueError(f"keys are at most {MAX_METADATA_KEY_LEN} characters and "
+                             f"values at most {MAX_METADATA_VALUE_LEN} (key {key[:64]!r})")
+    return metadata
+
+
+# A request's `metadata` (chat completions and responses), within OpenAI's limits.
+Metadata = Annotated[dict[str, str], AfterValidator(_bounded_metadata)]
 MAX_TEMPLATE_KWARGS = 32
 MAX_TEMPLATE_KWARGS_CHARS = 64 * 1024  # of their JSON; they are template switches, not data
 _Count = Field(default=None, ge=0)
@@ -200,7 +214,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     # Accepted as OpenAI does; they change nothing here (no stored completions, one tier, text).
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prompt_cache_key: str | None = _Id  # the radix cache finds shared prefixes by itself
     safety_identifier: str | None = _Id
@@ -210,19 +224,6 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True  # SGLang's: reasoning in its own field (with a parser)
-
-    @field_validator("metadata")
-    @classmethod
-    def _bounded_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        if metadata is None:
-            return None
-        if len(metadata) > MAX_METADATA_KEYS:
-            raise ValueError(f"at most {MAX_METADATA_KEYS} keys, got {len(metadata)}")
-        for key, value in metadata.items():
-            if len(key) > MAX_METADATA_KEY_LEN or len(value) > MAX_METADATA_VALUE_LEN:
-                raise ValueError(f"keys are at most {MAX_METADATA_KEY_LEN} characters and "
-                                 f"values at most {MAX_METADATA_VALUE_LEN} (key {key[:64]!r})")
-        return metadata
 
     @field_validator("modalities")
     @classmethod

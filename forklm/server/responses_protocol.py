@@ -8,12 +8,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from forklm.server.protocol import Metadata
+
 # Bounds a client controls, checked before any work proportional to them.
 MAX_INPUT_ITEMS = 1024  # one request's input items
 MAX_CONVERSATION_ITEMS = 4096  # input plus the items carried over by previous_response_id
 MAX_TOOLS = 128  # OpenAI's own limit on tools per request
 MAX_TEXT_CHARS = 8 * 1024 * 1024  # one text field (the body limit bounds their sum, 8 MiB)
-MAX_METADATA_PAIRS = 16  # OpenAI's: 16 pairs, keys <= 64 chars, values <= 512 chars
 _Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 _Id = Annotated[str, Field(min_length=1, max_length=256)]
 _FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
@@ -191,8 +192,7 @@ class ResponsesRequest(_Strict):
     stream_options: StreamOptions | None = None
     previous_response_id: _Id | None = None
     store: bool = True
-    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] \
-        | None = Field(default=None, max_length=MAX_METADATA_PAIRS)
+    metadata: Metadata | None = None
     include: list[str] | None = Field(default=None, max_length=16)
     truncation: Literal["auto", "disabled"] | None = None
     reasoning: ReasoningConfig | None = None
