@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import jsonschema
+import transformers
 
 from forklm import Engine
 from forklm.server.parsers.tool_calls import HermesParser
@@ -61,7 +62,11 @@ def build_hermes_model(folder: pathlib.Path | str, tokenizer: Any) -> int:
     into `folder`; returns the `<tool_call>` token id."""
     from tests.tiny_models import build_tiny_model
 
-    tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    # A copy through save/load: `tokenizer` may have been built from a GGUF, whose folder holds no
+    # tokenizer files to load it from again.
+    folder = pathlib.Path(folder)
+    tokenizer.save_pretrained(folder)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
     tok.add_tokens(["<tool_call>", "</tool_call>"])  # not special: they stay in the text
     tok.chat_template = HERMES_TEMPLATE
     build_tiny_model("qwen2", folder, tok)
