@@ -3,11 +3,15 @@
   python -m benchmarks --scale full --repeats 3          # the full suite (see RESULTS.md)
   python -m benchmarks --workloads W1,W2 --systems forklm,forklm-nocache,hf8 --scale 0.25
   python -m benchmarks --systems http --base-url http://127.0.0.1:30000 --workloads W1
+  python -m benchmarks --workloads W1,W2,W3,S1 --systems forklm-http,llama-server-np16  # issue 15
 
 Systems: forklm, forklm-nocache, forklm-fcfs (in-process Engine and its ablations), hf1, hf8
 (transformers one at a time / static batches of 8), http (any OpenAI-compatible server at
---base-url), forklm-http (starts `forklm serve`), llamacpp (starts llama-cpp-python's server on the
-same GGUF with --llamacpp-python). Repeats are interleaved across systems (repeat 1 of every system,
+--base-url), forklm-http (starts `forklm serve`), llama-server-np8 and llama-server-np16
+(llama.cpp's C++ server with 8 / 16 parallel slots on the same GGUF; build it with
+benchmarks/build_llama_server.sh, or pass --llama-server PATH), llamacpp (llama-cpp-python's
+server, one request at a time, with --llamacpp-python). Workload S1 is W2's prompts one at a time,
+for ms/token and TTFT at batch 1. Repeats are interleaved across systems (repeat 1 of every system,
 then repeat 2, ...) so that a busy machine slows all of them alike. Writes a markdown report, the
 raw runs as JSON and a PNG plot to benchmarks/results/<stamp>.*
 """
@@ -30,7 +34,8 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the abl
     "forklm-nocache": {"disable_radix_cache": True},
     "forklm-fcfs": {"schedule_policy": "fcfs"},
 }
-HTTP_SYSTEMS = ("http", "forklm-http", "llamacpp")
+LLAMA_SERVER_SLOTS = {"llama-server-np8": 8, "llama-server-np16": 16}
+HTTP_SYSTEMS = ("http", "forklm-http", "llamacpp", *LLAMA_SERVER_SLOTS)
 SYSTEMS = (*ENGINE_SYSTEMS, "hf1", "hf8", *HTTP_SYSTEMS)
 PROGRAM_WORKLOADS = ("W5-select", "W5-fork")
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -79,6 +84,8 @@ def _http_runner(system: str, args: argparse.Namespace, stack: contextlib.ExitSt
     from benchmarks.http_runner import HTTPRunner
     from benchmarks.servers import forklm_server, llamacpp_server
 
+    if system in LLAMA_SERVER_SLOTS:
+        return _llama_server_runner(system, args, stack)
     if system == "http":
         if not args.base_url:
             raise SystemExit("--systems http needs --base-url URL")
@@ -96,6 +103,22 @@ def _http_runner(system: str, args: argparse.Namespace, stack: contextlib.ExitSt
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in _engine_options(args).items()]
     server = stack.enter_context(forklm_server(flags))
     return HTTPRunner(server.base_url, "forklm-http", server_pid=server.pid)
+
+
+def _llama_server_runner(system: str, args: argparse.Namespace,
+                         stack: contextlib.ExitStack) -> Any:
+    from benchmarks.http_runner import HTTPRunner
+    from benchmarks.servers import llama_server
+
+    if not pathlib.Path(args.llama_server).exists():
+        raise SystemExit(f"--llama-server {args.llama_server} does not exist; build it with "
+                         "benchmarks/build_llama_server.sh [DEST] (about 10 minutes)")
+    server = stack.enter_context(llama_server(args.llama_server, LLAMA_SERVER_SLOTS[system],
+                                              num_threads=args.num_threads or 2))
+    # It takes ignore_eos, streams usage (with prompt_tokens_details.cached_tokens) and
+    # timings.cache_n in the last chunk, and constrains /v1/completions by a json_schema object.
+    return HTTPRunner(server.base_url, system, server_pid=server.pid,
+                      json_schema_as_string=False)
 
 
 def _gguf_token_counter() -> Any:
@@ -188,6 +211,8 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--base-url", default=None, help="server for --systems http")
     p.add_argument("--server-pid", type=int, default=None, help="its pid, for peak RSS")
     p.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
+    p.add_argument("--llama-server", default="/tmp/llama-server-build/bin/llama-server",
+                   help="llama.cpp's llama-server binary (benchmarks/build_llama_server.sh)")
     p.add_argument("--kv-memory", action="store_true",
                    help="also measure KV bytes reserved / needed on forklm's pool")
     args = p.parse_args()

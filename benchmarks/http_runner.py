@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.runners import Metrics, _metrics, drive
+from benchmarks.runners import Metrics, _metrics, drive, tpot_ms
 from benchmarks.workloads import Request, Workload
 
 
@@ -45,6 +45,8 @@ class HTTPRunner:
     eos_bias_ids: tuple[int, ...] = ()
     # Counts a prompt's tokens when the server reports no usage while streaming (llama-cpp-python)
     count_tokens: Callable[[str], int] | None = None
+    # SGLang and forklm take `json_schema` as a JSON string, llama-server as an object.
+    json_schema_as_string: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -66,13 +68,16 @@ class HTTPRunner:
         t0 = time.perf_counter()
         latencies, ttfts, usages = asyncio.run(rss.around(self._run_all(wl)))
         wall = time.perf_counter() - t0
+        tpots = [tpot_ms(lat, ttft, u.completion_tokens)
+                 for lat, ttft, u in zip(latencies, ttfts, usages)]
         out_tokens = sum(u.completion_tokens for u in usages)
         sent = sum(u.prompt_tokens for u in usages)
         reported = [u.cached_tokens for u in usages if u.cached_tokens is not None]
         # Without a cache report every prompt token counts as computed (the conservative reading).
         computed = sent - sum(reported) if reported else sent
         return _metrics(self.system, wl, wall, out_tokens, latencies, ttfts, sent, computed,
-                        peak_rss_mb=rss.peak_mb if self.server_pid else float("nan"))
+                        peak_rss_mb=rss.peak_mb if self.server_pid else float("nan"),
+                        tpots_ms=[t for t in tpots if t is not None])
 
     async def _run_all(self, wl: Workload) -> tuple[list[float], list[float], list[Usage]]:
         gate = asyncio.Semaphore(wl.max_in_flight)
@@ -105,7 +110,8 @@ class HTTPRunner:
         if req.ignore_eos and self.eos_bias_ids:
             body["logit_bias"] = {str(i): -100.0 for i in self.eos_bias_ids}
         if req.json_schema is not None:
-            body["json_schema"] = json.dumps(req.json_schema)  # SGLang's completions extension
+            body["json_schema"] = (json.dumps(req.json_schema) if self.json_schema_as_string
+                                   else req.json_schema)  # SGLang's completions extension
         return body
 
     async def complete(self, client: httpx.AsyncClient, prompt: str,

@@ -1,5 +1,5 @@
-"""Report of a benchmark run: a markdown table of medians, the issue-3 target ratios computed from
-systems measured in the same run, the raw runs as JSON, and a PNG plot of output tokens/s."""
+"""Report of a benchmark run: a markdown table of medians, the issue-3 and issue-15 target ratios
+computed from systems measured in the same run, and a PNG plot of output tokens/s."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from benchmarks.runners import Metrics
 
 Runs = dict[tuple[str, str], list[Metrics]]
 _MEDIANS = ("output_tokens_per_s", "requests_per_s", "median_latency_s", "p99_latency_s",
-            "median_ttft_s", "peak_rss_mb", "wall_s")
+            "median_ttft_s", "median_tpot_ms", "peak_rss_mb", "wall_s")
 
 
 def medians(ms: list[Metrics]) -> dict[str, float]:
@@ -21,13 +21,15 @@ def medians(ms: list[Metrics]) -> dict[str, float]:
 
 def table(runs: Runs) -> str:
     lines = ["| workload | system | output tok/s | req/s | median latency s | p99 latency s | "
-             "median TTFT s | prompt computed / sent | peak RSS MB | runs |", "|" + "---|" * 10]
+             "median TTFT s | ms/token | prompt computed / sent | peak RSS MB | runs |",
+             "|" + "---|" * 11]
     for (wl, system), ms in runs.items():
         med = medians(ms)
         sent, computed = ms[-1].prompt_tokens_sent, ms[-1].prompt_tokens_computed
         lines.append(f"| {wl} | {system} | {med['output_tokens_per_s']:.1f} | "
                      f"{med['requests_per_s']:.2f} | {med['median_latency_s']:.2f} | "
                      f"{med['p99_latency_s']:.2f} | {_num(med['median_ttft_s'])} | "
+                     f"{_num(med['median_tpot_ms'], 1)} | "
                      f"{computed}/{sent} ({computed / max(sent, 1):.0%}) | "
                      f"{_num(med['peak_rss_mb'], 0)} | {len(ms)} |")
     return "\n".join(lines)
@@ -37,12 +39,27 @@ def _num(x: float, digits: int = 2) -> str:
     return "-" if math.isnan(x) else f"{x:.{digits}f}"
 
 
-def _tps(runs: Runs, wl_name: str, system: str) -> float | None:
-    """Median output tokens/s of the workload whose name is wl_name or starts with wl_name + " "."""
+def _median(runs: Runs, wl_name: str, system: str, key: str) -> float | None:
+    """Median `key` of the workload whose name is wl_name or starts with wl_name + " "."""
     for (wl, s), ms in runs.items():
         if s == system and (wl == wl_name or (wl.startswith(wl_name + " ") and "64 in" not in wl)):
-            return medians(ms)["output_tokens_per_s"]
+            value = medians(ms)[key]
+            return None if math.isnan(value) else value
     return None
+
+
+def _tps(runs: Runs, wl_name: str, system: str) -> float | None:
+    return _median(runs, wl_name, system, "output_tokens_per_s")
+
+
+def _best(runs: Runs, wl_name: str, systems: tuple[str, ...], key: str,
+          higher_is_better: bool) -> float | None:
+    """The best median `key` among the systems that ran wl_name (issue 15: the better of the
+    llama-server slot counts is the peer)."""
+    values = [v for s in systems if (v := _median(runs, wl_name, s, key)) is not None]
+    if not values:
+        return None
+    return max(values) if higher_is_better else min(values)
 
 
 def _rps(runs: Runs, wl_name: str, system: str) -> float | None:
@@ -68,6 +85,22 @@ _RATIO_TARGETS = [
     ("W3 radix cache on / off", "W3", "forklm", "forklm-nocache", None),
 ]
 
+# Issue 15: against the best of llama.cpp's C++ llama-server slot counts (continuous batching).
+LLAMA_SERVERS = ("llama-server-np8", "llama-server-np16")
+_TPS, _TPOT, _TTFT = "output_tokens_per_s", "median_tpot_ms", "median_ttft_s"
+# (label, workload, numerator system, metric, target); tokens/s: higher is better, else lower.
+_PEER_TARGETS = [
+    ("W1 forklm / llama-server", "W1", "forklm", _TPS, 3.0),
+    ("W2 forklm / llama-server", "W2", "forklm", _TPS, 2.0),
+    ("W3 forklm / llama-server", "W3", "forklm", _TPS, 3.0),
+    ("W1 forklm over HTTP / llama-server", "W1", "forklm-http", _TPS, 3.0),
+    ("W2 forklm over HTTP / llama-server", "W2", "forklm-http", _TPS, 2.0),
+    ("W3 forklm over HTTP / llama-server", "W3", "forklm-http", _TPS, 3.0),
+    ("S1 ms/token, forklm over HTTP / llama-server", "S1", "forklm-http", _TPOT, 1.0),
+    ("S1 TTFT, forklm over HTTP / llama-server", "S1", "forklm-http", _TTFT, None),
+    ("S1 ms/token, forklm in process / llama-server", "S1", "forklm", _TPOT, None),
+]
+
 
 def ratios(runs: Runs, extra: dict[str, Any] | None = None) -> str:
     """Target ratios between systems of this run (output tokens/s medians), where both ran."""
@@ -77,6 +110,7 @@ def ratios(runs: Runs, extra: dict[str, Any] | None = None) -> str:
         a, b = _tps(runs, wl_num, num), _tps(runs, wl_den or wl_num, den)
         if a is not None and b:
             lines.append(_ratio_line(label, a / b, target, higher_is_better=True))
+    lines += _peer_lines(runs)
     for (wl, system), ms in runs.items():
         if wl.startswith("W3") and system == "forklm":
             share = ms[-1].prompt_tokens_computed / max(ms[-1].prompt_tokens_sent, 1)
@@ -91,6 +125,18 @@ def ratios(runs: Runs, extra: dict[str, Any] | None = None) -> str:
     for label, (value, target) in (extra or {}).items():
         lines.append(_ratio_line(label, value, target, higher_is_better=False))
     return "\n".join(lines)
+
+
+def _peer_lines(runs: Runs) -> list[str]:
+    """The issue-15 ratios against the best llama-server slot count that ran. Always numerator /
+    peer, so for ms/token and TTFT (lower is better) <= 1.0 is parity."""
+    lines = []
+    for label, wl, num, key, target in _PEER_TARGETS:
+        higher = key == _TPS
+        a, b = _median(runs, wl, num, key), _best(runs, wl, LLAMA_SERVERS, key, higher)
+        if a is not None and b:
+            lines.append(_ratio_line(f"{label} (best of np8, np16)", a / b, target, higher))
+    return lines
 
 
 def _ratio_line(label: str, value: float, target: float | None, higher_is_better: bool) -> str:

@@ -27,6 +27,9 @@ class Metrics:
     prompt_tokens_sent: int
     prompt_tokens_computed: int
     peak_rss_mb: float
+    # Median over requests of (latency - TTFT) / (output tokens - 1): decode time per token after
+    # the first; nan where a runner cannot see the first token (transformers' generate).
+    median_tpot_ms: float = float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -34,7 +37,7 @@ class Metrics:
 
 def _metrics(system: str, wl: Workload, wall: float, out_tokens: int, latencies: list[float],
              ttfts: list[float], sent: int, computed: int,
-             peak_rss_mb: float | None = None) -> Metrics:
+             peak_rss_mb: float | None = None, tpots_ms: list[float] | None = None) -> Metrics:
     """Peak RSS is this process's unless the caller measured a server's (peak_rss_mb)."""
     lat = sorted(latencies)
     if peak_rss_mb is None:
@@ -46,7 +49,13 @@ def _metrics(system: str, wl: Workload, wall: float, out_tokens: int, latencies:
         median_ttft_s=statistics.median(ttfts) if ttfts else float("nan"),
         prompt_tokens_sent=sent, prompt_tokens_computed=computed,
         peak_rss_mb=peak_rss_mb,
+        median_tpot_ms=statistics.median(tpots_ms) if tpots_ms else float("nan"),
     )
+
+
+def tpot_ms(latency_s: float, ttft_s: float, num_tokens: int) -> float | None:
+    """Time per output token after the first, in ms; None for a request of fewer than 2 tokens."""
+    return 1000 * (latency_s - ttft_s) / (num_tokens - 1) if num_tokens >= 2 else None
 
 
 class EngineRunner:
@@ -63,17 +72,19 @@ class EngineRunner:
         self.engine.flush_cache()
         before = self.engine.stats()
         t0 = time.perf_counter()
-        latencies, ttfts, out_tokens = asyncio.run(self._run_all(wl))
+        latencies, ttfts, tpots, out_tokens = asyncio.run(self._run_all(wl))
         wall = time.perf_counter() - t0
         after = self.engine.stats()
         sent = after["prompt_tokens"] - before["prompt_tokens"]
         cached = after["cache_hit_tokens"] - before["cache_hit_tokens"]
-        return _metrics(self.system, wl, wall, out_tokens, latencies, ttfts, sent, sent - cached)
+        return _metrics(self.system, wl, wall, out_tokens, latencies, ttfts, sent, sent - cached,
+                        tpots_ms=tpots)
 
-    async def _run_all(self, wl: Workload) -> tuple[list[float], list[float], int]:
+    async def _run_all(self, wl: Workload) -> tuple[list[float], list[float], list[float], int]:
         gate = asyncio.Semaphore(wl.max_in_flight)
         latencies: list[float] = []
         ttfts: list[float] = []
+        tpots: list[float] = []
         tokens = [0]
 
         async def one(prompt: str, req: Request) -> str:
@@ -83,17 +94,21 @@ class EngineRunner:
                                           "ignore_eos": req.ignore_eos}
                 if req.json_schema is not None:
                     params["json_schema"] = req.json_schema
-                text, first = [], None
+                text, first, num_tokens = [], None, 0
                 async for chunk in await self.engine.async_generate(prompt, params, stream=True):
                     first = first or time.perf_counter()
                     text.append(chunk["text"])
-                    tokens[0] += len(chunk["output_ids"])
+                    num_tokens += len(chunk["output_ids"])
                 latencies.append(time.perf_counter() - t0)
                 ttfts.append((first or time.perf_counter()) - t0)
+                tokens[0] += num_tokens
+                tpot = tpot_ms(latencies[-1], ttfts[-1], num_tokens)
+                if tpot is not None:
+                    tpots.append(tpot)
                 return "".join(text)
 
         await drive(wl, one)
-        return latencies, ttfts, tokens[0]
+        return latencies, ttfts, tpots, tokens[0]
 
 
 def _conversations(wl: Workload) -> dict[int, list[Request]]:

@@ -1,5 +1,6 @@
 """Start a serving process on 127.0.0.1 for the HTTP runner, wait until it answers, stop it after:
-forklm's own server (`forklm serve`) and the CPU peer, llama-cpp-python's server on the same GGUF."""
+forklm's own server (`forklm serve`) and the CPU peers on the same GGUF: llama.cpp's C++
+`llama-server` (parallel slots) and llama-cpp-python's server (one request at a time)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ def free_port() -> int:
 class ServerProcess:
     """`with ServerProcess(cmd, port) as server:` runs cmd until the block ends. Waits for
     GET health_path to answer 200; raises RuntimeError with the log's tail if the process exits
-    or the wait times out. The child gets OMP_WAIT_POLICY=PASSIVE (shared cores, see NOTES.md)."""
+    or the wait times out. The child gets OMP_WAIT_POLICY=PASSIVE (shared cores, see NOTES.md)
+    unless env says otherwise; an env value of None removes that variable."""
 
     command: list[str]
     port: int
     health_path: str = "/health"
     startup_timeout_s: float = 600.0
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str | None] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
     @property
@@ -46,7 +48,8 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         self._log = tempfile.NamedTemporaryFile("w+", prefix="bench-server-", suffix=".log",
                                                 delete=False)
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **self.env}
+        merged = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **self.env}
+        env = {k: v for k, v in merged.items() if v is not None}
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env)
         try:
@@ -113,6 +116,31 @@ def llamacpp_server(python: str, num_threads: int = 2, n_ctx: int = 4096,
            # By default a new request aborts the one being streamed; queue them instead.
            "--interrupt_requests", "False"]
     return ServerProcess(cmd, port, health_path="/v1/models")
+
+
+# llama-server at batch 1 (S1, 2 threads, busy 2-core machine), median ms/token: see
+# LLAMA_SERVER_OMP below. ggml synchronises its threads with its own spinning barrier inside one
+# OpenMP region per graph, so the policy only decides whether threads sleep between tokens.
+LLAMA_SERVER_OMP: str | None = "ACTIVE"
+
+
+def llama_server(binary: str, parallel: int, num_threads: int = 2, ctx_per_slot: int = 2048,
+                 model: str | None = None, port: int | None = None,
+                 omp_wait_policy: str | None = LLAMA_SERVER_OMP) -> ServerProcess:
+    """llama.cpp's C++ server on the GGUF file: `parallel` slots decoded together (continuous
+    batching is its default), each with its own ctx_per_slot tokens of KV (2048 holds W1/W2's
+    ~470-token prompts and W3's last turn, ~350 tokens, with room to spare), and its defaults
+    otherwise (prompt cache per slot and in RAM, flash attention auto). omp_wait_policy None
+    leaves OMP_WAIT_POLICY unset."""
+    if not pathlib.Path(binary).exists():
+        raise FileNotFoundError(f"--llama-server {binary!r} does not exist; build it with "
+                                "benchmarks/build_llama_server.sh")
+    port = port or free_port()
+    cmd = [binary, "-m", str(model or default_gguf()), "--host", "127.0.0.1", "--port", str(port),
+           "-t", str(num_threads), "-tb", str(num_threads), "-np", str(parallel),
+           "-c", str(parallel * ctx_per_slot), "--no-webui"]
+    return ServerProcess(cmd, port, health_path="/health",
+                         env={"OMP_WAIT_POLICY": omp_wait_policy})
 
 
 def forklm_server(engine_flags: list[str] | None = None, port: int | None = None) -> ServerProcess:

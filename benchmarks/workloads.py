@@ -94,7 +94,15 @@ def shared_prefix_64() -> Workload:
     return wl
 
 
+def single_stream(num_requests: int = 8) -> Workload:
+    """S1: W2's distinct prompts one at a time: per-token decode speed (ms/token) and TTFT at
+    batch 1, where batching and caching cannot help (issue 15's parity target)."""
+    wl = no_sharing(num_requests)
+    wl.name, wl.max_in_flight = "S1 single stream", 1
+    return wl
+
+
 WORKLOADS = {
-    "W1": shared_prefix, "W1-64": shared_prefix_64, "W2": no_sharing, "W3": multi_turn, "W4": json_people,
-    "W4-free": lambda: json_people(constrained=False),
+    "W1": shared_prefix, "W1-64": shared_prefix_64, "W2": no_sharing, "W3": multi_turn,
+    "W4": json_people, "W4-free": lambda: json_people(constrained=False), "S1": single_stream,
 }
