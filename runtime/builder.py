@@ -19,6 +19,7 @@ from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import LoadedModel, load_model
 from forklm.runtime.model_runner import ModelRunner
 from forklm.runtime.models import CausalLM, ModelSpec, WeightLoader, spec_from_config
+from forklm.runtime.models.onednn_linear import can_pack, pack_linears, packed_tied_head
 from forklm.runtime.radix_cache import RadixCache
 from forklm.runtime.scheduler import Scheduler
 
@@ -97,6 +98,11 @@ def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device
 
         factory = QuantizedLinear.from_gguf
     WeightLoader(model, dtype, device, factory).load(loaded.weights(keep_quantized))
+    if can_pack(dtype, device):
+        pack_linears(model)
+        table = getattr(model.model.embed_tokens, "weight", None)
+        if spec.tie_word_embeddings and isinstance(table, torch.Tensor):
+            model.tied_head = packed_tied_head(table)
     return model.eval()
 
 

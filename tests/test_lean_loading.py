@@ -30,8 +30,9 @@ loaded = load_model(sys.argv[1])
 open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from the current RSS
 before = status_mb("VmRSS")
 model = build_model(loaded, spec_from_config(loaded.config), torch.bfloat16, "cpu", 256)
-weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-dtypes = sorted({str(p.dtype) for p in model.parameters()})
+tensors = [*model.parameters(), *model.buffers()]  # buffers: weights in oneDNN's packed layout
+weights = sum(p.numel() * p.element_size() for p in tensors) / 2**20
+dtypes = sorted({str(p.dtype) for p in tensors})
 print(json.dumps({"growth": status_mb("VmHWM") - before, "weights": weights, "dtypes": dtypes}))
 """
 

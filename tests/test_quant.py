@@ -14,7 +14,13 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from forklm.runtime.quant.gguf_formats import GGUFWeight, decode
-from forklm.runtime.quant.linear import QuantizedLinear, supported_gguf_type
+from forklm.runtime.quant.linear import (
+    DENSE_MIN_ROWS,
+    QuantizedLinear,
+    _codes_t,
+    _unpack_rows,
+    supported_gguf_type,
+)
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
 # Largest |kernel weight - gguf weight| / max |gguf weight| seen with bf16 scales (Q6_K's int8
@@ -94,6 +100,24 @@ def test_forward_matches_dequantized_matmul(ggml_type, kernel_dtype, x_dtype, ba
     exact = kernel_dtype == x_dtype == torch.float32
     rtol = 1e-5 if exact else 2e-2
     assert (y.double() - expected).abs().max() <= rtol * expected.abs().max()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("out_features", [48, 80, 192])  # tail only, block + tail, blocks only
+def test_prefill_sized_batches_take_the_dense_path_with_the_same_weight(ggml_type, out_features):
+    weight = make_weight(ggml_type, out_features, in_features_for(ggml_type))
+    linear = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    matrix = linear.matrices[0]
+    rows = torch.arange(matrix.packed.shape[0])
+    # The block reader sees exactly the codes the row reader (checked against the kernel) sees.
+    codes = _unpack_rows(matrix.packed, matrix.k_prime, rows).T
+    assert torch.equal(_codes_t(matrix.packed, matrix.k_prime), codes.bfloat16())
+    batch = DENSE_MIN_ROWS + 2
+    x = torch.randn(batch, weight.shape[1], generator=torch.Generator().manual_seed(3))
+    y = linear(x.bfloat16())
+    expected = x.double() @ linear.dequantize().double().T
+    # bf16 rounding of x, of each dequantized weight (c * s + (z - 8 s)) and of the output.
+    assert (y.double() - expected).abs().max() <= 2e-2 * expected.abs().max()
 
 
 def test_mixed_type_parts_stack_rows_and_same_types_share_a_matrix():

@@ -112,6 +112,8 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(spec, config, max_positions)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # A tied head's own copy of the table in a faster matmul layout (onednn_linear.py).
+        self.tied_head: nn.Module | None = None
 
     @property
     def attention_layers(self) -> list[AttentionLayerSpec]:
@@ -138,5 +140,7 @@ class CausalLM(nn.Module):
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if not self.spec.tie_word_embeddings:
             return self.lm_head(x)
+        if self.tied_head is not None:
+            return self.tied_head(x)
         table: Any = self.model.embed_tokens
         return table(x) if hasattr(table, "embedding") else F.linear(x, table.weight)

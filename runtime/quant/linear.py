@@ -13,6 +13,14 @@ KERNEL_GROUP = 32  # the smallest group the int4 kernel takes (it accepts 32, 64
 PACK_BLOCK_N = 64  # the int4 CPU packing interleaves rows in blocks of 64 (tail: N % 64 rows)
 ROW_MULTIPLE = 16  # the packing needs N divisible by 16; other sizes are padded with zero rows
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+# From this many rows (prefill chunks) a bf16 matrix is dequantized for the call
+# and multiplied by a dense GEMM: torch's int4 kernel is a matrix-vector design whose cost grows
+# with every row (3072x576 at 400 rows: 10.7 ms, dequantize + GEMM: 1.2 ms; at 16 rows the
+# kernel wins, 0.45 ms; benchmarks/NOTES.md).
+DENSE_MIN_ROWS = 128
+# ... but not for matrices this large (a vocabulary-sized LM head: dequantizing 49152x1152 codes
+# writes 113 MB per call, more than its few logits rows cost in the kernel).
+DENSE_MAX_ELEMENTS = 8 * 2**20
 
 # How each type's integer codes map onto 4-bit kernel codes. 4-bit types use c = code + shift.
 # 8-bit Q8_0 and 6-bit Q6_K codes are split code = hi * 2**lo_bits + lo into two 4-bit codes
@@ -72,9 +80,22 @@ class Int4Matrix(nn.Module):
         """x [M, in] in the kernel dtype -> [M, out] in the kernel dtype."""
         if self.lo_bits:
             x = self._expand(x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, KERNEL_GROUP,
-                                                       self.scale_zeros)
+        if (x.shape[0] >= DENSE_MIN_ROWS and x.dtype == torch.bfloat16
+                and self.packed.numel() * 2 <= DENSE_MAX_ELEMENTS):
+            y = x @ self.dense_t()
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, KERNEL_GROUP,
+                                                           self.scale_zeros)
         return y if y.shape[1] == self.out_features else y[:, : self.out_features]
+
+    def dense_t(self) -> torch.Tensor:
+        """[K', padded_out] in the kernel dtype: the transposed weight, dequantized in four
+        passes (nibbles -> one strided copy into the transposed layout -> w = c * s + (z - 8 s))."""
+        codes_t = _codes_t(self.packed, self.k_prime).view(self.k_prime // KERNEL_GROUP,
+                                                           KERNEL_GROUP, -1)
+        scale = self.scale_zeros[:, None, :, 0]  # [K' / 32, 1, N]
+        offset = (self.scale_zeros[:, None, :, 1].float() - 8 * scale.float()).to(scale.dtype)
+        return torch.addcmul(offset, codes_t, scale).view(self.k_prime, -1)
 
     def _expand(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -253,6 +274,26 @@ def _unpack_rows(packed: torch.Tensor, k_prime: int, ids: torch.Tensor) -> torch
     k = torch.arange(k_prime)
     index = (start * (k_prime // 2) + col)[:, None] + k[None, :] * half[:, None]  # [T, K']
     return (packed.view(-1)[index] >> (4 * nibble)[:, None].to(torch.uint8)) & 0x0F
+
+
+def _codes_t(packed: torch.Tensor, k_prime: int) -> torch.Tensor:
+    """bf16 codes [K', padded_out] of every row (the transposed code matrix), read from torch's
+    int4 CPU packing (the layout _unpack_rows describes) in whole blocks."""
+    num_rows = packed.shape[0]
+    full = num_rows // PACK_BLOCK_N * PACK_BLOCK_N
+    out = torch.empty(k_prime, num_rows, dtype=torch.bfloat16)
+    flat = packed.view(-1)
+    if full:  # block b, byte (k, j): row 64b + j in the low nibble, row 64b + 32 + j in the high
+        blocks = flat[: full * k_prime // 2].view(full // PACK_BLOCK_N, k_prime, PACK_BLOCK_N // 2)
+        dest = out[:, :full].view(k_prime, -1, 2, PACK_BLOCK_N // 2).permute(1, 0, 2, 3)
+        dest[:, :, 0].copy_(blocks & 0x0F)
+        dest[:, :, 1].copy_(blocks >> 4)
+    if num_rows > full:  # the tail block, byte (k, j): rows 2j (low) and 2j + 1 (high)
+        tail = flat[full * k_prime // 2:].view(k_prime, (num_rows - full) // 2)
+        dest = out[:, full:].view(k_prime, -1, 2)
+        dest[..., 0].copy_(tail & 0x0F)
+        dest[..., 1].copy_(tail >> 4)
+    return out
 
 
 def _nbytes(t: torch.Tensor) -> int:

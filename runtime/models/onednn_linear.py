@@ -1,0 +1,85 @@
+"""bf16 linear layers on the CPU with their weights pre-reordered into oneDNN's blocked layout.
+
+`F.linear` on a plain [out, in] bf16 weight makes oneDNN reorder (or read strided) the whole
+weight on every call; a decode step reads every weight once, so that cost is paid 121 times a
+step. Reordered once at load, the same matmuls run 1.5-2x faster at 1-16 rows and give the same
+values (benchmarks/NOTES.md, "oneDNN-packed bf16 weights"). float32 stays on plain `F.linear`:
+there the packed path is barely faster and rounds differently from the MKL GEMM transformers'
+own float32 forward uses, which the token-exact tests compare against.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from forklm.runtime.models.weights import FusedLinear
+
+logger = logging.getLogger(__name__)
+
+# The weight layout is chosen for this many rows; 1 measured best for decode and within a few %
+# of the row-count-specific layout for 16-1024-row prefills (NOTES.md).
+ROWS_HINT = 1
+# A tied LM head needs its own packed copy (the embedding lookup reads the plain table): pack it
+# only while that copy is small next to the rest of the model (54 MiB for the default model).
+MAX_TIED_HEAD_BYTES = 512 * 2**20
+
+
+class OneDNNLinear(nn.Module):
+    """y = x @ W.T + b with W held in oneDNN's packed layout: an opaque tensor, so a
+    non-persistent buffer rather than a parameter (it is only ever multiplied with)."""
+
+    packed: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach(), ROWS_HINT), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack(dtype: torch.dtype, device: str) -> bool:
+    """Whether this torch build and CPU run oneDNN bf16 linears (AVX-512-bf16 or AMX)."""
+    if dtype != torch.bfloat16 or device != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.zeros(16, 16, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 16, dtype=dtype), packed, None,
+                                           "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every plain bf16 nn.Linear under `model` (fused q/k/v and gate/up included; not
+    quantized or expert-stacked weights) by a OneDNNLinear; returns how many were replaced.
+    Each weight is freed as soon as its packed copy exists, so memory never holds both layouts
+    of more than one matrix."""
+    # (parent, name) only: holding the children here would keep every plain weight alive.
+    targets = [(parent, name) for parent in model.modules()
+               for name, child in parent.named_children()
+               if type(child) in (nn.Linear, FusedLinear) and child.weight.dtype == torch.bfloat16]
+    for parent, name in targets:
+        child = getattr(parent, name)
+        packed = OneDNNLinear(child.weight, child.bias)
+        if isinstance(child, FusedLinear):
+            packed.part_sizes = child.part_sizes  # type: ignore[assignment]
+        setattr(parent, name, packed)
+        del child
+    return len(targets)
+
+
+def packed_tied_head(table: torch.Tensor) -> OneDNNLinear | None:
+    """A packed copy of a tied embedding table for the LM head, or None when it is too large to
+    keep twice."""
+    if table.dtype != torch.bfloat16 or table.numel() * table.element_size() > MAX_TIED_HEAD_BYTES:
+        return None
+    return OneDNNLinear(table, None)

@@ -1,0 +1,67 @@
+"""bf16 linears with oneDNN-packed weights give the plain F.linear path's values: bit-identical in
+decode steps, within bf16 accumulation-order rounding in prefills."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.profile_step import decode_batch, prefill_batch
+from forklm.runtime import builder
+from forklm.runtime.attention import create_attention_backend
+from forklm.runtime.builder import build_model
+from forklm.runtime.kv_pool import KVPool
+from forklm.runtime.model_loader import load_model
+from forklm.runtime.models import spec_from_config
+from forklm.runtime.models.onednn_linear import OneDNNLinear, can_pack, pack_linears
+from forklm.runtime.models.weights import FusedLinear
+from tests.tiny_models import build_tiny_model
+
+needs_bf16_onednn = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"),
+                                       reason="this CPU has no oneDNN bf16 matmuls")
+
+
+def test_only_bf16_on_the_cpu_is_packed():
+    assert not can_pack(torch.float32, "cpu")
+    assert not can_pack(torch.bfloat16, "cuda")
+
+
+@needs_bf16_onednn
+def test_pack_linears_replaces_plain_and_fused_linears_only():
+    model = nn.Sequential(nn.Linear(16, 32), FusedLinear(32, (8, 8), bias=True), nn.Embedding(4, 16))
+    model.to(torch.bfloat16)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    expected = model[1](model[0](x))
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], OneDNNLinear) and isinstance(model[1], OneDNNLinear)
+    assert model[1].part_sizes == (8, 8)
+    assert isinstance(model[2], nn.Embedding)
+    assert torch.equal(model[1](model[0](x)), expected)
+
+
+def _run(model, spec, batch, dtype=torch.bfloat16):
+    pool = KVPool(spec.num_layers, 4096, spec.num_kv_heads, spec.head_dim, dtype)
+    attn = create_attention_backend("torch", pool, spec.num_heads, spec.num_kv_heads,
+                                    spec.head_dim, model.attention_layers)
+    return model(batch, attn)
+
+
+@needs_bf16_onednn
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])  # tied head, untied head with biases
+def test_packed_model_matches_plain_model(arch, tmp_path, tokenizer, monkeypatch):
+    torch.manual_seed(0)  # the batches' random token ids
+    build_tiny_model(arch, tmp_path, tokenizer)
+    loaded = load_model(str(tmp_path))
+    spec = spec_from_config(loaded.config)
+    packed = build_model(loaded, spec, torch.bfloat16, "cpu", 256)
+    monkeypatch.setattr(builder, "can_pack", lambda *args: False)
+    plain = build_model(loaded, spec, torch.bfloat16, "cpu", 256)
+    assert any(isinstance(m, OneDNNLinear) for m in packed.modules())
+    assert not any(isinstance(m, OneDNNLinear) for m in plain.modules())
+    assert (packed.tied_head is not None) == spec.tie_word_embeddings
+    for batch in (decode_batch(1, 40), decode_batch(8, 40)):
+        assert torch.equal(_run(packed, spec, batch), _run(plain, spec, batch))
+    big = prefill_batch(2, 200)
+    a, b = _run(packed, spec, big), _run(plain, spec, big)
+    assert (a - b).abs().max() <= 0.05 * b.abs().max()
