@@ -19,7 +19,12 @@ from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import LoadedModel, load_model
 from forklm.runtime.model_runner import ModelRunner
 from forklm.runtime.models import CausalLM, ModelSpec, WeightLoader, spec_from_config
-from forklm.runtime.models.onednn_linear import can_pack, pack_linears, packed_tied_head
+from forklm.runtime.models.onednn_linear import (
+    attach_dense_copies,
+    can_pack,
+    pack_linears,
+    packed_tied_head,
+)
 from forklm.runtime.radix_cache import RadixCache
 from forklm.runtime.scheduler import Scheduler
 
@@ -62,8 +67,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     spec = spec_from_config(hf)
     dtype = getattr(torch, config.torch_dtype_name)
     context_len = config.context_length or hf.max_position_embeddings
+    keep_quantized = keeps_gguf_quantized(config, loaded)
     model = build_model(loaded, spec, dtype, config.device, context_len,
-                        keep_quantized=keeps_gguf_quantized(config, loaded))
+                        keep_quantized=keep_quantized,
+                        dense_copies=keep_quantized and config.quantization is None)
     capacity = _kv_capacity(config, spec, dtype, context_len)
     pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
     cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
@@ -88,8 +95,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 
 def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device: str,
-                max_positions: int, keep_quantized: bool = False) -> CausalLM:
-    """The model on the meta device (no memory), then its weights streamed in one by one."""
+                max_positions: int, keep_quantized: bool = False,
+                dense_copies: bool = False) -> CausalLM:
+    """The model on the meta device (no memory), then its weights streamed in one by one.
+    bf16 linears on a CPU with oneDNN bf16 get packed weights; with `dense_copies` a small
+    quantized model also gets packed bf16 copies of its quantized matrices for larger batches."""
     with torch.device("meta"):
         model = CausalLM(spec, loaded.config, max_positions)
     factory = None
@@ -100,6 +110,8 @@ def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device
     WeightLoader(model, dtype, device, factory).load(loaded.weights(keep_quantized))
     if can_pack(dtype, device):
         pack_linears(model)
+        if keep_quantized and dense_copies:
+            attach_dense_copies(model)
         table = getattr(model.model.embed_tokens, "weight", None)
         if spec.tie_word_embeddings and isinstance(table, torch.Tensor):
             model.tied_head = packed_tied_head(table)

@@ -24,7 +24,9 @@ class EngineConfig:
     # Where the tokenizer comes from when not from the model itself (a folder or a Hub id).
     tokenizer_path: str | None = None
     # SGLang's --quantization: None = auto (a GGUF keeps its quantized blocks where that is
-    # faster, see runtime/quant/), "gguf" = always keep them, "none" = dequantize at load.
+    # faster at batch 1, see runtime/quant/, and a small one also a packed bf16 copy for larger
+    # batches, see models/onednn_linear.py), "gguf" = keep only the blocks (the least memory),
+    # "none" = dequantize at load.
     quantization: str | None = None
     # "auto" = bfloat16 on a GPU or a CPU with native bf16 dot products (AVX-512-bf16 or AMX: about
     # 3x faster matmuls than fp32), else float32 (on an AVX2-only CPU bf16 matmuls are emulated and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from benchmarks.profile_step import decode_batch, prefill_batch
@@ -14,8 +15,15 @@ from forklm.runtime.builder import build_model
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import load_model
 from forklm.runtime.models import spec_from_config
-from forklm.runtime.models.onednn_linear import OneDNNLinear, can_pack, pack_linears
+from forklm.runtime.models.onednn_linear import (
+    OneDNNLinear,
+    attach_dense_copies,
+    can_pack,
+    pack_linears,
+)
 from forklm.runtime.models.weights import FusedLinear
+from forklm.runtime.quant.linear import DENSE_COPY_MIN_ROWS, QuantizedLinear
+from tests.test_quant import make_weight
 from tests.tiny_models import build_tiny_model
 
 needs_bf16_onednn = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"),
@@ -65,3 +73,21 @@ def test_packed_model_matches_plain_model(arch, tmp_path, tokenizer, monkeypatch
     big = prefill_batch(2, 200)
     a, b = _run(packed, spec, big), _run(plain, spec, big)
     assert (a - b).abs().max() <= 0.05 * b.abs().max()
+
+
+@needs_bf16_onednn
+def test_dense_copies_serve_larger_batches_of_quantized_layers():
+    weight = make_weight(GGMLQuantizationType.Q4_K, 80, 512)
+    model = nn.Sequential(QuantizedLinear.from_gguf([weight], None, torch.bfloat16))
+    assert attach_dense_copies(model, max_bytes=80 * 512 * 2 - 1) == 0  # too large: none
+    assert model[0].dense is None
+    assert attach_dense_copies(model) == 80 * 512 * 2
+    ref = model[0].dequantize().double()
+    dense_rows: list[int] = []
+    model[0].dense.register_forward_hook(lambda m, args, out: dense_rows.append(args[0].shape[0]))
+    for rows in (1, DENSE_COPY_MIN_ROWS - 1, DENSE_COPY_MIN_ROWS, 40):
+        x = torch.randn(rows, 512, dtype=torch.bfloat16)
+        expected = x.double() @ ref.T
+        # bf16 rounding of x, the weight and the output on either path
+        assert (model(x).double() - expected).abs().max() <= 2e-2 * expected.abs().max()
+    assert dense_rows == [DENSE_COPY_MIN_ROWS, 40]  # the int4 kernel below, the copy from there

@@ -21,6 +21,10 @@ DENSE_MIN_ROWS = 128
 # ... but not for matrices this large (a vocabulary-sized LM head: dequantizing 49152x1152 codes
 # writes 113 MB per call, more than its few logits rows cost in the kernel).
 DENSE_MAX_ELEMENTS = 8 * 2**20
+# With a dense copy attached (small models, see onednn_linear.attach_dense_copies), calls of this
+# many rows or more use it: the int4 kernel is faster below (fewer weight bytes to stream), the
+# packed bf16 GEMM above (NOTES.md, "int4 for small batches, a dense copy for the rest").
+DENSE_COPY_MIN_ROWS = 8
 
 # How each type's integer codes map onto 4-bit kernel codes. 4-bit types use c = code + shift.
 # 8-bit Q8_0 and 6-bit Q6_K codes are split code = hi * 2**lo_bits + lo into two 4-bit codes
@@ -139,6 +143,8 @@ class QuantizedLinear(nn.Module):
         self.dtype = dtype
         assert bias is None or bias.shape == (self.out_features,), f"bias {tuple(bias.shape)}"
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        # Optional bf16 copy of the weight for calls of DENSE_COPY_MIN_ROWS rows or more.
+        self.dense: nn.Module | None = None
 
     @classmethod
     def from_gguf(cls, parts: list[GGUFWeight], bias: torch.Tensor | None, dtype: torch.dtype,
@@ -168,6 +174,8 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(self.kernel_dtype).contiguous()  # [M, in]
         if x2.shape[0] == 0:
             y = x2.new_empty(0, self.out_features)
+        elif self.dense is not None and x2.shape[0] >= DENSE_COPY_MIN_ROWS:
+            y = self.dense(x2.to(torch.bfloat16))
         else:
             outs = [segment.matmul(x2) for segment in self.matrices]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [M, out]
