@@ -50,8 +50,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.best_of not in (None, body.n):
         raise InvalidArgumentError("best_of", body.best_of, "only best_of == n is supported")
     max_tokens = body.max_tokens if body.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
-    group = _prepare(service, body, body.prompt, conv.sampling_dict(body, max_tokens),
-                     body.logprobs)
+    # Tokenizing grows with the prompt: a worker thread, never the event loop.
+    group = await asyncio.to_thread(_prepare, service, body, body.prompt,
+                                    conv.sampling_dict(body, max_tokens), body.logprobs)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": body.model}
     if body.stream:
