@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,6 +118,18 @@ class HTTPRunner:
     async def complete(self, client: httpx.AsyncClient, prompt: str,
                        req: Request) -> tuple[Usage, float | None]:
         """One streamed completion -> (usage, time of the first text chunk or None)."""
+        try:
+            return await self._complete_once(client, prompt, req)
+        except httpx.RemoteProtocolError as e:
+            if "without sending a response" not in str(e):
+                raise
+            # The server closed a pooled keep-alive connection as the request went out (seen
+            # with llama-server): it was never answered, so sending it again is safe.
+            logging.warning("%s: %s; sending the request again", self.completions_url, e)
+            return await self._complete_once(client, prompt, req)
+
+    async def _complete_once(self, client: httpx.AsyncClient, prompt: str,
+                             req: Request) -> tuple[Usage, float | None]:
         usage, first = Usage(), None
         pieces: list[str] = []
         async with client.stream("POST", self.completions_url, json=self.body(prompt, req)) as resp:

@@ -118,10 +118,12 @@ def llamacpp_server(python: str, num_threads: int = 2, n_ctx: int = 4096,
     return ServerProcess(cmd, port, health_path="/v1/models")
 
 
-# llama-server at batch 1 (S1, 2 threads, busy 2-core machine), median ms/token: see
-# LLAMA_SERVER_OMP below. ggml synchronises its threads with its own spinning barrier inside one
-# OpenMP region per graph, so the policy only decides whether threads sleep between tokens.
-LLAMA_SERVER_OMP: str | None = "ACTIVE"
+# OMP_WAIT_POLICY for llama-server: S1 (8 requests at batch 1, -np 8, 2 threads, Xeon with
+# AVX-512 bf16), median ms/token, on the shared 2-core machine. Load average ~2.7: PASSIVE 29.6,
+# unset 19.3, ACTIVE 17.3; load ~5: PASSIVE 40.2, ACTIVE 239.9 (spinning threads starve under
+# contention). Unset is libgomp's default (spin a while, then sleep): near the best when quiet
+# without ACTIVE's collapse when the cores are oversubscribed. None = leave it unset.
+LLAMA_SERVER_OMP: str | None = None
 
 
 def llama_server(binary: str, parallel: int, num_threads: int = 2, ctx_per_slot: int = 2048,
