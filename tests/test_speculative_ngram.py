@@ -4,12 +4,14 @@ after every step and nothing left allocated."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from forklm.cli import add_engine_flags, engine_kwargs
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.engine import Engine
 from forklm.runtime.errors import InvalidArgumentError
@@ -106,10 +108,15 @@ def test_config_rejects_bad_values(field, value):
         EngineConfig(**{field: value})
 
 
-def test_config_accepts_ngram():
-    config = EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=8)
-    assert config.speculative_ngram_min_match_window_size <= (
-        config.speculative_ngram_max_match_window_size)
+def test_cli_flags_reach_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+                              "6", "--speculative-ngram-max-match-window-size", "8"])
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    assert (config.speculative_algorithm, config.speculative_num_draft_tokens) == ("NGRAM", 6)
+    assert (config.speculative_ngram_min_match_window_size,
+            config.speculative_ngram_max_match_window_size) == (1, 8)
 
 
 # -- the engine ------------------------------------------------------------------------------
