@@ -17,6 +17,7 @@ from forklm.runtime.engine import Engine
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.ngram_draft import MAX_CANDIDATES, NgramIndex
 from tests.conftest import assert_idle_and_clean, chat_prompt
+from tests.tiny_models import ARCHITECTURES, build_tiny_model
 
 GREEDY = {"temperature": 0}
 SPEC = {"speculative_algorithm": "NGRAM", "dtype": "float32", "max_total_tokens": 8192,
@@ -246,3 +247,29 @@ def test_kv_shortage_retracts_and_stays_identical(plain, tokenizer, caplog):
         assert_idle_and_clean(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(("arch", "backend"), [
+    ("llama3", "torch"), ("llama3", "triton"), ("qwen2_sliding", "torch")])
+def test_tiny_models_verify_drafts_on_every_attention_path(tmp_path, tokenizer, arch, backend):
+    """Tiny random models: the verify forward through the Triton extend kernel (interpreted) and
+    with sliding windows gives plain decoding's greedy tokens, drafts accepted or not."""
+    build_tiny_model(arch, tmp_path, tokenizer)
+    common = {**ARCHITECTURES[arch].engine_config, "model_path": str(tmp_path),
+              "dtype": "float32", "max_total_tokens": 512, "debug_check_invariants": True}
+    pattern = tokenizer.encode("one two three four five six seven")
+    params = {**GREEDY, "max_new_tokens": 24, "ignore_eos": True}
+    with Engine(**common) as engine:
+        seeds = [pattern * 2, pattern[:4] * 3, pattern[2:]]
+        # A prompt, its own continuation, the prompt again: the model is likely to repeat.
+        prompts = [p + o + p for p, o in zip(seeds, ids(engine.generate(
+            input_ids=seeds, sampling_params=params)))]
+        want = ids(engine.generate(input_ids=prompts, sampling_params=params))
+    with Engine(**common, speculative_algorithm="NGRAM", attention_backend=backend) as engine:
+        got = ids(engine.generate(input_ids=prompts, sampling_params=params))
+        stats = engine.stats()
+        assert_idle_and_clean(engine)
+    assert got == want
+    assert stats["spec_draft_tokens"] > 0
+    if arch == "llama3":  # (the random qwen2 never repeats itself, so its drafts all fail)
+        assert stats["spec_accepted_tokens"] > 0
