@@ -12,6 +12,7 @@ from forklm.runtime.errors import InvalidArgumentError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 QUANTIZATION_CHOICES = (None, "gguf", "none")
+SPECULATIVE_ALGORITHMS = (None, "NGRAM")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,15 @@ class EngineConfig:
     # Constrained requests append the text their grammar forces next (a JSON key, say) without
     # sampling it token by token. Off by default: see runtime/constrained.py for why.
     enable_jump_forward: bool = False
+    # SGLang's --speculative-algorithm: None = off, "NGRAM" = prompt lookup (drafts copied from
+    # where the sequence's own suffix occurred earlier, verified in one forward; same output).
+    speculative_algorithm: str | None = None
+    # Most draft tokens verified per request and step (4 keeps a CPU verify forward cheap; SGLang
+    # sizes it per GPU model).
+    speculative_num_draft_tokens: int = 4
+    # Suffix lengths matched against earlier text, longest first (SGLang's defaults, 1 and 12).
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
     def __post_init__(self) -> None:
         check_field(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
@@ -91,6 +101,21 @@ class EngineConfig:
                self.num_threads, "must be >= 1")
         check_field(0 < self.max_total_tokens_fraction <= 0.9, "max_total_tokens_fraction",
                self.max_total_tokens_fraction, "must be in (0, 0.9]")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        check_field(self.speculative_algorithm in SPECULATIVE_ALGORITHMS, "speculative_algorithm",
+                    self.speculative_algorithm, "expected NGRAM (or unset for off)")
+        check_field(self.speculative_num_draft_tokens >= 1, "speculative_num_draft_tokens",
+                    self.speculative_num_draft_tokens, "must be >= 1")
+        check_field(self.speculative_ngram_min_match_window_size >= 1,
+                    "speculative_ngram_min_match_window_size",
+                    self.speculative_ngram_min_match_window_size, "must be >= 1")
+        check_field(self.speculative_ngram_max_match_window_size
+                    >= self.speculative_ngram_min_match_window_size,
+                    "speculative_ngram_max_match_window_size",
+                    self.speculative_ngram_max_match_window_size,
+                    "must be >= speculative_ngram_min_match_window_size")
 
     @property
     def torch_dtype_name(self) -> str:

@@ -111,7 +111,7 @@ class EngineLoop:
             t1 = time.perf_counter()
             logits, layout = self.parts.runner.forward(batch)
             t2 = time.perf_counter()
-            num_generated = process_logits(batch, logits, layout, self.parts.grammar)
+            tokens = process_logits(batch, logits, layout, self.parts.grammar)
         except Exception as e:  # a failing batch must not hang its callers or stop the engine
             logger.exception("engine step failed")
             for req in batch.reqs:
@@ -121,7 +121,7 @@ class EngineLoop:
                     finish(req, FinishReason("abort", message=f"engine error: {e}"))
             return
         sched.after_step(batch)
-        self.stats.record_step(batch, time.perf_counter() - t0, t2 - t1, num_generated)
+        self.stats.record_step(batch, time.perf_counter() - t0, t2 - t1, tokens)
 
     def _emit_aborted(self) -> None:
         sched = self.parts.scheduler

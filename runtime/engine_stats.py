@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forklm.runtime.kv_manager import KVCacheManager
+from forklm.runtime.output_processor import StepTokens
 from forklm.runtime.request import Req
 from forklm.runtime.scheduler import ScheduledBatch, Scheduler
 
@@ -24,13 +25,21 @@ class EngineStats:
     decode_s: float = 0.0
     prefill_tokens: int = 0  # prompt tokens computed (cache hits excluded)
     prefill_s: float = 0.0
+    spec_verified: int = 0  # drafts verified (one per drafted request and step)
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted (appended without a step of their own)
 
     def record_step(self, batch: ScheduledBatch, step_s: float, forward_s: float,
-                    num_generated: int) -> None:
+                    tokens: StepTokens) -> None:
         self.steps += 1
         self.step_s += step_s
         self.forward_s += forward_s
+        num_generated = tokens.generated
         self.generated_tokens += num_generated
+        if tokens.drafted:
+            self.spec_verified += tokens.verified
+            self.spec_draft_tokens += tokens.drafted
+            self.spec_accepted_tokens += tokens.accepted
         if batch.phase == "prefill":
             self.prefill_tokens += sum(batch.extend_lens)
             self.prefill_s += step_s
@@ -66,6 +75,12 @@ class EngineStats:
             "steps": self.steps,
             "overhead_ms_per_step": 1000 * (self.step_s - self.forward_s) / max(self.steps, 1),
             "forward_ms_per_step": 1000 * self.forward_s / max(self.steps, 1),
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_accept_rate": self.spec_accepted_tokens / max(self.spec_draft_tokens, 1),
+            # tokens a verified draft yields, the sample after it included (SGLang's accept length)
+            "spec_accept_length": (self.spec_accepted_tokens / self.spec_verified + 1
+                                   if self.spec_verified else 0.0),
         }
 
 

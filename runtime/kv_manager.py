@@ -59,6 +59,14 @@ class KVCacheManager:
             raise KVCacheFullError(f"need {num_tokens} KV slots, {self.allocator.num_free} free")
         return self.allocator.allocate(num_tokens)
 
+    def trim(self, req: Req, num_computed: int) -> None:
+        """Free req's slots past num_computed (KV of rejected draft tokens), so they are never
+        inserted into the cache as if they were the sequence's."""
+        assert req.row is not None and req.prefix_len <= num_computed <= req.num_computed, (
+            f"request {req.rid}: cannot trim to {num_computed}")
+        self.allocator.free(self.req_to_token[req.row, num_computed : req.num_computed].clone())
+        req.num_computed = num_computed
+
     def cache_unfinished(self, req: Req) -> None:
         """Insert req's computed tokens into the cache (so others can share them while it keeps
         running) and move its lock and row onto the cache's canonical slots."""
@@ -79,6 +87,8 @@ class KVCacheManager:
         Idempotent: a second call does nothing."""
         if req.row is None:
             return
+        if req.num_computed > req.fill_len:  # a verify step failed: its draft KV is not fill_ids'
+            self.trim(req, max(req.fill_len - 1, req.prefix_len))
         if self.cache is not None:
             self._insert(req, req.fill_ids[: req.num_computed])
             self.cache.unlock(req.last_node)

@@ -22,6 +22,9 @@ class LogitsRows:
     input_start: int  # first row of prompt-logprob logits
     input_positions: list[int]  # positions t whose token logprob those rows give (row k -> t = input_positions[k])
     sample_row: int | None  # row to sample the next token from
+    # Draft tokens verified: rows sample_row + 1 .. sample_row + num_draft give the distributions
+    # after each of them (row sample_row + j follows draft token j).
+    num_draft: int = 0
 
 
 class ModelRunner:
@@ -49,14 +52,16 @@ class ModelRunner:
         offset = 0
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.num_computed - n  # KV for [start, start + n) is computed now
-            ids.extend(req.fill_slice(start, start + n))
+            draft = batch.drafts(i)  # computed after req's own tokens, not yet part of fill_ids
+            ids.extend(req.fill_slice(start, start + n - len(draft)))
+            ids.extend(draft)
             positions.extend(range(start, start + n))
             rows = _input_logprob_positions(req, start, n)
             layout.append(LogitsRows(len(logit_rows), rows, None))
             logit_rows.extend(offset + t - 1 - start for t in rows)
             if batch.samples[i]:
-                layout[-1].sample_row = len(logit_rows)
-                logit_rows.append(offset + n - 1)
+                layout[-1].sample_row, layout[-1].num_draft = len(logit_rows), len(draft)
+                logit_rows.extend(range(offset + n - 1 - len(draft), offset + n))
             q_lens.append(n)
             kv_lens.append(req.num_computed)
             q_index.append(offset)

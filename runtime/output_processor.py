@@ -1,50 +1,128 @@
-"""After each forward: prompt logprobs, grammar masks, sampling, finish checks (stop ids, stop
-strings, grammar end, length), and the events streamed back to callers."""
+"""After each forward: prompt logprobs, grammar masks, sampling (and verifying speculative drafts),
+finish checks (stop ids, stop strings, grammar end, length), and the events streamed to callers."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from forklm.runtime.constrained import GrammarBackend
 from forklm.runtime.model_runner import LogitsRows
 from forklm.runtime.request import FinishReason, Req, ReqOutput
-from forklm.runtime.sampler import sample
+from forklm.runtime.sampler import SampleResult, SamplingRow, sample
+from forklm.runtime.sampling_params import SamplingParams
 from forklm.runtime.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 
+class StepTokens(NamedTuple):
+    generated: int  # tokens appended: sampled, accepted drafts, jump-forward
+    verified: int  # requests that had a draft verified
+    drafted: int  # speculative draft tokens verified
+    accepted: int  # of those, the ones the target model's samples agreed with
+
+
 def process_logits(batch: ScheduledBatch, logits: torch.Tensor, layout: list[LogitsRows],
-                   grammar: GrammarBackend | None = None) -> int:
-    """Consume one step's logits for every request in the batch; returns tokens generated.
-    Constrained requests need `grammar`, which masks their rows before sampling."""
+                   grammar: GrammarBackend | None = None) -> StepTokens:
+    """Consume one step's logits for every request in the batch. Constrained requests need
+    `grammar`, which masks their rows before sampling."""
     for req, rows in zip(batch.reqs, layout):
         if rows.input_positions or (req.wants_input_logprobs and rows.sample_row is not None):
             _record_input_logprobs(req, logits, rows)
-    samplers = [(req, rows.sample_row) for req, rows in zip(batch.reqs, layout)
+    samplers = [(req, rows.sample_row, batch.drafts(i))
+                for i, (req, rows) in enumerate(zip(batch.reqs, layout))
                 if rows.sample_row is not None]
-    for req, _ in samplers:
+    for req, _, _ in samplers:
         if req.wants_input_logprobs:
             req.input_logprobs_done = True
-    to_sample = [(req, row) for req, row in samplers if not _finish_without_sampling(req)]
+    to_sample = [s for s in samplers if not _finish_without_sampling(s[0])]
     if not to_sample:
-        return 0
-    rows_t = torch.tensor([row for _, row in to_sample])
-    reqs = [req for req, _ in to_sample]
-    rows_logits = logits[rows_t]  # [B, V], a copy: masking and sampling modify it
-    if any(req.grammar is not None for req in reqs):
+        return StepTokens(0, 0, 0, 0)
+    # One logits row per request, or 1 + len(draft) consecutive rows for a verified draft.
+    rows_t = torch.tensor([r for _, row, d in to_sample for r in range(row, row + len(d) + 1)])
+    sampling_rows = [v for req, _, d in to_sample for v in _verify_rows(req, d)]
+    rows_logits = logits[rows_t]  # [rows, V], a copy: masking and sampling modify it
+    if any(req.grammar is not None for req, _, _ in to_sample):
         assert grammar is not None, "constrained requests need the grammar backend"
-        grammar.mask_logits(rows_logits, [req.grammar for req in reqs])
-    result = sample(rows_logits, reqs)
-    num_generated = len(reqs)
-    for k, req in enumerate(reqs):
-        top = result.top_logprobs[k] if req.top_logprobs_num else None
-        append_token(req, result.token_ids[k], result.logprobs[k], top)
-        if grammar is not None and grammar.jump_forward:
-            num_generated += _jump_forward(req, grammar)
-    return num_generated
+        grammar.mask_logits(rows_logits, [req.grammar for req, _, d in to_sample
+                                          for _ in range(len(d) + 1)])
+    states = [_generator_state(req, d) for req, _, d in to_sample]
+    result = sample(rows_logits, sampling_rows)
+    generated = verified = drafted = accepted = 0
+    first = 0  # the request's first row in result
+    for (req, _, draft), state in zip(to_sample, states):
+        if draft:
+            num_appended, num_accepted = _accept_draft(req, draft, result, first)
+            _replay_generator(req, state, num_appended)
+            generated += num_appended
+            verified, drafted, accepted = verified + 1, drafted + len(draft), accepted + num_accepted
+        else:
+            _append_sampled(req, result, first)
+            generated += 1
+            if grammar is not None and grammar.jump_forward:
+                generated += _jump_forward(req, grammar)
+        first += len(draft) + 1
+    return StepTokens(generated, verified, drafted, accepted)
+
+
+def _append_sampled(req: Req, result: SampleResult, k: int) -> None:
+    top = result.top_logprobs[k] if req.top_logprobs_num else None
+    append_token(req, result.token_ids[k], result.logprobs[k], top)
+
+
+@dataclass
+class _DraftRow:
+    """A request as the sampler sees it at one verify position: after the draft tokens before it
+    (penalties and min_new_tokens count them, as plain decoding would have)."""
+
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    min_tokens_stop_ids: list[int]
+    top_logprobs_num: int
+
+
+def _verify_rows(req: Req, draft: list[int]) -> list[SamplingRow]:
+    if not draft:
+        return [req]
+    stop_ids = req.min_tokens_stop_ids
+    return [_DraftRow(req.sampling_params, req.generator, req.origin_input_ids,
+                      req.output_ids + draft[:j], stop_ids, req.top_logprobs_num)
+            for j in range(len(draft) + 1)]
+
+
+def _accept_draft(req: Req, draft: list[int], result: SampleResult, first: int) -> tuple[int, int]:
+    """Append req's samples at its verify rows in order, up to and including the first that
+    differs from its draft token (a valid sample all the same), or until req finishes.
+    Returns (tokens appended, draft tokens accepted)."""
+    for j in range(len(draft) + 1):
+        _append_sampled(req, result, first + j)
+        matched = j < len(draft) and result.token_ids[first + j] == draft[j]
+        if req.finished or not matched:
+            return j + 1, j + int(matched)
+    raise AssertionError("unreachable: the last verify row has no draft token to match")
+
+
+def _generator_state(req: Req, draft: list[int]) -> torch.Tensor | None:
+    """The RNG state before a drafted sampled request's rows draw (None when nothing is replayed)."""
+    if not draft or req.generator is None or req.sampling_params.is_greedy:
+        return None
+    return req.generator.get_state()
+
+
+def _replay_generator(req: Req, state: torch.Tensor | None, num_appended: int) -> None:
+    """Each verify row drew one uniform; plain decoding draws one per appended token. Rewind and
+    draw that many, so a seeded request's random stream (and output) is as without drafts."""
+    if state is None or req.generator is None:
+        return
+    req.generator.set_state(state)
+    for _ in range(num_appended):
+        torch.rand((), generator=req.generator, device=req.generator.device)
 
 
 def _record_input_logprobs(req: Req, logits: torch.Tensor, rows: LogitsRows) -> None:

@@ -15,6 +15,8 @@ from forklm.runtime.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import xgrammar
 
+    from forklm.runtime.ngram_draft import NgramIndex
+
 _arrival = itertools.count()
 
 
@@ -81,6 +83,9 @@ class Req:
     # The constraint's matcher, in the state after output_ids (None = unconstrained). Retraction
     # keeps output_ids, so the matcher stays valid across it.
     grammar: xgrammar.GrammarMatcher | None = None
+    # Speculative decoding's lookup index over fill_ids (built on the first draft; None = never
+    # drafted). It only grows, like fill_ids, so it stays valid across retractions.
+    draft_index: NgramIndex | None = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -4,11 +4,12 @@ within the token budgets, or one decode step for every running request, retracti
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.kv_manager import KVCacheManager
+from forklm.runtime.ngram_draft import NgramDrafter
 from forklm.runtime.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.0
 
 # What a step computes: "prefill" (new requests' prompts, maybe a chunk), "decode" (one token for
 # every running request), or "catch_up" (running requests computing the tokens a jump-forward
-# appended: several per request, like a prefill, but they stay in the running set).
+# appended, or the last token plus a speculative draft to verify: several per request, like a
+# prefill, but they stay in the running set).
 Phase = Literal["prefill", "decode", "catch_up"]
 
 
@@ -38,6 +40,9 @@ class ScheduledBatch:
     phase: Phase
     # Per request: this step ends its prefill (or is a decode), so a token is sampled for it.
     samples: list[bool]
+    # Per request: the speculative draft tokens computed after its last token (their KV is the
+    # tail of extend_lens); empty when no request in the batch has one.
+    draft_ids: list[list[int]] = field(default_factory=list)
 
     @classmethod
     def prefill(cls, reqs: list[Req], extend_lens: list[int]) -> ScheduledBatch:
@@ -49,6 +54,9 @@ class ScheduledBatch:
         """One new token per request: the forward may take the decode path."""
         return self.phase == "decode"
 
+    def drafts(self, i: int) -> list[int]:
+        return self.draft_ids[i] if self.draft_ids else []
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager):
@@ -58,6 +66,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
         self.aborted: list[Req] = []  # requests the scheduler had to give up on (drained by the engine)
+        self.drafter = NgramDrafter(config) if config.speculative_algorithm == "NGRAM" else None
 
     @property
     def has_work(self) -> bool:
@@ -188,6 +197,9 @@ class Scheduler:
             self._give_up(self.running[0], "out of KV cache memory")
             return None
         lens = [req.num_uncomputed for req in self.running]
+        drafts = self._propose_drafts(self.kv.available_tokens - sum(lens))
+        if drafts:
+            lens = [n + len(d) for n, d in zip(lens, drafts)]
         for req, n in zip(self.running, lens):
             self.kv.extend(req, n)
         self.new_token_ratio = max(
@@ -195,7 +207,19 @@ class Scheduler:
             MIN_NEW_TOKEN_RATIO * self.config.schedule_conservativeness,
         )
         phase: Phase = "decode" if all(n == 1 for n in lens) else "catch_up"
-        return ScheduledBatch(list(self.running), lens, phase, [True] * len(lens))
+        return ScheduledBatch(list(self.running), lens, phase, [True] * len(lens), drafts)
+
+    def _propose_drafts(self, spare_slots: int) -> list[list[int]]:
+        """Each running request's draft ([] for none) within the spare KV slots: a draft never
+        causes a retraction. Returns [] when nothing is drafted (the step stays a plain decode)."""
+        if self.drafter is None:
+            return []
+        drafts = []
+        for req in self.running:
+            draft = self.drafter.propose(req)[: max(spare_slots, 0)]
+            spare_slots -= len(draft)
+            drafts.append(draft)
+        return drafts if any(drafts) else []
 
     def _num_uncomputed(self) -> int:
         return sum(req.num_uncomputed for req in self.running)
@@ -218,6 +242,9 @@ class Scheduler:
     def after_step(self, batch: ScheduledBatch) -> None:
         """Finished requests leave (KV to the cache); freshly prefilled ones join the running set."""
         for i, req in enumerate(batch.reqs):
+            if batch.drafts(i) and req.row is not None:
+                # Valid KV now ends before the last appended token; the rest was rejected drafts.
+                self.kv.trim(req, req.fill_len - 1)
             if req.finished:
                 self.kv.release(req)
                 if req in self.running:

@@ -223,5 +223,6 @@ def test_metrics_parse_and_move(client):
         "forklm_http_errors_total{status=400}", 0) + 1
     ttft = "forklm_time_to_first_token_seconds_count{}"
     assert after[ttft] == before[ttft] + 1
-    for gauge in ("forklm_num_running_reqs{}", "forklm_kv_usage{}", "forklm_cache_hit_rate{}"):
+    for gauge in ("forklm_num_running_reqs{}", "forklm_kv_usage{}", "forklm_cache_hit_rate{}",
+                  "forklm_spec_accept_rate{}", "forklm_spec_accept_length{}"):
         assert gauge in after

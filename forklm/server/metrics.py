@@ -44,6 +44,10 @@ class ServerMetrics:
                                      "Fraction of KV slots held by the radix cache", registry=r)
         self.cache_hit_rate = Gauge("forklm_cache_hit_rate",
                                     "Cached prompt tokens / prompt tokens, since start", registry=r)
+        self.spec_accept_rate = Gauge("forklm_spec_accept_rate", "Speculative draft tokens "
+                                      "accepted / drafted, since start", registry=r)
+        self.spec_accept_length = Gauge("forklm_spec_accept_length", "Tokens a verified "
+                                        "speculative draft yields on average (0: none)", registry=r)
         self.ttft = Histogram("forklm_time_to_first_token_seconds", "Time to first token",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("forklm_time_per_output_token_seconds",
@@ -82,6 +86,8 @@ class ServerMetrics:
         self.kv_usage.set(stats["kv_used"] / capacity)
         self.kv_cached_usage.set(stats["kv_cached"] / capacity)
         self.cache_hit_rate.set(stats["cache_hit_rate"])
+        self.spec_accept_rate.set(stats["spec_accept_rate"])
+        self.spec_accept_length.set(stats["spec_accept_length"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
