@@ -119,10 +119,11 @@ def llamacpp_server(python: str, num_threads: int = 2, n_ctx: int = 4096,
 
 
 # OMP_WAIT_POLICY for llama-server: S1 (8 requests at batch 1, -np 8, 2 threads, Xeon with
-# AVX-512 bf16), median ms/token, on the shared 2-core machine. Load average ~2.7: PASSIVE 29.6,
-# unset 19.3, ACTIVE 17.3; load ~5: PASSIVE 40.2, ACTIVE 239.9 (spinning threads starve under
-# contention). Unset is libgomp's default (spin a while, then sleep): near the best when quiet
-# without ACTIVE's collapse when the cores are oversubscribed. None = leave it unset.
+# AVX-512 bf16), median ms/token, on the shared 2-core machine. Load average ~2: PASSIVE 31.7,
+# unset 16.0, ACTIVE 15.3 (TTFT 4.45 / 2.18 / 2.19 s); load ~2.7: 29.6 / 19.3 / 17.3; load ~5:
+# PASSIVE 40.2, ACTIVE 239.9 (spinning threads starve under contention). Unset is libgomp's
+# default (spin a while, then sleep): near the best when quiet, without ACTIVE's collapse when the
+# cores are oversubscribed; PASSIVE sleeps inside ggml's per-op barriers. None = leave it unset.
 LLAMA_SERVER_OMP: str | None = None
 
 
