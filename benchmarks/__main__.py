@@ -5,7 +5,8 @@
   python -m benchmarks --systems http --base-url http://127.0.0.1:30000 --workloads W1
   python -m benchmarks --workloads W1,W2,W3,S1 --systems forklm-http,llama-server-np16  # issue 15
 
-Systems: forklm, forklm-nocache, forklm-fcfs (in-process Engine and its ablations), hf1, hf8
+Systems: forklm, forklm-nocache, forklm-fcfs, forklm-ngram (NGRAM speculative decoding), forklm-int4
+(quantization="gguf": no dense copy) (in-process Engine and its ablations), hf1, hf8
 (transformers one at a time / static batches of 8), http (any OpenAI-compatible server at
 --base-url), forklm-http (starts `forklm serve`), llama-server-np8 and llama-server-np16
 (llama.cpp's C++ server with 8 / 16 parallel slots on the same GGUF; build it with
@@ -33,14 +34,16 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the abl
     "forklm": {},
     "forklm-nocache": {"disable_radix_cache": True},
     "forklm-fcfs": {"schedule_policy": "fcfs"},
+    "forklm-ngram": {"speculative_algorithm": "NGRAM"},
+    "forklm-int4": {"quantization": "gguf"},  # only the int4 blocks, no dense bf16 copy
 }
 LLAMA_SERVER_SLOTS = {"llama-server-np8": 8, "llama-server-np16": 16}
 HTTP_SYSTEMS = ("http", "forklm-http", "llamacpp", *LLAMA_SERVER_SLOTS)
 SYSTEMS = (*ENGINE_SYSTEMS, "hf1", "hf8", *HTTP_SYSTEMS)
 PROGRAM_WORKLOADS = ("W5-select", "W5-fork")
 RESULTS = pathlib.Path(__file__).parent / "results"
-FULL_WORKLOADS = "W1,W1-64,W2,W3,W4,W4-free,W5-select,W5-fork"
-FULL_SYSTEMS = "forklm,forklm-nocache,forklm-fcfs,hf8,llamacpp"
+FULL_WORKLOADS = "S1,W1,W1-64,W2,W3,W4,W4-free,W5-select,W5-fork"
+FULL_SYSTEMS = "forklm,forklm-nocache,forklm-fcfs,forklm-http,hf8,llama-server-np8,llama-server-np16"
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
