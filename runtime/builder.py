@@ -70,7 +70,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     keep_quantized = keeps_gguf_quantized(config, loaded)
     model = build_model(loaded, spec, dtype, config.device, context_len,
                         keep_quantized=keep_quantized,
-                        dense_copies=keep_quantized and config.quantization is None)
+                        dense_copies=config.quantization is None)
     capacity = _kv_capacity(config, spec, dtype, context_len)
     pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
     cache = None if config.disable_radix_cache else RadixCache(pool.allocator)

@@ -34,18 +34,16 @@ class EngineStats:
         self.steps += 1
         self.step_s += step_s
         self.forward_s += forward_s
-        num_generated = tokens.generated
-        self.generated_tokens += num_generated
-        if tokens.drafted:
-            self.spec_verified += tokens.verified
-            self.spec_draft_tokens += tokens.drafted
-            self.spec_accepted_tokens += tokens.accepted
+        self.generated_tokens += tokens.generated
+        self.spec_verified += tokens.verified
+        self.spec_draft_tokens += tokens.drafted
+        self.spec_accepted_tokens += tokens.accepted
         if batch.phase == "prefill":
             self.prefill_tokens += sum(batch.extend_lens)
             self.prefill_s += step_s
         else:
             self.decode_steps += 1
-            self.decode_tokens += num_generated
+            self.decode_tokens += tokens.generated
             self.decode_s += step_s
 
     def record_finished(self, req: Req) -> None:

@@ -10,14 +10,10 @@ own float32 forward uses, which the token-exact tests compare against.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from forklm.runtime.models.weights import FusedLinear
-
-logger = logging.getLogger(__name__)
 
 # The weight layout is chosen for this many rows; 1 measured best for decode and within a few %
 # of the row-count-specific layout for 16-1024-row prefills (NOTES.md).
