@@ -19,6 +19,11 @@ from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import LoadedModel, load_model
 from forklm.runtime.model_runner import ModelRunner
 from forklm.runtime.models import CausalLM, ModelSpec, WeightLoader, spec_from_config
+from forklm.runtime.models.fp16_linear import (
+    fp16_tied_head,
+    fp16_weights_available,
+    pack_fp16_linears,
+)
 from forklm.runtime.models.onednn_linear import (
     attach_dense_copies,
     can_pack,
@@ -70,7 +75,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     keep_quantized = keeps_gguf_quantized(config, loaded)
     model = build_model(loaded, spec, dtype, config.device, context_len,
                         keep_quantized=keep_quantized,
-                        dense_copies=config.quantization is None)
+                        dense_copies=config.quantization is None,
+                        fp16_weights=uses_fp16_weights(config, keep_quantized))
     capacity = _kv_capacity(config, spec, dtype, context_len)
     pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
     cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
@@ -96,10 +102,11 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device: str,
                 max_positions: int, keep_quantized: bool = False,
-                dense_copies: bool = False) -> CausalLM:
+                dense_copies: bool = False, fp16_weights: bool = False) -> CausalLM:
     """The model on the meta device (no memory), then its weights streamed in one by one.
     bf16 linears on a CPU with oneDNN bf16 get packed weights; with `dense_copies` a small
-    quantized model also gets packed bf16 copies of its quantized matrices for larger batches."""
+    quantized model also gets packed bf16 copies of its quantized matrices for larger batches;
+    with `fp16_weights` float32 linears keep FBGEMM-packed float16 weights (fp16_linear.py)."""
     with torch.device("meta"):
         model = CausalLM(spec, loaded.config, max_positions)
     factory = None
@@ -115,7 +122,21 @@ def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device
         table = getattr(model.model.embed_tokens, "weight", None)
         if spec.tie_word_embeddings and isinstance(table, torch.Tensor):
             model.tied_head = packed_tied_head(table)
+    if fp16_weights and dtype == torch.float32:
+        pack_fp16_linears(model)
+        table = getattr(model.model.embed_tokens, "weight", None)
+        if spec.tie_word_embeddings and isinstance(table, torch.Tensor):
+            model.tied_head = fp16_tied_head(table)
     return model.eval()
+
+
+def uses_fp16_weights(config: EngineConfig, keep_quantized: bool) -> bool:
+    """dtype "auto" resolved to float32 on a CPU (no native bf16) with quantization unset: the
+    linears keep float16 weights (2-3x faster matmuls, fp16_linear.py). An explicit
+    dtype="float32" or quantization="none" keeps float32 weights, the token-exact path."""
+    return (config.dtype == "auto" and config.quantization is None and not keep_quantized
+            and config.device == "cpu" and config.torch_dtype_name == "float32"
+            and fp16_weights_available())
 
 
 def keeps_gguf_quantized(config: EngineConfig, loaded: LoadedModel) -> bool:
