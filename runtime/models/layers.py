@@ -66,7 +66,9 @@ class RotaryEmbedding(nn.Module):
         """q [T, heads, d], k [T, kv_heads, d] -> rotated copies (the first rotary_dim dims)."""
         cos, sin = self._tables_for(positions, q.dtype)
         if self.rotary_dim == q.shape[-1]:
-            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+            # q and k rotated as one tensor: half the small ops of a layer's rotary (same values)
+            qk = _rotate(torch.cat((q, k), dim=1), cos, sin)
+            return qk[:, : q.shape[1]], qk[:, q.shape[1]:]
         r = self.rotary_dim
         return (torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1),
                 torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
