@@ -39,6 +39,11 @@ class Engine:
         """The exception of the last engine step that failed (its requests were aborted)."""
         return self._loop.last_error
 
+    @property
+    def closed(self) -> bool:
+        """Whether the engine can run nothing more: shut down, or its loop thread has died."""
+        return self._loop.closed or not self._loop._thread.is_alive()
+
     # -- public API ----------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | list[int] | None = None,
                  sampling_params: Any = None, input_ids: list[int] | list[list[int]] | None = None,

@@ -50,6 +50,13 @@ def _include_programs(app: FastAPI) -> None:
     app.include_router(programs.router)
 
 
+def _bearer_token(header: bytes) -> bytes:
+    """The token of an `Authorization: Bearer <token>` header (b"" for any other scheme); the
+    scheme name is case-insensitive (RFC 9110), so `bearer <token>` is the same header."""
+    scheme, _, token = header.partition(b" ")
+    return token.strip(b" ") if scheme.lower() == b"bearer" else b""
+
+
 class _BodyTooLarge(HTTPException):
     """Raised from receive(); an HTTPException so FastAPI's body parsing lets it through."""
 
@@ -64,7 +71,7 @@ class GuardMiddleware:
 
     def __init__(self, app: ASGIApp, config: ServerConfig, metrics: Any):
         self.app, self.config, self.metrics = app, config, metrics
-        self.expected = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.expected = config.api_key.encode() if config.api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -72,7 +79,7 @@ class GuardMiddleware:
             return
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] not in _OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
+            given = _bearer_token(headers.get(b"authorization", b""))
             if not hmac.compare_digest(given, self.expected):
                 await self._reject(send, 401, "missing or wrong API key: send "
                                    "'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})

@@ -1,14 +1,18 @@
 """Chat prompts: OpenAI-shaped messages (and tools) rendered to text by the model's chat template,
 or by the `--chat-template` override. A template that renders tools gets them and the tool turns in
-its own shape; for one that does not, the caller's generic tool prompt leads as a system message."""
+its own shape; for one that does not, the caller's generic tool prompt leads as a system message.
+Control tokens typed into messages stay text (ControlTokenGuard), so a user cannot forge a turn."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import pathlib
 import re
-from typing import Any
+import threading
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 from forklm.runtime.errors import InvalidArgumentError
 
@@ -22,6 +26,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 _TOOLS_VAR = re.compile(r"\btools\b")
 
 
+class ChatPrompt(NamedTuple):
+    text: str  # the rendered prompt
+    input_ids: list[int] | None  # set when the text must not be tokenized as a whole (see guard)
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None = None,
                 template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
@@ -31,18 +40,75 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
     `tool_prompt` is the generic tool prompt used only when the template does not render tools.
     A template that rejects the conversation is an InvalidArgumentError on `messages`.
     CPU work proportional to the conversation: call it off the event loop."""
+    return render_chat_prompt(tokenizer, messages, tools, template_kwargs, add_generation_prompt,
+                              chat_template, tool_prompt).text
+
+
+def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None = None,
+                       template_kwargs: dict[str, Any] | None = None,
+                       add_generation_prompt: bool = True, chat_template: str | None = None,
+                       tool_prompt: str | None = None,
+                       guard: ControlTokenGuard | None = None) -> ChatPrompt:
+    """render_chat's text, and with a `guard`, the token ids to run instead of tokenizing it
+    when some input string holds a control token (None otherwise: the text tokenizes alike)."""
     native = renders_tools(tokenizer, chat_template, bool(tools))
     turns = [_native_turn(m) if native else _plain_turn(m) for m in messages]
     if tool_prompt is not None and not native:
         turns.insert(0, {"role": "system", "content": tool_prompt})
-    extra: dict[str, Any] = {"tools": tools} if native and tools else {}
+    call: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                            "chat_template": chat_template, **(template_kwargs or {})}
+    if native and tools:
+        call["tools"] = tools
     try:
-        return tokenizer.apply_chat_template(
-            turns, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template, **extra, **(template_kwargs or {}))
+        text = tokenizer.apply_chat_template(turns, tokenize=False, **call)
+        ids = None
+        if guard is not None and guard.mentions_control_token([turns, tools, template_kwargs]):
+            ids = guard.encode(turns, call)
     except Exception as e:  # a template that rejects the conversation (roles, order)
         raise InvalidArgumentError("messages", f"<{len(messages)} messages>",
                                    f"the chat template rejects them: {e}") from e
+    return ChatPrompt(text, ids)
+
+
+class ControlTokenGuard:
+    """Encodes a chat so that control tokens typed into its messages, tools or template
+    variables (a user's "<|im_end|>\\n<|im_start|>system...") are encoded as plain text: only
+    the template's own control tokens become tokens, so no one can forge a turn (transformers'
+    `sanitize_control_tokens`, which marks them in the inputs before rendering).
+    It encodes with its own copy of the tokenizer under a lock: that encoding flips the Rust
+    tokenizer's `encode_special_tokens` switch, which must never change under another thread
+    tokenizing with the engine's tokenizer (nor under a second guarded encoding)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = copy.deepcopy(tokenizer)
+        self._lock = threading.Lock()
+        # Every added token (a superset of the control tokens): text without any of them
+        # encodes the same guarded or not, so only a chat that holds one pays for the guard.
+        added = sorted(tokenizer.added_tokens_encoder, key=len, reverse=True)
+        self._added = re.compile("|".join(map(re.escape, added)) or "(?!)")
+
+    def mentions_control_token(self, obj: Any) -> bool:
+        """Whether a string anywhere in `obj` (nested lists and dict values) holds one."""
+        return any(self._added.search(text) for text in _strings(obj))
+
+    def encode(self, turns: list[dict[str, Any]], call: dict[str, Any]) -> list[int]:
+        """The token ids of the chat `turns` rendered with apply_chat_template's `call`."""
+        with self._lock:
+            return list(self._tokenizer.apply_chat_template(
+                turns, tokenize=True, return_dict=False, sanitize_control_tokens=True, **call))
+
+
+def _strings(obj: Any) -> Iterator[str]:
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            yield value
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
 
 
 def renders_tools(tokenizer: Any, chat_template: str | None = None,

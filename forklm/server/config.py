@@ -27,6 +27,9 @@ class ServerConfig:
     served_model_name: str | None = None
     # A Jinja chat template (a file, or the template itself) used instead of the tokenizer's.
     chat_template: str | None = None
+    # Control tokens typed into chat messages ("<|im_end|>") are encoded as plain text, so a user
+    # cannot forge a turn; True restores the old behaviour (they become real control tokens).
+    allow_special_tokens_in_content: bool = False
     # Requests admitted beyond the engine's max_running_requests before new ones get a 503.
     max_queued_requests: int = 256
     # 8 MiB is ~1M tokens of text, far beyond any context; larger bodies are an error or abuse.

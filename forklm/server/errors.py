@@ -23,7 +23,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 _UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|literal|function-\w+|[\w-]+\[.*\])$")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "request_too_large",
-          503: "service_unavailable_error"}
+          499: "client_closed_request", 503: "service_unavailable_error"}
 
 
 class ApiError(Exception):
@@ -36,8 +36,14 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
-                      "param": param, "code": status}}
+    """The body; text echoed from the request is made encodable (a lone surrogate in a field
+    name would otherwise fail the error response itself)."""
+    return {"error": {"message": _utf8(message), "type": _TYPES.get(status, "server_error"),
+                      "param": None if param is None else _utf8(param), "code": status}}
+
+
+def _utf8(text: str) -> str:
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -101,6 +107,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(400, f"malformed JSON body: {first.get('msg', '')}")
     loc = [str(p) for p in first.get("loc", ()) if not _UNION_TAG.match(str(p))]
     param = ".".join(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc) or None
+    param = (first.get("ctx") or {}).get("param") or param  # a whole-body check names its field
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "")
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem(s))"

@@ -5,6 +5,7 @@ tokenized, one request per sample); this admits, runs and times exactly those re
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import AsyncGenerator
@@ -14,13 +15,21 @@ from typing import Any
 from starlette.requests import Request
 
 from forklm.runtime.engine import Engine
+from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.intake import RequestGroup
 from forklm.runtime.results import GenerateOutput, join_chunks
+from forklm.server.chat_template import ControlTokenGuard
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError
 from forklm.server.metrics import ServerMetrics
 
+logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
+# Prompt text is bounded before it is tokenized, at context_len x this many characters. Text
+# averages ~4 characters a token (English; code ~5), so a longer text cannot fit the context
+# unless it is mostly long runs (the default model's longest token is 81 characters, a newline
+# and 80 spaces); refusing those too is the price of never tokenizing megabytes to learn it.
+MAX_CHARS_PER_TOKEN = 32
 
 
 class Admission:
@@ -35,8 +44,17 @@ class Admission:
         self.check(num)
         self.admitted += num
 
+    @property
+    def full(self) -> bool:
+        return self.admitted >= self.limit
+
     def check(self, num: int) -> None:
-        """Raise the 503 if `num` more requests would not fit now."""
+        """Raise the 503 if `num` more requests would not fit now, or a 400 if they never can
+        (retrying such a call would never succeed)."""
+        if num > self.limit:
+            raise ApiError(400, f"the call makes {num} engine requests (prompts x n), more than "
+                           f"this server ever runs at once ({self.limit}: max_running_requests + "
+                           "max_queued_requests); split it into smaller calls")
         if self.admitted + num > self.limit:
             raise ApiError(503, f"server busy: {self.admitted} requests in flight, limit "
                            f"{self.limit} (max_running_requests + max_queued_requests)",
@@ -55,14 +73,36 @@ class GenerationService:
     config: ServerConfig
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     admission: Admission = field(init=False)
+    guard: ControlTokenGuard | None = field(init=False)  # None: control tokens in chats count
 
     def __post_init__(self) -> None:
         limit = self.engine.config.max_running_requests + self.config.max_queued_requests
         self.admission = Admission(limit, self.config.retry_after_s)
+        self.guard = (None if self.config.allow_special_tokens_in_content
+                      else ControlTokenGuard(self.engine.tokenizer))
 
     @property
     def model_name(self) -> str:
         return self.config.served_model_name or self.engine.config.model_path
+
+    def check_text_size(self, name: str, num_chars: int) -> None:
+        """A 400 naming `name` when text of `num_chars` characters cannot fit the context (see
+        MAX_CHARS_PER_TOKEN); call it before tokenizing or rendering the text."""
+        context_len = self.engine.model_info.context_len
+        limit = context_len * MAX_CHARS_PER_TOKEN
+        if num_chars > limit:
+            raise InvalidArgumentError(name, f"<{num_chars} characters>", f"over the limit of "
+                                       f"{limit} characters ({MAX_CHARS_PER_TOKEN} per token of "
+                                       f"the model's context_length {context_len})")
+
+    def unavailable_reason(self) -> str | None:
+        """Why the server cannot take a request now (for /health), or None when it can."""
+        if self.engine.closed:
+            return "the engine has shut down"
+        if self.admission.full:
+            return (f"server busy: {self.admission.admitted} requests in flight, limit "
+                    f"{self.admission.limit}")
+        return None
 
     async def generate(self, endpoint: str, group: RequestGroup,
                        request: Request | None = None) -> list[GenerateOutput]:
@@ -76,7 +116,11 @@ class GenerationService:
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 task.cancel()  # closing the stream aborts its engine requests
-        return await task
+        if task.cancelled():  # a routine event, not an error: one line, no traceback
+            logger.info("client disconnected from %s: aborted %d request(s)", endpoint,
+                        len(group))
+            raise ApiError(499, "client disconnected")  # nginx's status; no one reads it
+        return task.result()
 
     async def _run(self, endpoint: str, group: RequestGroup) -> list[GenerateOutput]:
         return await _collect(await self.open_stream(endpoint, group), len(group))

@@ -40,6 +40,8 @@ def service_of(request: Request) -> GenerationService:
 async def generate(body: GenerateRequest, request: Request) -> Any:
     service = service_of(request)
     reasoning = _reasoning_of(service, body)
+    for text in [body.text] if isinstance(body.text, str) else body.text or ():
+        service.check_text_size("text", len(text))
     group = await asyncio.to_thread(_prepare, service, body)  # tokenizing grows with the request
     tokenizer = service.engine.tokenizer
     if body.stream:
@@ -175,9 +177,19 @@ class _Splitter:
         return ReasoningDelta(self.reasoning, self.content)
 
 
-@router.get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+@router.api_route("/health", methods=["GET", "HEAD"], response_model=None)
+async def health(request: Request) -> Response:
+    """200 while the server can take requests; 503 saying why when it cannot (the engine is
+    gone, or admission is full). HEAD answers the same status without a body."""
+    service = service_of(request)
+    reason = service.unavailable_reason()
+    status = 200 if reason is None else 503
+    if request.method == "HEAD":
+        return Response(status_code=status)
+    if reason is None:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503,
+                        headers={"Retry-After": str(service.config.retry_after_s)})
 
 
 @router.get("/health_generate")

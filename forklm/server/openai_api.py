@@ -18,7 +18,12 @@ from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.intake import RequestGroup
 from forklm.runtime.results import GenerateOutput
 from forklm.server import openai_convert as conv
-from forklm.server.chat_template import load_chat_template, render_chat, template_kwargs
+from forklm.server.chat_template import (
+    ChatPrompt,
+    load_chat_template,
+    render_chat_prompt,
+    template_kwargs,
+)
 from forklm.server.errors import sse_frames
 from forklm.server.generation import ChunkStream, GenerationService
 from forklm.server.native_api import service_of
@@ -50,6 +55,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.best_of not in (None, body.n):
         raise InvalidArgumentError("best_of", body.best_of, "only best_of == n is supported")
     max_tokens = body.max_tokens if body.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
+    for text in [body.prompt] if isinstance(body.prompt, str) else body.prompt:
+        if isinstance(text, str):
+            service.check_text_size("prompt", len(text))
     # Tokenizing grows with the prompt: a worker thread, never the event loop.
     group = await asyncio.to_thread(_prepare, service, body, body.prompt,
                                     conv.sampling_dict(body, max_tokens), body.logprobs)
@@ -112,29 +120,44 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 async def prepare_chat(service: GenerationService, body: ChatCompletionRequest,
                        plan: ToolPlan) -> tuple[RequestGroup, ToolPlan]:
     """The engine call of a chat request (also the Responses API's) and the plan that reads its
-    replies. Rendering and tokenizing run in a worker thread: both grow with the request."""
+    replies. The text is bounded first; rendering and tokenizing run in a worker thread (both
+    grow with the request)."""
+    service.check_text_size("messages", _chat_chars(body))
     prompt = await _chat_prompt(service, body, plan)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = conv.sampling_dict(body, max_tokens if max_tokens is not None
                                 else service.engine.model_info.context_len)
     _add_tool_constraint(params, plan)
     top = (body.top_logprobs or 0) if body.logprobs else None
-    group = await asyncio.to_thread(_prepare, service, body, prompt, params, top)
-    return group, plan.with_prompt(prompt)
+    engine_prompt = prompt.text if prompt.input_ids is None else prompt.input_ids
+    group = await asyncio.to_thread(_prepare, service, body, engine_prompt, params, top)
+    return group, plan.with_prompt(prompt.text)
+
+
+def _chat_chars(body: ChatCompletionRequest) -> int:
+    """The characters of the conversation's text: contents and tool-call arguments."""
+    total = 0
+    for m in body.messages:
+        content = m.content
+        total += len(content) if isinstance(content, str) else sum(
+            len(part.text) for part in content or ())
+        total += sum(len(c.function.arguments) for c in m.tool_calls or ())
+    return total
 
 
 async def _chat_prompt(service: GenerationService, body: ChatCompletionRequest,
-                       plan: ToolPlan) -> str:
-    """The request's prompt text, built in a worker thread (the work grows with the request)."""
+                       plan: ToolPlan) -> ChatPrompt:
+    """The request's prompt, built in a worker thread (the work grows with the request); control
+    tokens typed into it stay text unless the server allows them."""
 
-    def render() -> str:
+    def render() -> ChatPrompt:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan.active else None
-        return render_chat(
+        return render_chat_prompt(
             service.engine.tokenizer, messages, tools,
             template_kwargs(body.chat_template_kwargs, body.reasoning_effort),
             chat_template=load_chat_template(service.config.chat_template),
-            tool_prompt=plan.system_prompt() if plan.active else None)
+            tool_prompt=plan.system_prompt() if plan.active else None, guard=service.guard)
 
     return await run_in_threadpool(render)
 

@@ -6,9 +6,19 @@ are checked once, by SamplingParams; only the server-side counts and sizes are b
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from forklm.server.chat_template import RESERVED_TEMPLATE_KWARGS
 
@@ -38,8 +48,96 @@ _Count = Field(default=None, ge=0)
 _Id = Field(default=None, max_length=512)  # user, prompt_cache_key, safety_identifier
 
 
+# JSON's "\ud800" escape parses to a lone surrogate: a str with no UTF-8 form, on which the
+# tokenizer and the response encoder fail. Surrogate pairs parse to one character and pass.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = frozenset({int, float, bool, type(None)})
+_REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
+# Token ids: a JSON `true` is no token id (pydantic's lax int would take it as 1).
+TokenIds = list[StrictInt]
+
+
+def lone_surrogate_path(data: Any) -> str | None:
+    """The dotted path of a string (a value or a key) in parsed JSON `data` that holds a lone
+    surrogate, else None. Lists of numbers are skipped at C speed (input_ids can be millions)."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and _LONE_SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                sub = f"{path}.{_printable(key)}" if path else _printable(key)
+                if isinstance(key, str) and not key.isascii() and _LONE_SURROGATE.search(key):
+                    return sub
+                stack.append((item, sub))
+        elif isinstance(value, list) and not _SCALARS.issuperset(map(type, value)):
+            stack.extend((item, f"{path}.{i}" if path else str(i)) for i, item in enumerate(value))
+    return None
+
+
+def _printable(key: Any) -> str:
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class UnicodeChecked(BaseModel):
+    """A whole request body: every string in it must be valid Unicode, checked before any field
+    (a 400 naming the field, where the tokenizer would fail with a 500)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        path = lone_surrogate_path(data)
+        if path is not None:
+            raise PydanticCustomError(
+                "lone_surrogate", "holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                "outside a pair), which is not Unicode text", {"param": path})
+        return data
+
+
+def external_ref(schema: Any) -> str | None:
+    """The first `$ref` anywhere in a JSON schema that points outside it ("file://...",
+    "http://..."), else None. Only local refs ("#/$defs/x") are resolved, and a server must not
+    fetch what a client names, so such a ref is refused rather than silently ignored."""
+    stack = [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in _REF_KEYS and isinstance(item, str) and not item.startswith("#"):
+                    return item
+                stack.append(item)
+        elif isinstance(value, list):
+            stack.extend(v for v in value if isinstance(v, (dict, list)))
+    return None
+
+
+def local_refs_only(schema: Any) -> Any:
+    """A schema (a dict, or its JSON text) unchanged; a ValueError if it has an external $ref.
+    Text that is not JSON passes: the engine reports it when it compiles the schema."""
+    parsed = schema
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError:
+            return schema
+    ref = external_ref(parsed)
+    if ref is not None:
+        raise ValueError(f"$ref {ref[:200]!r} points outside the schema: only local refs "
+                         "('#/...') are resolved")
+    return schema
+
+
+JsonSchema = Annotated[dict[str, Any], AfterValidator(local_refs_only)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _Request(_Strict, UnicodeChecked):
+    """A top-level request body."""
 
 
 class _Lenient(BaseModel):
@@ -48,11 +146,11 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(_Request):
     """SGLang's /generate body: text or input_ids, one prompt or a batch."""
 
     text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
     logprob_start_len: int | None = None
@@ -71,8 +169,20 @@ class GenerateRequest(_Strict):
     # <think> part.
     separate_reasoning: bool = False
 
+    @field_validator("sampling_params")
+    @classmethod
+    def _local_schema_refs(cls, params: Any) -> Any:
+        for one in params if isinstance(params, list) else [params] if params else []:
+            for key in ("json_schema", "structural_tag"):
+                if one.get(key) is not None:
+                    try:
+                        local_refs_only(one[key])
+                    except ValueError as e:
+                        raise ValueError(f"{key}: {e}") from e
+        return params
 
-class SeparateReasoningRequest(_Strict):
+
+class SeparateReasoningRequest(_Request):
     """SGLang's /separate_reasoning body: a finished reply, split by a reasoning parser (the
     server's --reasoning-parser unless one is named)."""
 
@@ -80,7 +190,7 @@ class SeparateReasoningRequest(_Strict):
     reasoning_parser: str | None = None
 
 
-class AbortRequest(_Strict):
+class AbortRequest(_Request):
     rid: str = Field(min_length=1)
 
 
@@ -93,7 +203,7 @@ class StreamOptions(_Strict):
 class JsonSchemaFormat(_Strict):
     name: str = "response"
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -102,7 +212,7 @@ class ResponseFormat(_Strict):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus SGLang's extras)."""
 
     model: str
@@ -124,7 +234,7 @@ class _SamplingFields(_Strict):
     min_p: float | None = None
     min_tokens: int | None = _Count
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
@@ -132,14 +242,14 @@ class _SamplingFields(_Strict):
     stop_regex: str | list[str] | None = None
     regex: str | None = None
     ebnf: str | None = None
-    json_schema: str | dict[str, Any] | None = None
+    json_schema: Annotated[str | dict[str, Any], AfterValidator(local_refs_only)] | None = None
     custom_params: dict[str, Any] | None = None
     custom_logit_processor: str | None = None  # a 400 when set: forklm runs none
     rid: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | TokenIds | list[TokenIds]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -186,7 +296,7 @@ class ChatMessage(_Lenient):
 class FunctionDef(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonSchema | None = None
     strict: bool | None = None
 
 

@@ -31,7 +31,7 @@ from forklm.server.responses_output import (
     response_status,
 )
 from forklm.server.responses_protocol import Item, ReasoningItem, ResponsesRequest
-from forklm.server.responses_store import ResponseStore
+from forklm.server.responses_store import ResponseStore, conversation_chars
 from forklm.server.tools import plan_tools
 
 router = APIRouter(prefix="/v1")
@@ -45,6 +45,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     if history is None:
         return _previous_not_found(body.previous_response_id)
     items = history + input_items(body)
+    service.check_text_size("input", conversation_chars(items) + len(body.instructions or ""))
     chat = to_chat_request(body, items)
     conv.check_model(service, chat)
     plan = plan_tools(chat, service)

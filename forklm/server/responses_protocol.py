@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from forklm.server.protocol import Metadata
+from forklm.server.protocol import JsonSchema, Metadata, UnicodeChecked
 
 # Bounds a client controls, checked before any work proportional to them.
 MAX_INPUT_ITEMS = 1024  # one request's input items
@@ -131,7 +131,7 @@ class FunctionTool(_Strict):
     type: Literal["function"]
     name: str = Field(pattern=_FUNCTION_NAME)
     description: _Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonSchema | None = None
     strict: bool | None = None
 
     @model_validator(mode="before")
@@ -158,7 +158,7 @@ class TextFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, max_length=64)
     description: _Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonSchema | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -177,7 +177,7 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None  # no obfuscation padding is sent either way
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Strict, UnicodeChecked):
     model: str
     input: Annotated[list[InputItem], Field(max_length=MAX_INPUT_ITEMS)] | _Text
     instructions: _Text | None = None
