@@ -41,7 +41,6 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True, no_stop_trim: bool = False,
                  stop_regex: Sequence[str] = ()):
-        assert all(stop), "stop strings must be non-empty (SamplingParams checks this)"
         self._tokenizer = tokenizer
         self._decode_kwargs = {
             "skip_special_tokens": skip_special_tokens,
@@ -49,11 +48,8 @@ class IncrementalDetokenizer:
             "spaces_between_special_tokens": spaces_between_special_tokens,
             "clean_up_tokenization_spaces": False,
         }
-        self._stop = tuple(stop)
+        self._stops = StopStringMatcher(stop)
         self._no_stop_trim = no_stop_trim
-        # Every proper prefix of a stop string: a text suffix in this set must be held back.
-        self._stop_prefixes = {s[:i] for s in self._stop for i in range(1, len(s))}
-        self._max_prefix_len = max((len(s) - 1 for s in self._stop), default=0)
         self._regex = StopRegexSearch(stop_regex)
         self._tail = ""  # the last emitted characters: context for the stop regexes
         self._ids: list[int] = []
@@ -107,7 +103,9 @@ class IncrementalDetokenizer:
     def _emit(self, new: str, final: bool) -> DetokenizeStep:
         buf = self._pending + new
         found, regex_hold = self._regex.search(self._tail, buf) if self._regex else (None, 0)
-        match = self._find_stop(buf)
+        match = self._stops.feed(new)
+        if match is not None:  # positions in `new` -> in `buf`
+            match = (match[0] + len(self._pending), match[1] + len(self._pending), match[2])
         if found is not None and (match is None or (found.end, found.start) < match[:2]):
             match = (found.end, found.start, found.pattern)
         if match is not None:
@@ -115,7 +113,7 @@ class IncrementalDetokenizer:
             self.finished = True
             self._pending = ""
             return self._push(buf[: end if self._no_stop_trim else start], stop)
-        held = 0 if final else max(self._held_suffix_len(buf), regex_hold)
+        held = 0 if final else max(self._stops.partial_len, regex_hold)
         self._pending = buf[len(buf) - held:] if held else ""
         return self._push(buf[: len(buf) - held], None)
 
@@ -125,20 +123,57 @@ class IncrementalDetokenizer:
             self._tail = (self._tail + delta)[-_TAIL_LEN:]
         return DetokenizeStep(delta, stop)
 
-    def _find_stop(self, buf: str) -> tuple[int, int, str] | None:
-        """(end, start, stop) of the stop string match ending first in `buf`, the longest on a
-        tie."""
-        best: tuple[int, int, str] | None = None
-        for stop in self._stop:
-            start = buf.find(stop)
-            if start >= 0:
-                key = (start + len(stop), start, stop)
-                best = key if best is None or key < best else best
-        return best
 
-    def _held_suffix_len(self, buf: str) -> int:
-        """Length of the longest suffix of `buf` that a stop string starts with."""
-        for n in range(min(len(buf), self._max_prefix_len), 0, -1):
-            if buf[-n:] in self._stop_prefixes:
-                return n
-        return 0
+class StopStringMatcher:
+    """The stop strings of one request, matched as the text grows (Knuth-Morris-Pratt): for each
+    stop string, the length of the longest suffix of the text fed so far that it starts with.
+    Building costs time and memory linear in the stop strings, feeding linear in the text.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        assert all(stops), "stop strings must be non-empty (SamplingParams checks this)"
+        self._stops = tuple(stops)
+        self._failure = [_failure_function(s) for s in self._stops]
+        self._states = [0] * len(self._stops)
+        self._first_chars = frozenset(s[0] for s in self._stops)
+
+    @property
+    def partial_len(self) -> int:
+        """Length of the longest suffix of the text fed that some stop string starts with (text
+        that must be held back: it may still become a match)."""
+        return max(self._states, default=0)
+
+    def feed(self, text: str) -> tuple[int, int, str] | None:
+        """Feed the next text. Returns (end, start, stop) of the first match to end, with end and
+        start positions in `text` (start < 0: the match began in text fed before), the longest
+        stop on a tie; the matcher is spent then. None if no stop string ends in `text`."""
+        if not self._stops or (not any(self._states) and self._first_chars.isdisjoint(text)):
+            return None  # the common case: nothing to match, no Python loop over the text
+        for pos, char in enumerate(text):
+            longest = ""
+            for k, stop in enumerate(self._stops):
+                state, failure = self._states[k], self._failure[k]
+                while state and stop[state] != char:
+                    state = failure[state - 1]
+                if stop[state] == char:
+                    state += 1
+                if state == len(stop):
+                    longest = stop if len(stop) > len(longest) else longest
+                    state = failure[state - 1]
+                self._states[k] = state
+            if longest:
+                return pos + 1, pos + 1 - len(longest), longest
+        return None
+
+
+def _failure_function(s: str) -> list[int]:
+    """failure[i]: length of the longest proper prefix of s[: i + 1] that is also its suffix."""
+    failure = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = failure[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        failure[i] = k
+    return failure

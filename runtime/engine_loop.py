@@ -16,8 +16,9 @@ import torch
 from forklm.runtime.builder import EngineParts
 from forklm.runtime.engine_stats import EngineStats
 from forklm.runtime.errors import EngineShutdownError
-from forklm.runtime.output_processor import finish, process_logits
+from forklm.runtime.output_processor import StepTokens, fail, finish, process_logits
 from forklm.runtime.request import FinishReason, Req, ReqOutput
+from forklm.runtime.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
@@ -107,21 +108,38 @@ class EngineLoop:
         self._emit_aborted()
         if batch is None:
             return
+        tokens, forward_s = self._run_isolated(batch)
+        sched.after_step(batch)
+        self.stats.record_step(batch, time.perf_counter() - t0, forward_s, tokens)
+
+    def _run_isolated(self, batch: ScheduledBatch) -> tuple[StepTokens, float]:
+        """Forward and sample `batch`; returns (its tokens, forward seconds). A failing batch is
+        rerun in halves (a rerun forward writes the same KV again; process_logits raises only
+        before it changes a request) down to the requests that fail alone: only those are
+        aborted, so one request's bad input cannot take its batch neighbours down."""
         try:
             t1 = time.perf_counter()
             logits, layout = self.parts.runner.forward(batch)
-            t2 = time.perf_counter()
-            tokens = process_logits(batch, logits, layout, self.parts.grammar)
-        except Exception as e:  # a failing batch must not hang its callers or stop the engine
-            logger.exception("engine step failed")
-            for req in batch.reqs:
-                sched.abort(req)  # idempotent; also removes requests that finished mid-step
-                self._reqs.pop(req.rid, None)
-                if not req.finished:
-                    finish(req, FinishReason("abort", message=f"engine error: {e}"))
-            return
-        sched.after_step(batch)
-        self.stats.record_step(batch, time.perf_counter() - t0, t2 - t1, tokens)
+            forward_s = time.perf_counter() - t1
+            return process_logits(batch, logits, layout, self.parts.grammar), forward_s
+        except Exception as e:
+            if len(batch.reqs) == 1:
+                logger.exception("request %s failed its engine step", batch.reqs[0].rid)
+                self._fail_alone(batch.reqs[0], batch.extend_lens[0], e)
+                return StepTokens(0, 0, 0, 0), 0.0
+            logger.warning("a step of %d requests failed (%r); rerunning it in halves",
+                           len(batch.reqs), e)
+        results = [self._run_isolated(half) for half in _halves(batch)]
+        tokens = StepTokens(*map(sum, zip(*(t for t, _ in results))))
+        return tokens, sum(s for _, s in results)
+
+    def _fail_alone(self, req: Req, extend_len: int, error: Exception) -> None:
+        """Abort req, whose step failed. The KV this step was to compute may be unwritten: it is
+        dropped first, so that releasing req does not put it in the radix cache."""
+        if req.row is not None:
+            self.parts.kv.trim(req, max(req.num_computed - extend_len, req.prefix_len))
+        self.parts.scheduler.abort(req)  # after_step then finds it finished and released
+        fail(req, f"engine error: {error!r}")
 
     def _emit_aborted(self) -> None:
         sched = self.parts.scheduler
@@ -170,3 +188,11 @@ class EngineLoop:
 
     def stats_now(self) -> dict[str, Any]:
         return self.stats.snapshot(self.parts.scheduler, self.parts.kv)
+
+
+def _halves(batch: ScheduledBatch) -> list[ScheduledBatch]:
+    """The batch's requests split in two, each half with its own lengths, samples and drafts."""
+    cut = len(batch.reqs) // 2
+    return [ScheduledBatch(batch.reqs[part], batch.extend_lens[part], batch.phase,
+                           batch.samples[part], batch.draft_ids[part])
+            for part in (slice(0, cut), slice(cut, None))]

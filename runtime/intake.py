@@ -50,6 +50,13 @@ class RequestGroup:
         return next(i for i, end in enumerate(ends) if index < end)
 
 
+# Top logprobs per position: each costs a topk and a Python pair per generated token, so a large
+# one multiplies a request's memory (OpenAI's bound, and the HTTP server's: protocol.py).
+MAX_TOP_LOGPROBS_NUM = 20
+# torch.Generator seeds are 64-bit: a seeded request's sample k draws from (seed + k) mod 2**64.
+_SEED_MODULUS = 2**64
+
+
 @dataclass(frozen=True)
 class _LogprobOptions:
     enabled: bool  # the other two are checked either way, and used only when enabled
@@ -59,9 +66,9 @@ class _LogprobOptions:
 
 class RequestIntake:
     """Builds RequestGroups for one engine: its tokenizer, vocabulary, context length, KV capacity
-    and EOS ids. Seeds: sample k of a request with `seed` draws from seed + k; an unseeded sample
-    gets the next seed of the engine's own sequence (EngineConfig.random_seed). A call's
-    requests all exist, or (on a bad argument) none does."""
+    and EOS ids. Seeds: sample k of a request with `seed` draws from seed + k (mod 2**64); an
+    unseeded sample gets the next seed of the engine's own sequence (EngineConfig.random_seed).
+    A call's requests all exist, or (on a bad argument) none does."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, kv_capacity: int,
                  eos_token_ids: frozenset[int], random_seed: int):
@@ -124,7 +131,7 @@ class RequestIntake:
     def _generator(self, seed: int | None) -> torch.Generator:
         if seed is None:
             seed = self._random_seed * 1_000_003 + next(self._seed_counter)
-        return torch.Generator().manual_seed(seed)
+        return torch.Generator().manual_seed(seed % _SEED_MODULUS)
 
     def _token_ids(self, prompt: str | list[int], name: str) -> list[int]:
         if isinstance(prompt, str):
@@ -211,12 +218,14 @@ def _rid_list(rid: Any, num: int) -> list[str | None]:
 
 
 def _logprob_options(enabled: bool, start_len: int | None, top_num: int | None) -> _LogprobOptions:
-    top = _check_int("top_logprobs_num", top_num or 0, 0)
+    top = _check_int("top_logprobs_num", top_num or 0, 0, MAX_TOP_LOGPROBS_NUM)
     start = -1 if start_len is None else _check_int("logprob_start_len", start_len, -1)
     return _LogprobOptions(bool(enabled), start, top)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgumentError(name, value, f"must be an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise InvalidArgumentError(name, value, f"must be an int in [{minimum}, {maximum}]")
     return value

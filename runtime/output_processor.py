@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,44 +29,77 @@ class StepTokens(NamedTuple):
 def process_logits(batch: ScheduledBatch, logits: torch.Tensor, layout: list[LogitsRows],
                    grammar: GrammarBackend | None = None) -> StepTokens:
     """Consume one step's logits for every request in the batch. Constrained requests need
-    `grammar`, which masks their rows before sampling."""
-    for req, rows in zip(batch.reqs, layout):
-        if rows.input_positions or (req.wants_input_logprobs and rows.sample_row is not None):
-            _record_input_logprobs(req, logits, rows)
-    samplers = [(req, rows.sample_row, batch.drafts(i))
-                for i, (req, rows) in enumerate(zip(batch.reqs, layout))
-                if rows.sample_row is not None]
-    for req, _, _ in samplers:
-        if req.wants_input_logprobs:
-            req.input_logprobs_done = True
-    to_sample = [s for s in samplers if not _finish_without_sampling(s[0])]
+    `grammar`, which masks their rows before sampling.
+
+    In two phases, so that one request cannot fail the others: the batched work (prompt
+    logprobs, grammar masks, sampling) changes no request, and if it raises, seeded generators
+    are rewound and the caller may rerun the step on part of the batch; then each request takes
+    its results, and one whose own update raises is aborted alone (`fail`)."""
+    prompt_logprobs = [_prompt_logprobs(req, logits, rows) for req, rows in zip(batch.reqs, layout)]
+    sampled = [rows.sample_row is not None and req.sampling_params.max_new_tokens > 0
+               for req, rows in zip(batch.reqs, layout)]
+    to_sample = [(req, rows.sample_row, batch.drafts(i))
+                 for i, (req, rows) in enumerate(zip(batch.reqs, layout)) if sampled[i]]
+    result, states = _sample(to_sample, logits, grammar)
+    next_state = iter(states)
+    total, first = StepTokens(0, 0, 0, 0), 0  # first: the request's first row in result
+    for i, (req, rows) in enumerate(zip(batch.reqs, layout)):
+        draft, state = batch.drafts(i), next(next_state) if sampled[i] else None
+        try:
+            _record_prompt_logprobs(req, prompt_logprobs[i])
+            if rows.sample_row is not None:
+                req.input_logprobs_done = req.input_logprobs_done or req.wants_input_logprobs
+                if not sampled[i]:  # max_new_tokens == 0 asks for prefill/scoring only
+                    finish(req, FinishReason("length", length=0))
+            if sampled[i]:
+                assert result is not None
+                tokens = _take_samples(req, draft, result, first, state, grammar)
+                total = StepTokens(*(a + b for a, b in zip(total, tokens)))
+        except Exception as e:
+            logger.exception("request %s failed in its step", req.rid)
+            fail(req, f"engine error: {e!r}")
+        first += len(draft) + 1 if sampled[i] else 0
+    return total
+
+
+def _sample(to_sample: list[tuple[Req, int, list[int]]], logits: torch.Tensor,
+            grammar: GrammarBackend | None) -> tuple[SampleResult | None, list[torch.Tensor | None]]:
+    """(the samples of to_sample's rows, each request's RNG state for replaying a draft). Changes
+    no request: if it raises, the seeded generators it drew from are rewound first."""
     if not to_sample:
-        return StepTokens(0, 0, 0, 0)
+        return None, []
     # One logits row per request, or 1 + len(draft) consecutive rows for a verified draft.
     rows_t = torch.tensor([r for _, row, d in to_sample for r in range(row, row + len(d) + 1)])
     sampling_rows = [v for req, _, d in to_sample for v in _verify_rows(req, d)]
-    rows_logits = logits[rows_t]  # [rows, V], a copy: masking and sampling modify it
-    if any(req.grammar is not None for req, _, _ in to_sample):
-        assert grammar is not None, "constrained requests need the grammar backend"
-        grammar.mask_logits(rows_logits, [req.grammar for req, _, d in to_sample
-                                          for _ in range(len(d) + 1)])
     states = [_generator_state(req, d) for req, _, d in to_sample]
-    result = sample(rows_logits, sampling_rows)
-    generated = verified = drafted = accepted = 0
-    first = 0  # the request's first row in result
-    for (req, _, draft), state in zip(to_sample, states):
-        if draft:
-            num_appended, num_accepted = _accept_draft(req, draft, result, first)
-            _replay_generator(req, state, num_appended)
-            generated += num_appended
-            verified, drafted, accepted = verified + 1, drafted + len(draft), accepted + num_accepted
-        else:
-            _append_sampled(req, result, first)
-            generated += 1
-            if grammar is not None and grammar.jump_forward:
-                generated += _jump_forward(req, grammar)
-        first += len(draft) + 1
-    return StepTokens(generated, verified, drafted, accepted)
+    # Unseeded requests need no rewind: a rerun just draws other random numbers.
+    seeded = [(req.generator, req.generator.get_state()) for req, _, _ in to_sample
+              if req.generator is not None and req.sampling_params.seed is not None
+              and not req.sampling_params.is_greedy]
+    try:
+        rows_logits = logits[rows_t]  # [rows, V], a copy: masking and sampling modify it
+        if any(req.grammar is not None for req, _, _ in to_sample):
+            assert grammar is not None, "constrained requests need the grammar backend"
+            grammar.mask_logits(rows_logits, [req.grammar for req, _, d in to_sample
+                                              for _ in range(len(d) + 1)])
+        return sample(rows_logits, sampling_rows), states
+    except Exception:
+        for generator, state in seeded:
+            generator.set_state(state)
+        raise
+
+
+def _take_samples(req: Req, draft: list[int], result: SampleResult, first: int,
+                  state: torch.Tensor | None, grammar: GrammarBackend | None) -> StepTokens:
+    """Append req's samples (rows from `first`): a verified draft's accepted part, or one token
+    and what its grammar forces next."""
+    if draft:
+        num_appended, num_accepted = _accept_draft(req, draft, result, first)
+        _replay_generator(req, state, num_appended)
+        return StepTokens(num_appended, 1, len(draft), num_accepted)
+    _append_sampled(req, result, first)
+    jumped = _jump_forward(req, grammar) if grammar is not None and grammar.jump_forward else 0
+    return StepTokens(1 + jumped, 0, 0, 0)
 
 
 def _append_sampled(req: Req, result: SampleResult, k: int) -> None:
@@ -125,30 +158,39 @@ def _replay_generator(req: Req, state: torch.Tensor | None, num_appended: int) -
         torch.rand((), generator=req.generator, device=req.generator.device)
 
 
-def _record_input_logprobs(req: Req, logits: torch.Tensor, rows: LogitsRows) -> None:
+class _PromptLogprobs(NamedTuple):
+    """A step's prompt logprobs of one request, computed before any request is changed."""
+
+    token_logprobs: list[list[Any]]  # [logprob, token_id] per position; the first token: None
+    top_logprobs: list[list[tuple[float, int]]] | None  # None unless top_logprobs_num
+
+
+def _prompt_logprobs(req: Req, logits: torch.Tensor, rows: LogitsRows) -> _PromptLogprobs | None:
+    if not (rows.input_positions or (req.wants_input_logprobs and rows.sample_row is not None)):
+        return None
+    token_logprobs: list[list[Any]] = []
+    tops: list[list[tuple[float, int]]] = []
     if req.logprob_start_len == 0 and not req.input_token_logprobs:
-        req.input_token_logprobs.append([None, req.origin_input_ids[0]])
+        token_logprobs.append([None, req.origin_input_ids[0]])
+        tops.append([])
+    if rows.input_positions:
+        n = len(rows.input_positions)
+        logprobs = torch.log_softmax(logits[rows.input_start : rows.input_start + n], dim=-1)
+        token_ids = torch.tensor([req.origin_input_ids[t] for t in rows.input_positions])
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+        token_logprobs.extend([lp, tid] for lp, tid in zip(chosen, token_ids.tolist()))
         if req.top_logprobs_num:
-            req.input_top_logprobs.append([])
-    if not rows.input_positions:
-        return
-    n = len(rows.input_positions)
-    logprobs = torch.log_softmax(logits[rows.input_start : rows.input_start + n], dim=-1)
-    token_ids = torch.tensor([req.origin_input_ids[t] for t in rows.input_positions])
-    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
-    req.input_token_logprobs.extend([lp, tid] for lp, tid in zip(chosen, token_ids.tolist()))
-    if req.top_logprobs_num:
-        values, indices = logprobs.topk(req.top_logprobs_num, dim=-1)
-        for v, i in zip(values.tolist(), indices.tolist()):
-            req.input_top_logprobs.append(list(zip(v, i)))
+            k = min(req.top_logprobs_num, logprobs.shape[-1])
+            values, indices = logprobs.topk(k, dim=-1)
+            tops.extend(list(zip(v, i)) for v, i in zip(values.tolist(), indices.tolist()))
+    return _PromptLogprobs(token_logprobs, tops if req.top_logprobs_num else None)
 
 
-def _finish_without_sampling(req: Req) -> bool:
-    """max_new_tokens == 0 asks for prefill/scoring only."""
-    if req.sampling_params.max_new_tokens == 0:
-        finish(req, FinishReason("length", length=0))
-        return True
-    return False
+def _record_prompt_logprobs(req: Req, logprobs: _PromptLogprobs | None) -> None:
+    if logprobs is not None:
+        req.input_token_logprobs.extend(logprobs.token_logprobs)
+        if logprobs.top_logprobs is not None:
+            req.input_top_logprobs.extend(logprobs.top_logprobs)
 
 
 def append_token(req: Req, token_id: int, logprob: float, top: list | None) -> None:
@@ -201,6 +243,16 @@ def _advance_grammar(req: Req, token_id: int) -> bool:
     accepted = req.grammar.accept_token(token_id)
     assert accepted, f"request {req.rid}: the grammar rejected token {token_id} its mask allowed"
     return req.grammar.is_terminated()
+
+
+def fail(req: Req, message: str) -> None:
+    """Abort req after an error in its own part of a step, sending the final event. Its held-back
+    text is dropped, not flushed: the detokenizer may be what failed. Does nothing if req has
+    finished already (its final event is sent)."""
+    if req.finished:
+        return
+    req.finish_reason = FinishReason("abort", message=message)
+    _send(req, ReqOutput(req.rid, "", [], True, req))
 
 
 def finish(req: Req, reason: FinishReason) -> None:

@@ -185,7 +185,7 @@ def _sample_candidates(logprobs: torch.Tensor, params: Sequence[SamplingParams],
                        u: torch.Tensor) -> torch.Tensor:
     """Top-k, top-p and min-p on the top candidates, sorted by probability."""
     vocab = logprobs.shape[-1]
-    top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], logprobs)
+    top_k = _column([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], logprobs)
     top_p = _column([p.top_p for p in params], logprobs)
     min_p = _column([p.min_p for p in params], logprobs)
     k = min(vocab, max([_MIN_CANDIDATES] + [p.top_k for p in params]))
@@ -203,6 +203,7 @@ def _sample_candidates(logprobs: torch.Tensor, params: Sequence[SamplingParams],
             break
         k = min(vocab, k * _CANDIDATE_GROWTH)
     keep = in_top_k & (cum - kept < top_p * mass) & (probs >= min_p * probs[:, :1])
+    keep[:, 0] = True  # also when top_p * mass rounds to 0 in float32 (top_p=1e-50)
     pos = _inverse_cdf(probs * keep, u)
     return cand_ids.gather(1, pos[:, None]).squeeze(1)
 

@@ -42,7 +42,7 @@ def normalize_logit_bias(bias: object) -> dict[int, float] | None:
         token_id = _token_id(key)
         if token_id is None:
             raise InvalidArgumentError("logit_bias", key, "keys must be token ids (ints >= 0)")
-        if not (_is_number(value) and abs(value) <= MAX_ABS_LOGIT_BIAS):
+        if not (is_number(value) and abs(value) <= MAX_ABS_LOGIT_BIAS):
             raise InvalidArgumentError("logit_bias", {key: value},
                                        "biases must be numbers in [-100, 100]")
         out[token_id] = float(value)
@@ -59,8 +59,14 @@ def _token_id(key: object) -> int | None:
     return None
 
 
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def is_number(v: object) -> bool:
+    """A finite int or float (not a bool); an int too large for a float is not one."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond float's range (10**400)
+        return False
 
 
 def normalize_structural_tag(tag: object) -> str | None:
@@ -104,8 +110,9 @@ def _is_structure(s: object) -> bool:
 def _dumps(value: object) -> str:
     try:
         return json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgumentError("structural_tag", value, f"not JSON-serializable: {e}") from e
+    except (TypeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise InvalidArgumentError("structural_tag", "<object>",
+                                   f"not JSON-serializable: {e!r}") from e
 
 
 def _short(text: str) -> str:

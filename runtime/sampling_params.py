@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -13,6 +12,7 @@ from typing import Any, NamedTuple
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling_checks import (
     check_extras,
+    is_number,
     normalize_logit_bias,
     normalize_structural_tag,
     str_list,
@@ -22,20 +22,42 @@ from forklm.runtime.stop_regex import normalize_stop_regex
 # SGLang rewrites temperature < 1e-6 to greedy: dividing logits by it would overflow anyway.
 _GREEDY_TEMPERATURE = 1e-6
 
+# Bounds on what one request may ask for, so that no value can fail inside an engine step (and so
+# take the other requests of its batch down) or cost work far beyond its output.
+# Samples of one request (OpenAI's server-side bound too); each is a full request.
+MAX_N = 64
+# int32's largest: above the vocabulary size top_k keeps every token anyway, and a larger Python
+# int overflows the tensor the sampler builds from it.
+MAX_TOP_K = 2**31 - 1
+# Beyond a few the distribution is all but uniform; the bound keeps logits / temperature finite
+# in float32 (1e39 would be inf there, and -inf / inf is nan).
+MAX_TEMPERATURE = 1e4
+# logits / penalty must stay finite in float32 (a penalty of 1e-40 is 0 there).
+MIN_REPETITION_PENALTY = 0.01
+# Stop strings are matched on every step; a long one also holds that much text back from the
+# stream (the same bound as stop_regex's matches: runtime/stop_regex.py MAX_MATCH_LEN).
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 1024  # characters
+# Each stop token id is looked up on every step (and banned under min_new_tokens).
+MAX_STOP_TOKEN_IDS = 1024
+
 # field -> (valid?, why); the type is checked before the range.
 _INT_RULES = {
     "max_new_tokens": (lambda v: v >= 0, "must be an int >= 0 (0 = prefill/score only)"),
     "min_new_tokens": (lambda v: v >= 0, "must be an int >= 0"),
-    "top_k": (lambda v: v == -1 or v >= 1, "must be an int, -1 (off) or >= 1"),
-    "n": (lambda v: v >= 1, "must be an int >= 1"),
+    "top_k": (lambda v: v == -1 or 1 <= v <= MAX_TOP_K,
+              f"must be an int, -1 (off) or in [1, {MAX_TOP_K}]"),
+    "n": (lambda v: 1 <= v <= MAX_N, f"must be an int in [1, {MAX_N}]"),
 }
 _FLOAT_RULES = {
-    "temperature": (lambda v: v >= 0, "must be a number >= 0 (0 = greedy)"),
+    "temperature": (lambda v: 0 <= v <= MAX_TEMPERATURE,
+                    f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"),
     "top_p": (lambda v: 0 < v <= 1, "must be a number in (0, 1]"),
     "min_p": (lambda v: 0 <= v <= 1, "must be a number in [0, 1]"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "must be a number in [-2, 2]"),
     "presence_penalty": (lambda v: -2 <= v <= 2, "must be a number in [-2, 2]"),
-    "repetition_penalty": (lambda v: 0 < v <= 2, "must be a number in (0, 2] (1 = off)"),
+    "repetition_penalty": (lambda v: MIN_REPETITION_PENALTY <= v <= 2,
+                           f"must be a number in [{MIN_REPETITION_PENALTY}, 2] (1 = off)"),
 }
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                 "no_stop_trim")
@@ -98,7 +120,7 @@ class SamplingParams:
                    getattr(self, name), why)
         for name, (ok, why) in _FLOAT_RULES.items():
             value = getattr(self, name)
-            _check(_is_number(value) and ok(value), name, value, why)
+            _check(is_number(value) and ok(value), name, value, why)
             object.__setattr__(self, name, float(value))
         for name in _BOOL_FIELDS:
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name),
@@ -171,14 +193,17 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
 def _normalize_stop(stop: object) -> list[str] | None:
     items = str_list(stop, "stop")
-    if items is not None:
-        _check(all(items), "stop", stop, "stop strings must be non-empty")
+    if items is None:
+        return None
+    if len(items) > MAX_STOP_STRINGS:
+        raise InvalidArgumentError("stop", f"<{len(items)} strings>",
+                                   f"at most {MAX_STOP_STRINGS} stop strings")
+    for s in items:
+        shown = s if len(s) <= 80 else f"<{len(s)} characters: {s[:40]!r}...>"
+        _check(0 < len(s) <= MAX_STOP_LEN, "stop", shown,
+               f"stop strings must have 1..{MAX_STOP_LEN} characters")
     return items
 
 
@@ -198,8 +223,9 @@ def _check_constraint(params: SamplingParams) -> None:
     if isinstance(schema, Mapping):
         try:
             object.__setattr__(params, "json_schema", json.dumps(schema))
-        except (TypeError, ValueError) as e:
-            raise InvalidArgumentError("json_schema", schema, f"not JSON-serializable: {e}") from e
+        except (TypeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise InvalidArgumentError("json_schema", "<object>",
+                                       f"not JSON-serializable: {e!r}") from e
     else:
         _check(schema is None or (isinstance(schema, str) and schema != ""), "json_schema",
                schema, "must be a dict or a non-empty JSON str")
@@ -214,7 +240,13 @@ def _check_constraint(params: SamplingParams) -> None:
 def _normalize_stop_ids(ids: object) -> list[int] | None:
     if ids is None:
         return None
-    if not (isinstance(ids, (list, tuple, set, frozenset))
-            and all(_is_int(t) and t >= 0 for t in ids)):
+    if not isinstance(ids, (list, tuple, set, frozenset)) or len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgumentError("stop_token_ids", _short_list(ids),
+                                   f"must be a list of at most {MAX_STOP_TOKEN_IDS} token ids")
+    if not all(_is_int(t) and t >= 0 for t in ids):
         raise InvalidArgumentError("stop_token_ids", ids, "must be a list of token ids (ints >= 0)")
     return list(ids)
+
+
+def _short_list(value: object) -> object:
+    return f"<{len(value)} items>" if isinstance(value, (list, tuple, set, frozenset)) else value
