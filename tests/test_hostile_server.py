@@ -17,6 +17,7 @@ import httpx
 import pytest
 from conftest import assert_idle_and_clean, serve_in_thread, wait_until
 
+from forklm.server.chat_template import ControlTokenGuard
 from forklm.server.generation import MAX_CHARS_PER_TOKEN
 
 pytestmark = pytest.mark.slow
@@ -54,7 +55,9 @@ def test_oversized_text_is_refused_before_tokenizing(client, live_server):
     chat = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": big}]}]}
     assert_400(client.post("/v1/chat/completions", json=chat), "messages", "characters")
     assert_400(client.post("/v1/responses", json={"model": MODEL, "input": big}), "input")
-    # Five 7 MB bodies refused in less than one of them took to tokenize before.
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * (1 << 20)}}
+    assert_400(client.post("/v1/chat/completions", json={**CHAT, "tools": [tool]}), "tools")
+    # Five 7 MB bodies (and a 1 MB tool) refused in less than one of them took to tokenize before.
     assert time.monotonic() - start < 8
     limit = text_limit(live_server)
     just_over = {"text": "y" * (limit + 1)}
@@ -259,6 +262,19 @@ def prompts(live_server, monkeypatch) -> list:
 
     monkeypatch.setattr(engine, "prepare", recording)
     return seen
+
+
+def test_control_token_search_costs_the_token_length_not_the_token_count():
+    """Gemma-sized added vocabularies (thousands of tokens) are searched as a trie."""
+    added = {f"<unused{i}>": i for i in range(6000)} | {"<|im_end|>": 1, "ab": 2, "abc": 3}
+    guard = ControlTokenGuard(SimpleNamespace(added_tokens_encoder=added))
+    assert guard.mentions_control_token([{"content": "x <unused5999> y"}])
+    assert guard.mentions_control_token([None, {"a": ["xx<|im_end|>yy"]}])
+    assert guard.mentions_control_token(["xxabyy"])
+    assert not guard.mentions_control_token([{"content": "<unused> <|im_end| a b"}, None, 3])
+    start = time.monotonic()
+    assert not guard.mentions_control_token(["<b>bold</b> " * 20000])
+    assert time.monotonic() - start < 1  # one alternation of the 6003 took ~5 s here
 
 
 def _control_counts(tokenizer, ids: list[int]) -> tuple[int, int]:

@@ -85,8 +85,7 @@ class ControlTokenGuard:
         self._lock = threading.Lock()
         # Every added token (a superset of the control tokens): text without any of them
         # encodes the same guarded or not, so only a chat that holds one pays for the guard.
-        added = sorted(tokenizer.added_tokens_encoder, key=len, reverse=True)
-        self._added = re.compile("|".join(map(re.escape, added)) or "(?!)")
+        self._added = re.compile(_trie_pattern(tokenizer.added_tokens_encoder) or "(?!)")
 
     def mentions_control_token(self, obj: Any) -> bool:
         """Whether a string anywhere in `obj` (nested lists and dict values) holds one."""
@@ -97,6 +96,27 @@ class ControlTokenGuard:
         with self._lock:
             return list(self._tokenizer.apply_chat_template(
                 turns, tokenize=True, return_dict=False, sanitize_control_tokens=True, **call))
+
+
+def _trie_pattern(words: Any) -> str:
+    """A regex matching any of `words`, built as a trie (one branch per next character): a
+    search costs the longest word's length per position, not the number of words (Gemma's
+    tokenizer has thousands of added tokens)."""
+    trie: dict[str, Any] = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}  # a word ends here
+
+    def pattern(node: dict[str, Any]) -> str:
+        branches = [re.escape(ch) + pattern(child) for ch, child in node.items() if ch]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return pattern(trie)
 
 
 def _strings(obj: Any) -> Iterator[str]:

@@ -5,6 +5,7 @@ A request's prompts and its n samples are one engine call; choice i is the call'
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -120,9 +121,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 async def prepare_chat(service: GenerationService, body: ChatCompletionRequest,
                        plan: ToolPlan) -> tuple[RequestGroup, ToolPlan]:
     """The engine call of a chat request (also the Responses API's) and the plan that reads its
-    replies. The text is bounded first; rendering and tokenizing run in a worker thread (both
-    grow with the request)."""
-    service.check_text_size("messages", _chat_chars(body))
+    replies. Bounding, rendering and tokenizing the text run in a worker thread (all grow with
+    the request)."""
     prompt = await _chat_prompt(service, body, plan)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = conv.sampling_dict(body, max_tokens if max_tokens is not None
@@ -145,12 +145,22 @@ def _chat_chars(body: ChatCompletionRequest) -> int:
     return total
 
 
+def _tools_chars(plan: ToolPlan) -> int:
+    """The characters of the tools' text the prompt renders: names, descriptions, schemas."""
+    return sum(len(t.function.name) + len(t.function.description or "")
+               + len(json.dumps(t.function.parameters or {})) for t in plan.tools)
+
+
 async def _chat_prompt(service: GenerationService, body: ChatCompletionRequest,
                        plan: ToolPlan) -> ChatPrompt:
     """The request's prompt, built in a worker thread (the work grows with the request); control
     tokens typed into it stay text unless the server allows them."""
 
     def render() -> ChatPrompt:
+        num_chars = _chat_chars(body)
+        service.check_text_size("messages", num_chars)
+        if plan.active:
+            service.check_text_size("tools", num_chars + _tools_chars(plan))
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in plan.tools] if plan.active else None
         return render_chat_prompt(
