@@ -223,10 +223,21 @@ def walk(nodes: list[Node]) -> list[Node]:
 class ProgramLimits:
     """What one graph may ask of a server; each field names the error when exceeded."""
 
-    max_nodes: int = 2000
+    max_nodes: int = 2000  # fork branches are copies: nested forks multiply
     max_fork_size: int = 64
     max_repeat: int = 256  # iterations of a loop body, nested repeats multiplied
-    max_total_tokens: int = 131_072  # sum over gens of max_tokens x fork branches x repeats
+    max_total_tokens: int = 131_072  # sum over gens of max_tokens x n x fork branches x repeats
+    max_depth: int = 32  # nested blocks (fork, if, repeat, roles, scopes)
+    max_choices: int = 256  # choices of one select (each is an engine request)
+    # Characters of text, choices and set values, fork copies counted: 4 Mi is far beyond what
+    # the largest contexts hold, well below what would take the server seconds to tokenize.
+    max_text_chars: int = 4 * 1024 * 1024
+    # Engine requests one run may issue (gen n, select choices, fork branches, repeats): 64
+    # branches x 256 iterations, the largest shape the limits above allow one gen each.
+    max_requests: int = 16_384
+    # Engine requests one run may have in flight at once (gen n, select choices, fork branches
+    # beside each other); a server also admits a batch only when items x this fit its queue.
+    max_parallel_requests: int = 1024
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -265,8 +276,10 @@ class Graph:
         return json.dumps(graph_to_dict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, data: str | dict[str, Any]) -> Graph:
-        """Parse and validate; a malformed graph raises InvalidArgumentError naming the field."""
+    def from_json(cls, data: str | dict[str, Any], limits: ProgramLimits | None = None) -> Graph:
+        """Parse and validate; a malformed graph raises InvalidArgumentError naming the field, a
+        graph beyond `limits` (nodes, fork size, depth, text) ProgramLimitError as soon as the
+        decoder reaches the excess."""
         from forklm.frontend_dsl.ir_codec import graph_from_dict
 
         if isinstance(data, str):
@@ -275,7 +288,7 @@ class Graph:
                 data = json.loads(text)
             except (json.JSONDecodeError, RecursionError) as e:
                 raise InvalidArgumentError("graph", text[:80], f"not valid JSON: {e}") from e
-        return graph_from_dict(data)
+        return graph_from_dict(data, limits)
 
     def to_text(self) -> str:
         from forklm.frontend_dsl.ir_render import graph_to_text
@@ -288,12 +301,14 @@ class Graph:
         return graph_to_dot(self)
 
     def check_limits(self, limits: ProgramLimits | None = None,
-                     default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> None:
+                     default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                     default_n: int = 1) -> None:
         """Raise ProgramLimitError (named after the limit field) if the graph asks for too much;
-        a gen that sets no max_tokens counts `default_max_new_tokens` (the run's default)."""
+        a gen that sets no max_tokens (n) counts `default_max_new_tokens` (`default_n`), the
+        run's defaults."""
         from forklm.frontend_dsl.limits import check_limits
 
-        check_limits(self, limits or ProgramLimits(), default_max_new_tokens)
+        check_limits(self, limits or ProgramLimits(), default_max_new_tokens, default_n)
 
 
 def _merge_texts(nodes: list[Node]) -> list[Node]:

@@ -12,12 +12,13 @@ from typing import Any
 from forklm.frontend_dsl import ir
 from forklm.frontend_dsl.defaults import DTYPE_RULES
 from forklm.frontend_dsl.ir import LOGPROB_OPTIONS
+from forklm.frontend_dsl.limits import BuildBudget, value_chars
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling_params import SamplingParams
 
 DTYPES = tuple(DTYPE_RULES)
-MAX_DEPTH = 32  # nested blocks; deeper graphs are refused before anything recurses too far
 _MISSING = object()
+_BLOCK_FIELDS = ("branches", "then", "orelse", "body")  # nested node lists, decoded in order
 
 
 # -- to dict -----------------------------------------------------------------------------------
@@ -86,6 +87,7 @@ def _one_of(options: tuple[str, ...]) -> Callable[[str, Any], str]:
 def _sampling(path: str, v: Any) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise _bad(path, v, "must be an object of SamplingParams fields")
+    value_chars(v, path)  # a schema nested past the stack is refused before anything recurses
     try:
         SamplingParams.from_dict(v)
     except (InvalidArgumentError, TypeError, ValueError) as e:
@@ -120,6 +122,7 @@ def _state(path: str, v: Any) -> list[int] | None:
 
 
 def _json_value(path: str, v: Any) -> Any:
+    value_chars(v, path)  # bounded depth first: json.dumps recurses
     try:
         json.dumps(v)
     except (TypeError, ValueError) as e:
@@ -133,18 +136,21 @@ def _fork_ref(path: str, v: Any) -> int:
     return v
 
 
-def _nodes(path: str, v: Any) -> list[ir.Node]:
-    if path.count(".") > MAX_DEPTH:
-        raise _bad(path.split(".")[0], "...", f"blocks are nested deeper than {MAX_DEPTH}")
+def _nodes(path: str, v: Any, budget: BuildBudget, depth: int) -> list[ir.Node]:
+    budget.check_depth(depth)
     if not isinstance(v, list):
         raise _bad(path, v, "must be a list of nodes")
-    return [node_from_dict(f"{path}[{i}]", d) for i, d in enumerate(v)]
+    return [node_from_dict(f"{path}[{i}]", d, budget, depth) for i, d in enumerate(v)]
 
 
-def _branches(path: str, v: Any) -> list[list[ir.Node]]:
+def _branches(path: str, v: Any, size: int, budget: BuildBudget, depth: int
+              ) -> list[list[ir.Node]]:
     if not isinstance(v, list):
         raise _bad(path, v, "must be a list of node lists (one per branch)")
-    return [_nodes(f"{path}[{i}]", b) for i, b in enumerate(v)]
+    budget.check_fork(size, path.rsplit(".", 1)[0])
+    if len(v) != size:
+        raise _bad(path, len(v), f"a fork of size {size} needs {size} branches")
+    return [_nodes(f"{path}[{i}]", b, budget, depth) for i, b in enumerate(v)]
 
 
 _FIELDS: dict[str, Callable[[str, Any], Any]] = {
@@ -153,13 +159,15 @@ _FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "choices": _choices, "temperature": _temperature,
     "choices_method": _one_of(ir.CHOICES_METHODS), "role": _one_of(ir.ROLES),
     "state": _state, "value": _json_value, "source": _one_of(ir.SET_SOURCES),
-    "size": _pos_int, "count": _pos_int, "branches": _branches, "fork": _fork_ref,
+    "size": _pos_int, "count": _pos_int, "fork": _fork_ref,
     "mode": _one_of(ir.JOIN_MODES), "var": _name, "equals": _str,
-    "then": _nodes, "orelse": _nodes, "body": _nodes,
 }
 
 
-def node_from_dict(path: str, d: Any) -> ir.Node:
+def node_from_dict(path: str, d: Any, budget: BuildBudget | None = None,
+                   depth: int = 0) -> ir.Node:
+    """One node (its blocks at `depth` + 1), counted against `budget` as it is decoded."""
+    budget = budget or BuildBudget()
     if not isinstance(d, dict):
         raise _bad(path, d, "must be a node object")
     cls = ir.NODE_TYPES.get(d.get("op"))  # type: ignore[arg-type]
@@ -181,19 +189,26 @@ def node_from_dict(path: str, d: Any) -> ir.Node:
             raise _bad(f"{path}.{name}", None, f"missing in a {cls.op} node")
         if name == "id":
             kwargs[name] = value if isinstance(value, int) else -1
+        elif name in _BLOCK_FIELDS:
+            continue  # decoded below, once the node's own fields are valid and counted
         elif name == "name":
             kwargs[name] = (_opt_name if cls in (ir.Gen, ir.Select) else _name)(
                 f"{path}.name", value)
         else:
             kwargs[name] = _FIELDS[name](f"{path}.{name}", value)
+    if cls is ir.Fork:
+        kwargs["branches"] = _branches(f"{path}.branches", d.get("branches"), kwargs["size"],
+                                       budget, depth + 1)
+    else:
+        for name in (n for n in _BLOCK_FIELDS if n in fields and n in d):
+            kwargs[name] = _nodes(f"{path}.{name}", d[name], budget, depth + 1)
     node = cls(**kwargs)
-    if isinstance(node, ir.Fork) and len(node.branches) != node.size:
-        raise _bad(f"{path}.branches", len(node.branches), f"a fork of size {node.size} needs "
-                   f"{node.size} branches")
+    budget.add(node)
     return node
 
 
-def graph_from_dict(d: Any) -> ir.Graph:
+def graph_from_dict(d: Any, limits: ir.ProgramLimits | None = None) -> ir.Graph:
+    """A validated graph; its nodes are counted against `limits` as they are decoded."""
     if not isinstance(d, dict):
         raise _bad("graph", d, "must be a JSON object")
     if d.get("format", ir.FORMAT) != ir.FORMAT:
@@ -210,7 +225,9 @@ def graph_from_dict(d: Any) -> ir.Graph:
     defaults = d.get("arg_defaults", {})
     if not isinstance(defaults, dict) or not set(defaults) <= set(args):
         raise _bad("arg_defaults", defaults, "must map some of `args` to default values")
-    graph = ir.Graph(name, list(args), _nodes("nodes", d.get("nodes")), dict(defaults))
+    value_chars(defaults, "arg_defaults")
+    nodes = _nodes("nodes", d.get("nodes"), BuildBudget(limits), depth=0)
+    graph = ir.Graph(name, list(args), nodes, dict(defaults))
     check_references(graph)
     return graph
 

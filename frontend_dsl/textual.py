@@ -31,6 +31,7 @@ from lark import Lark, Token, Tree, UnexpectedCharacters, UnexpectedEOF, Unexpec
 
 from forklm.frontend_dsl import api, ir
 from forklm.frontend_dsl.ir_codec import check_references
+from forklm.frontend_dsl.limits import MAX_INT_DIGITS, MAX_VALUE_DEPTH, BuildBudget
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
 from forklm.runtime.sampling_params import SamplingParams
 
@@ -58,13 +59,17 @@ def _parser() -> Lark:
     return _PARSER
 
 
-def parse_program(source: str) -> ir.Graph:
-    """Parse a textual program into a (normalized) request graph."""
+def parse_program(source: str, limits: ir.ProgramLimits | None = None) -> ir.Graph:
+    """Parse a textual program into a (normalized) request graph. The graph is counted against
+    `limits` while it is built (ProgramLimitError as soon as one is passed: a fork's branches
+    are copies, so `fork 300000 { "x" } join` stops at its size, before any branch exists)."""
     try:
         tree = _parser().parse(source)
     except UnexpectedInput as e:
         raise _syntax_error(e, source) from None
-    return _Builder().program(tree)
+    except RecursionError:  # the depth limit below refuses it with a clearer message if it parses
+        raise ProgramSyntaxError("the program is nested too deeply to parse", 1, 1) from None
+    return _Builder(BuildBudget(limits)).program(tree)
 
 
 def _syntax_error(e: UnexpectedInput, source: str) -> ProgramSyntaxError:
@@ -113,16 +118,24 @@ class _Scope:
 
     fork_index: dict[str, int] = field(default_factory=dict)
     in_loop: bool = False
+    depth: int = 0  # enclosing block statements
+
+    def inner(self, fork_index: dict[str, int] | None = None, in_loop: bool | None = None
+              ) -> _Scope:
+        """The scope of a block nested in this one."""
+        return _Scope(dict(self.fork_index if fork_index is None else fork_index),
+                      self.in_loop if in_loop is None else in_loop, self.depth + 1)
 
 
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, budget: BuildBudget) -> None:
         self.ids = itertools.count()
         self.args: list[str] = []
+        self.budget = budget
 
     def node(self, node: ir.Node) -> ir.Node:
         node.id = next(self.ids)
-        return node
+        return self.budget.add(node)
 
     def program(self, tree: Tree) -> ir.Graph:
         header, *statements = tree.children
@@ -144,6 +157,7 @@ class _Builder:
         return graph
 
     def block(self, statements: list[Any], scope: _Scope) -> list[ir.Node]:
+        self.budget.check_depth(scope.depth)
         out: list[ir.Node] = []
         for st in statements:
             out.extend(self.statement(st, scope))
@@ -157,14 +171,14 @@ class _Builder:
             return [self.call(st, scope)]
         if kind == "role_block":
             role = str(ch[0])
-            return [self.node(ir.RoleBegin(role)), *self.block(ch[1].children, scope),
+            return [self.node(ir.RoleBegin(role)), *self.block(ch[1].children, scope.inner()),
                     self.node(ir.RoleEnd(role))]
         if kind == "scope_block":
             name = str(ch[0])
-            return [self.node(ir.ScopeBegin(name)), *self.block(ch[1].children, scope),
+            return [self.node(ir.ScopeBegin(name)), *self.block(ch[1].children, scope.inner()),
                     self.node(ir.ScopeEnd(name))]
         if kind == "set_var":
-            return [self.node(ir.SetVar(str(ch[0]), self.value(ch[1])))]
+            return [self.node(ir.SetVar(str(ch[0]), self.value(ch[1], f"set {ch[0]}")))]
         if kind == "break_":
             if not scope.in_loop:
                 raise _error_at(st, "break outside a repeat block")
@@ -173,12 +187,12 @@ class _Builder:
             if str(ch[0]) in self.args:
                 raise _error_at(ch[0], f"if tests a generated variable; {str(ch[0])!r} is an "
                                 "argument of the program")
-            then = self.block(ch[2].children, scope)
-            orelse = self.block(ch[3].children, scope) if ch[3] is not None else []
+            then = self.block(ch[2].children, scope.inner())
+            orelse = self.block(ch[3].children, scope.inner()) if ch[3] is not None else []
             return [self.node(ir.If(str(ch[0]), decode_string(ch[1]), then, orelse))]
         if kind == "repeat_block":
             count = self.positive(ch[0], "repeat count")
-            loop = _Scope(dict(scope.fork_index), in_loop=True)
+            loop = scope.inner(in_loop=True)
             return [self.node(ir.Repeat(count, self.block(ch[1].children, loop)))]
         if kind == "fork_block":
             return self.fork(st, scope)
@@ -187,46 +201,55 @@ class _Builder:
     def fork(self, st: Tree, scope: _Scope) -> list[ir.Node]:
         size_tok, body, mode_tok = st.children
         size = self.positive(size_tok, "fork size")
+        self.budget.check_fork(size, f"the fork at line {st.meta.line}")
         mode = str(mode_tok) if mode_tok is not None else "gather_variable"
         fork = self.node(ir.Fork(size, []))
         assert isinstance(fork, ir.Fork)
         for i in range(size):  # each branch gets the body with {i} bound to its index
-            inner = _Scope({**scope.fork_index, "i": i}, in_loop=False)
+            inner = scope.inner({**scope.fork_index, "i": i}, in_loop=False)
             fork.branches.append(self.block(body.children, inner))
         return [fork, self.node(ir.Join(fork.id, mode))]
 
     def positive(self, tok: Any, what: str) -> int:
-        if int(tok) < 1:
+        value = _int(tok, what)
+        if value < 1:
             raise _error_at(tok, f"{what} must be >= 1, got {tok}")
-        return int(tok)
+        return value
 
     def text(self, tok: Any, scope: _Scope) -> list[ir.Node]:
-        """A string statement: literal text with {name} interpolation."""
-        text, out, pos = decode_string(tok), [], 0
+        """A string statement: literal text with {name} interpolation. Adjacent literal pieces
+        make one Text node (as the normalized graph will hold), so the budget counts real nodes."""
+        text, out, literal, pos = decode_string(tok), [], [], 0
         for m in _INTERPOLATION.finditer(text):
-            out.append(ir.Text(text[pos:m.start()]))
+            literal.append(text[pos:m.start()])
             pos = m.end()
             piece, name = m.group(0), m.group(1)
             if piece in ("{{", "}}"):
-                out.append(ir.Text(piece[0]))
+                literal.append(piece[0])
             elif name is None:
                 raise _error_at(tok, f"a lone {piece!r} in text; write {piece * 2} for a brace "
                                 "or {name} to insert a value")
             elif name in scope.fork_index:
-                out.append(ir.Text(str(scope.fork_index[name])))
-            elif name in self.args:
-                out.append(ir.Arg(name))
+                literal.append(str(scope.fork_index[name]))
             else:
-                out.append(ir.Read(name))
-        out.append(ir.Text(text[pos:]))
-        return [self.node(n) for n in out]
+                out.extend(self.texts(literal))
+                out.append(self.node(ir.Arg(name) if name in self.args else ir.Read(name)))
+        literal.append(text[pos:])
+        return out + self.texts(literal)
+
+    def texts(self, pieces: list[str]) -> list[ir.Node]:
+        """The literal pieces gathered so far as one Text node (none if empty); empties `pieces`."""
+        text = "".join(pieces)
+        pieces.clear()
+        return [self.node(ir.Text(text))] if text else []
 
     def call(self, st: Tree, scope: _Scope) -> ir.Node:
         """`gen`/`select NAME key=value...` built with the Python API (same names, validation)."""
         name, *kwargs = st.children
         options: dict[str, Any] = {}
         for kw in kwargs:
-            key, value = str(kw.children[0]), self.value(kw.children[1])
+            key = str(kw.children[0])
+            value = self.value(kw.children[1], f"{st.data} {str(name)!r}: {key}")
             if key in options:
                 raise _error_at(kw, f"keyword {key!r} given twice")
             options[key] = value
@@ -243,18 +266,31 @@ class _Builder:
             node = func(str(name), **options)
             if isinstance(node, ir.Gen):
                 SamplingParams.from_dict(node.sampling)
-            return self.node(node)
         except (InvalidArgumentError, TypeError, ValueError) as e:
             raise _error_at(st, f"{st.data} {str(name)!r}: {e}") from None
+        return self.node(node)  # a limit it passes is a ProgramLimitError, named after the limit
 
-    def value(self, tree: Any) -> Any:
+    def value(self, tree: Any, what: str, depth: int = 0) -> Any:
+        """A keyword's or set's value; `what` names it in errors."""
         if isinstance(tree, Token):
             return decode_string(tree)  # `?value` inlines a single STRING
         kind, ch = tree.data, tree.children
         if kind == "string":
             return decode_string(ch[0])
         if kind == "number":
-            return float(ch[0]) if any(c in ch[0] for c in ".eE") else int(ch[0])
+            return float(ch[0]) if any(c in ch[0] for c in ".eE") else _int(ch[0], what)
         if kind == "word":
             return _WORDS.get(str(ch[0]), str(ch[0]))
-        return [self.value(v) for v in ch if v is not None]
+        if depth >= MAX_VALUE_DEPTH:
+            raise _error_at(tree, f"{what}: lists are nested deeper than {MAX_VALUE_DEPTH}")
+        return [self.value(v, what, depth + 1) for v in ch if v is not None]
+
+
+def _int(tok: Token, what: str) -> int:
+    """An int literal, refused before int() when it is longer than any count or size (Python
+    refuses > 4300 digits with a ValueError; far fewer are already nonsense here)."""
+    digits = tok.lstrip("+-")
+    if len(digits) > MAX_INT_DIGITS:
+        raise _error_at(tok, f"{what}: a number of {len(digits)} digits is too large (at most "
+                        f"{MAX_INT_DIGITS} digits)")
+    return int(tok)

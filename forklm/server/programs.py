@@ -4,7 +4,8 @@ Request body (unknown fields are a 400):
 - `program`: a graph object (`Graph.to_json()` of a traced program), or `program_text`: the
   textual syntax; exactly one of the two. Nothing in a request is executed as Python.
 - `arguments`: the program arguments, one object, or a list of objects for a batch (one program
-  run per item, all sharing engine batches and the radix cache). Default `{}`.
+  run per item, all sharing engine batches and the radix cache). Default `{}`. Only the
+  program's arguments: run defaults go in `sampling_params`.
 - `sampling_params`: run defaults every gen inherits: SamplingParams names plus `return_logprob`,
   `logprob_start_len`, `top_logprobs_num`. Default `{}`.
 - `stream`: with one item, Server-Sent Events as the program runs: `{"type": "text", "text"}`
@@ -17,8 +18,11 @@ input order; a result is `{"variables", "text", "messages", "meta_info"}`, where
 variable's own meta under `variables`.
 
 Errors: everything checked before running (body shape, the graph or its syntax, the server's
-limits on nodes / fork size / repeat count / total tokens, sampling values, argument names of
-every item) is a 400 naming the problem, and nothing runs. A program that fails while running (an engine abort, a
+ProgramLimits, enforced while the graph is built, sampling values, argument names of every item)
+is a 400 naming the problem, and nothing runs; this checking runs on a worker thread. A run
+holds one admission slot per engine request it may have in flight at once (gen `n`, select
+choices, fork branches, times the batch's items): a full queue is a 503, a run larger than the
+whole queue a 400 (`max_parallel_requests`). A program that fails while running (an engine abort, a
 gen's regex that does not compile, reading a variable that does not exist) does not fail the
 batch: that item's result is only `{"error": {"message", "type", "param"}}` (HTTP 200), with
 `type` `invalid_request_error` (the program is wrong), `backend_error` (the engine aborted) or
@@ -31,9 +35,9 @@ import asyncio
 import functools
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -42,7 +46,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from forklm.frontend_dsl.backends.engine_backend import EngineBackend
 from forklm.frontend_dsl.defaults import SAMPLING_FIELDS, RunDefaults
 from forklm.frontend_dsl.interpreter import GraphProgram
-from forklm.frontend_dsl.ir import DEFAULT_MAX_NEW_TOKENS, LOGPROB_OPTIONS, Graph, walk
+from forklm.frontend_dsl.ir import (
+    DEFAULT_MAX_NEW_TOKENS,
+    LOGPROB_OPTIONS,
+    Graph,
+    ProgramLimitError,
+    ProgramLimits,
+    walk,
+)
+from forklm.frontend_dsl.limits import max_in_flight, value_chars
 from forklm.frontend_dsl.state import ProgramState
 from forklm.frontend_dsl.textual import ProgramSyntaxError, parse_program
 from forklm.runtime.engine import Engine
@@ -68,34 +80,32 @@ class ProgramRunRequest(BaseModel):
 
 @router.post("/v1/programs/run")
 async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
-    graph = _load_graph(body)
-    defaults = _run_defaults(body.sampling_params)
-    graph.check_limits(request.app.state.config.program_limits,
-                       defaults.sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
-    items = body.arguments if isinstance(body.arguments, list) else [body.arguments]
-    if body.stream and len(items) != 1:
-        raise InvalidArgumentError("stream", True, f"streaming runs one program; got a batch of "
-                                   f"{len(items)} arguments")
+    # Parsing and checking take time proportional to the request: off the event loop.
+    plan = await asyncio.to_thread(_plan, body, request.app.state.config.program_limits)
     engine = _tracked_engine(request)
     backend = EngineBackend(engine)  # the EngineBackend logic over tracked calls
-    program = GraphProgram(graph)
-    info = {"name": graph.name, "num_nodes": len(walk(graph.nodes))}
     admission = _admission(request)
-    admission.acquire(len(items))  # each running program keeps at least one request in flight
+    num = _admitted_requests(plan, admission)
+    admission.acquire(num)
     if body.stream:
-        state = program.run(backend=backend, stream=True, **{**defaults.to_kwargs(), **items[0]})
-        events = _released(_sse(state, engine, request), admission, len(items))
-        return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            state = plan.program.run(backend=backend, stream=True,
+                                     **{**plan.defaults.to_kwargs(), **plan.items[0]})
+        except BaseException:
+            admission.release(num)  # no stream exists to release it
+            raise
+        # From its first step on, _released owns the slots (released however the stream ends).
+        return await _started_stream(_released(_sse(state, engine, request), admission, num))
 
     def run_all() -> list[dict[str, Any]]:
-        states = program.run_batch(items, backend=backend, **defaults.to_kwargs())
+        states = plan.program.run_batch(plan.items, backend=backend, **plan.defaults.to_kwargs())
         return [item_result(state) for state in states]
 
     try:
         results = await _watch_disconnect(request, engine, _in_thread(run_all))
     finally:
-        admission.release(len(items))
-    return {"results": results, "program": info}
+        admission.release(num)
+    return {"results": results, "program": plan.info}
 
 
 @router.get("/v1/programs/tokenizer")
@@ -106,15 +116,72 @@ async def get_tokenizer(request: Request) -> dict[str, Any]:
 
 
 # -- validation ---------------------------------------------------------------------------------
-def _load_graph(body: ProgramRunRequest) -> Graph:
+class _Plan(NamedTuple):
+    """A request checked and ready to run: nothing in it is left to validate."""
+
+    program: GraphProgram
+    defaults: RunDefaults
+    items: list[dict[str, Any]]
+    info: dict[str, Any]
+    peak_requests: int  # engine requests one item may have in flight at once
+
+
+def _plan(body: ProgramRunRequest, limits: ProgramLimits) -> _Plan:
+    """Everything checked before running (on a worker thread: it is request-sized work): the
+    graph, built under the limits, the run defaults and every item's arguments."""
+    graph = _load_graph(body, limits)
+    value_chars(body.sampling_params, "sampling_params")  # deep values overflow the stack later
+    defaults = _run_defaults(body.sampling_params)
+    sampling = defaults.sampling
+    graph.check_limits(limits, sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+                       sampling.get("n", 1))
+    items = body.arguments if isinstance(body.arguments, list) else [body.arguments]
+    if body.stream and len(items) != 1:
+        raise InvalidArgumentError("stream", True, f"streaming runs one program; got a batch of "
+                                   f"{len(items)} arguments")
+    value_chars(items, "arguments")  # argument values end up in texts, variables and results
+    for item in items:  # a bad argument is a 400 before anything is admitted or runs
+        _check_arguments(graph, item)
+    info = {"name": graph.name, "num_nodes": len(walk(graph.nodes))}
+    peak = max_in_flight(graph, sampling.get("n", 1))
+    return _Plan(GraphProgram(graph), defaults, items, info, peak)
+
+
+def _check_arguments(graph: Graph, item: dict[str, Any]) -> None:
+    """An item holds the program's arguments only (run defaults such as `n` go in
+    sampling_params, where the limits count them), all those without a default."""
+    unknown = sorted(set(item) - set(graph.args))
+    if unknown:
+        raise InvalidArgumentError(unknown[0], item[unknown[0]], f"not an argument of program "
+                                   f"{graph.name} {graph.args} (run defaults go in "
+                                   "sampling_params)")
+    missing = [a for a in graph.args if a not in item and a not in graph.arg_defaults]
+    if missing:
+        raise InvalidArgumentError(missing[0], None, f"missing argument of program "
+                                   f"{graph.name} {graph.args}")
+
+
+def _admitted_requests(plan: _Plan, admission: Admission) -> int:
+    """The admission slots a run takes: every request its items may have in flight at once
+    (a batch runs its items side by side); a run that could never fit is a 400, not a 503."""
+    num = len(plan.items) * plan.peak_requests
+    if num > admission.limit:
+        raise ProgramLimitError("max_parallel_requests", num, f"the run may have {num} engine "
+                                f"requests in flight at once ({len(plan.items)} item(s) x "
+                                f"{plan.peak_requests}: gen n samples, select choices, fork "
+                                f"branches); this server admits at most {admission.limit}")
+    return num
+
+
+def _load_graph(body: ProgramRunRequest, limits: ProgramLimits) -> Graph:
     if (body.program is None) == (body.program_text is None):
         raise InvalidArgumentError("program", None, "give exactly one of program (a graph "
                                    "object from trace().to_json()) or program_text")
     if body.program is not None:
-        return Graph.from_json(body.program)
+        return Graph.from_json(body.program, limits)
     assert body.program_text is not None
     try:
-        return parse_program(body.program_text)
+        return parse_program(body.program_text, limits)
     except ProgramSyntaxError as e:  # its message gives line, column and what was expected
         raise ApiError(400, f"program_text: {e}", "program_text") from e
 
@@ -148,13 +215,35 @@ def _admission(request: Request) -> Admission:
 
 
 async def _released(events: AsyncIterator[bytes], admission: Admission,
-                    num: int) -> AsyncIterator[bytes]:
-    """The stream's events; its admission slots are returned when it ends, however it ends."""
+                    num: int) -> AsyncGenerator[bytes, None]:
+    """The stream's events; its admission slots are returned when it ends, however it ends
+    (once started: see _started_stream)."""
     try:
         async for event in events:
             yield event
     finally:
         admission.release(num)
+
+
+async def _started_stream(events: AsyncGenerator[bytes, None]) -> StreamingResponse:
+    """The response for `events`, started here: a started async generator is closed by the
+    event loop even if the response never iterates it (client gone before the headers), which
+    runs its `finally` (abort, release); an unstarted one would never run it."""
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:  # the client left before the first event
+        first = b""
+
+    async def with_first() -> AsyncIterator[bytes]:
+        try:
+            if first:
+                yield first
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(with_first(), media_type="text/event-stream")
 
 
 # -- running ------------------------------------------------------------------------------------
