@@ -177,7 +177,8 @@ class _Splitter:
         return ReasoningDelta(self.reasoning, self.content)
 
 
-@router.api_route("/health", methods=["GET", "HEAD"], response_model=None)
+@router.get("/health", response_model=None)
+@router.head("/health", response_model=None)
 async def health(request: Request) -> Response:
     """200 while the server can take requests; 503 saying why when it cannot (the engine is
     gone, or admission is full). HEAD answers the same status without a body."""
