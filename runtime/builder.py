@@ -93,8 +93,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         vocab_size=spec.vocab_size, kv=kv, scheduler=Scheduler(config, kv),
         runner=ModelRunner(model, attn, kv, config.device),
         # The logits are vocab_size wide, which may exceed the tokenizer's length.
-        grammar=GrammarBackend.for_tokenizer(loaded.tokenizer, spec.vocab_size, loaded.eos_token_ids,
-                                             jump_forward=config.enable_jump_forward),
+        grammar=GrammarBackend.for_tokenizer(
+            loaded.tokenizer, spec.vocab_size, loaded.eos_token_ids,
+            jump_forward=config.enable_jump_forward,
+            compile_timeout_s=config.grammar_compile_timeout_s),
         intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
                              eos_token_ids, config.random_seed),
     )

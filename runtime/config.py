@@ -59,6 +59,11 @@ class EngineConfig:
     # Constrained requests append the text their grammar forces next (a JSON key, say) without
     # sampling it token by token. Off by default: see runtime/constrained.py for why.
     enable_jump_forward: bool = False
+    # Seconds a constraint's grammar may take to compile (queueing included) before its request
+    # fails with a 400 naming the constraint. Real schemas compile in 1-100 ms; the slowest of
+    # JSONSchemaBench takes 47 s, and xgrammar cannot be interrupted, so an overrunning compile
+    # runs on in the background (runtime/grammar_pool.py) and its result is cached.
+    grammar_compile_timeout_s: float = 10.0
     # SGLang's --speculative-algorithm: None = off, "NGRAM" = prompt lookup (drafts copied from
     # where the sequence's own suffix occurred earlier, verified in one forward; same output).
     speculative_algorithm: str | None = None
@@ -99,6 +104,8 @@ class EngineConfig:
                self.schedule_conservativeness, "must be > 0")
         check_field(self.num_threads is None or self.num_threads >= 1, "num_threads",
                self.num_threads, "must be >= 1")
+        check_field(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s",
+                    self.grammar_compile_timeout_s, "must be > 0")
         check_field(0 < self.max_total_tokens_fraction <= 0.9, "max_total_tokens_fraction",
                self.max_total_tokens_fraction, "must be in (0, 0.9]")
         self._check_speculative()

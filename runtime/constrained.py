@@ -1,6 +1,6 @@
-"""Constrained decoding with xgrammar: constraints compiled once per tokenizer (cached, on a small
-thread pool), one GrammarMatcher per request, and the token bitmask applied to the logits each step.
-"""
+"""Constrained decoding with xgrammar: constraints compiled once per tokenizer (cached, under a time
+budget on CompilePool's threads), one GrammarMatcher per request, and the token bitmask applied to
+the logits each step."""
 
 from __future__ import annotations
 
@@ -9,36 +9,38 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
-from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.errors import GrammarCompileTimeoutError, InvalidArgumentError
+from forklm.runtime.grammar_pool import CompileJob, CompilePool
 from forklm.runtime.request import Req
 from forklm.runtime.sampling_params import Constraint
 
 # Compiled grammars kept, least recently used dropped first. A compiled JSON schema with its
 # token-mask cache takes roughly 0.1-1 MB for a 49k vocabulary.
 GRAMMAR_CACHE_SIZE = 128
-# Typical regexes and schemas compile in 1-10 ms on this CPU; two workers keep one slow grammar
-# (a large EBNF) from holding up everyone else's.
-COMPILE_THREADS = 2
+# xgrammar's own threads for one compile (it splits the token-mask cache's work among them).
+XGRAMMAR_THREADS = 2
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; callers want the reason.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class GrammarBackend:
     """xgrammar for one tokenizer: compiles constraints (deduplicated and cached by Constraint,
-    on a thread pool) and masks logits with the requests' matchers.
+    on a CompilePool under a budget of compile_timeout_s) and masks logits with the requests'
+    matchers.
 
     compile(), compile_all() and attach() may be called from any thread; mask_logits() only from
     the engine thread (it reuses one bitmask buffer). A matcher is used by the engine thread only.
     """
 
     def __init__(self, make_tokenizer_info: Callable[[], xgr.TokenizerInfo],
-                 tokenizer: Any = None, jump_forward: bool = False):
+                 tokenizer: Any = None, jump_forward: bool = False,
+                 compile_timeout_s: float = 10.0):
         assert tokenizer is not None or not jump_forward, "jump-forward tokenizes forced text"
         # Built on first use: reading a 49k vocabulary takes ~0.15 s that unconstrained engines
         # should not pay.
@@ -47,62 +49,107 @@ class GrammarBackend:
         self.jump_forward = jump_forward
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[Constraint, Future] = OrderedDict()
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="forklm-grammar")
+        # A compile that overran its budget stays here while it runs (a resubmitted constraint
+        # fails at once instead of starting another), and its late result is kept.
+        self._cache: OrderedDict[Constraint, CompileJob] = OrderedDict()
+        self._pool = CompilePool(compile_timeout_s)
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(V / 32)] int32, grown on demand
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int],
-                      jump_forward: bool = False) -> GrammarBackend:
+                      jump_forward: bool = False,
+                      compile_timeout_s: float = 10.0) -> GrammarBackend:
         """vocab_size is the model's logits width (it may exceed the tokenizer's length); the
         stop tokens are the ones a finished grammar allows (the model's EOS ids)."""
         stops = sorted(stop_token_ids) or None  # None: xgrammar takes the tokenizer's EOS
         return cls(lambda: xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stops), tokenizer, jump_forward)
+            tokenizer, vocab_size=vocab_size, stop_token_ids=stops), tokenizer, jump_forward,
+            compile_timeout_s)
 
     # -- compiling (any thread) ----------------------------------------------------------------
     def compile(self, constraint: Constraint) -> Future:
-        """Future of the CompiledGrammar; it holds an InvalidArgumentError carrying xgrammar's
-        reason when the constraint does not compile (failures are not cached)."""
-        with self._lock:
-            fut = self._cache.get(constraint)
-            if fut is not None:
-                self._cache.move_to_end(constraint)
-                return fut
-            fut = self._pool.submit(self._compile, constraint)
-            self._cache[constraint] = fut
-            while len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        fut.add_done_callback(lambda f: self._forget_failure(constraint, f))
-        return fut
+        """Future of the CompiledGrammar, shared by every caller (never cancel it); it holds an
+        InvalidArgumentError carrying xgrammar's reason when the constraint does not compile,
+        or a GrammarCompileTimeoutError when compiling it overran the budget (failures are not
+        cached, except while an overrunning compile still runs)."""
+        return self._join(constraint).future
 
-    def compile_all(self, reqs: Sequence[Req]) -> list[Future]:
-        """Start compiling every distinct constraint of reqs; cache hits are finished futures."""
+    def compile_all(self, reqs: Sequence[Req]) -> dict[Constraint, Future]:
+        """Start compiling every distinct constraint of reqs; each gets a future of its own that
+        follows the shared compile (a cache hit is a finished one). Cancelling one says that the
+        caller left: a compile no one else awaits is then dropped before it starts, or frees its
+        place in the pool while it runs on (its result is still cached)."""
         constraints = {r.sampling_params.constraint for r in reqs} - {None}
-        return [self.compile(c) for c in constraints if c is not None]
+        return {c: self._follow(self._join(c)) for c in constraints if c is not None}
 
-    def attach(self, reqs: Sequence[Req]) -> None:
-        """Give each constrained req its own matcher, waiting for compilation (start it with
-        compile_all first to overlap it); raises the first constraint's InvalidArgumentError."""
+    def attach(self, reqs: Sequence[Req], compiling: dict[Constraint, Future]) -> None:
+        """Give each constrained req its own matcher from compile_all's futures, waiting for
+        them (await them first to wait elsewhere); raises the first constraint's error."""
         for req in reqs:
             constraint = req.sampling_params.constraint
             if constraint is not None:
-                req.grammar = xgr.GrammarMatcher(self.compile(constraint).result())
+                req.grammar = xgr.GrammarMatcher(compiling[constraint].result())
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
 
-    def _forget_failure(self, constraint: Constraint, fut: Future) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            with self._lock:
-                if self._cache.get(constraint) is fut:
-                    del self._cache[constraint]
+    def _join(self, constraint: Constraint) -> CompileJob:
+        """The cached or running job of constraint, one more waiter on it; or a new one."""
+        with self._lock:
+            job = self._cache.get(constraint)
+            if job is not None and self._pool.join(job):
+                self._cache.move_to_end(constraint)
+                return job
+            job = self._pool.submit(lambda: self._compile(constraint),
+                                    lambda started: self._timeout_error(constraint, started))
+            self._cache[constraint] = job
+            while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        job.outcome.add_done_callback(lambda f: self._settled(constraint, job, f))
+        return job
+
+    def _follow(self, job: CompileJob) -> Future:
+        """A future of the caller's own with job's result; cancelling it leaves the job."""
+        mine: Future = Future()
+
+        def copy(shared: Future) -> None:
+            if shared.cancelled():
+                mine.cancel()
+            elif mine.set_running_or_notify_cancel():  # False: the caller already left
+                error = shared.exception()
+                if error is not None:
+                    mine.set_exception(error)
+                else:
+                    mine.set_result(shared.result())
+
+        mine.add_done_callback(lambda f: self._pool.leave(job) if f.cancelled() else None)
+        job.future.add_done_callback(copy)
+        return mine
+
+    def _settled(self, constraint: Constraint, job: CompileJob, outcome: Future) -> None:
+        """The compile itself ended (or was dropped): forget failures, keep a late success."""
+        expired = job.expired  # set before the compile left the pool's running set, or never
+        with self._lock:
+            if self._cache.get(constraint) is not job:
+                return
+            if outcome.cancelled() or outcome.exception() is not None:
+                del self._cache[constraint]
+            elif expired:  # done after its budget (its waiters got the error): keep the result
+                self._cache[constraint] = CompileJob.finished(outcome.result())
+
+    def _timeout_error(self, constraint: Constraint, started: bool) -> Exception:
+        budget = self._pool.timeout_s
+        why = (f"took longer than the {budget:g} s budget to compile (EngineConfig."
+               "grammar_compile_timeout_s); simplify it" if started else
+               f"was not compiled within the {budget:g} s budget (grammar_compile_timeout_s): "
+               f"all {self._pool.max_threads} compile threads were busy; retry later")
+        return GrammarCompileTimeoutError(constraint.kind, _shown(constraint.spec), why)
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 # Our cache is the one cache: xgrammar's own would keep every grammar forever.
-                self._compiler = xgr.GrammarCompiler(self._make_info(), max_threads=COMPILE_THREADS,
+                self._compiler = xgr.GrammarCompiler(self._make_info(), max_threads=XGRAMMAR_THREADS,
                                                      cache_enabled=False)
             return self._compiler
 
@@ -124,8 +171,8 @@ class GrammarBackend:
             return compiler.compile_grammar(choices_ebnf(json.loads(spec)))
         except (RuntimeError, ValueError, TypeError) as e:
             reason = _LOG_PREFIX.sub("", str(e)).strip()
-            shown = spec if len(spec) <= 80 else spec[:77] + "..."
-            raise InvalidArgumentError(kind, shown, f"xgrammar cannot compile it: {reason}") from e
+            raise InvalidArgumentError(kind, _shown(spec),
+                                       f"xgrammar cannot compile it: {reason}") from e
 
     # -- masking (engine thread) ---------------------------------------------------------------
     def mask_logits(self, logits: torch.Tensor,
@@ -181,6 +228,10 @@ class GrammarBackend:
         if num_accepted:
             matcher.rollback(num_accepted)
         return ids[:num_accepted]
+
+
+def _shown(spec: str) -> str:
+    return spec if len(spec) <= 80 else spec[:77] + "..."
 
 
 def choices_ebnf(choices: Sequence[str]) -> str:

@@ -95,8 +95,8 @@ class Engine:
 
     def run(self, group: RequestGroup) -> Any:
         """Compile the group's constraints, submit it, and answer as generate() does."""
-        self.parts.grammar.compile_all(group.reqs)
-        self.parts.grammar.attach(group.reqs)  # waits for compilation, here, not in the loop
+        compiling = self.parts.grammar.compile_all(group.reqs)
+        self.parts.grammar.attach(group.reqs, compiling)  # waits here, not in the loop
         if group.stream:
             return self._dicts(group, self._stream_sync(group))
         return self._shaped(group, [f.result() for f in self._submit_collect(group)])
@@ -140,9 +140,12 @@ class Engine:
     # -- submission ----------------------------------------------------------------------------
     async def _compile_async(self, group: RequestGroup) -> None:
         compiling = self.parts.grammar.compile_all(group.reqs)
-        if compiling:  # attach() raises a compile error; gathering here marks it retrieved
-            await asyncio.gather(*map(asyncio.wrap_future, compiling), return_exceptions=True)
-        self.parts.grammar.attach(group.reqs)
+        if compiling:  # attach() raises a compile error; gathering here marks it retrieved.
+            # Cancelled (the caller left), the gather cancels these futures: the compiles
+            # no one else awaits are dropped or stop holding their place in the pool.
+            await asyncio.gather(*map(asyncio.wrap_future, compiling.values()),
+                                 return_exceptions=True)
+        self.parts.grammar.attach(group.reqs, compiling)
 
     def _shaped(self, group: RequestGroup, results: list[GenerateOutput]) -> Any:
         dicts = [group.to_dict(r, self.tokenizer) for r in results]

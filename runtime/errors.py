@@ -15,6 +15,10 @@ class InvalidArgumentError(ForkLMError, ValueError):
         super().__init__(f"{name}={value!r}: {why}")
 
 
+class GrammarCompileTimeoutError(InvalidArgumentError):
+    """A constraint's grammar was not compiled within EngineConfig.grammar_compile_timeout_s."""
+
+
 class ModelNotFoundError(ForkLMError, ValueError):
     """The model path does not resolve to a loadable model; the message says what to install."""
 

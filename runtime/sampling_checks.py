@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
+from itertools import accumulate
 from typing import Any
 
 from forklm.runtime.errors import InvalidArgumentError
@@ -16,6 +18,18 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 4096
 # A structural tag's structures and triggers (each structure compiles one JSON schema).
 MAX_STRUCTURES = 64
+# A constraint's text (regex, schema JSON, EBNF, choices JSON, structural tag JSON). Real schemas
+# are 1-50 KB; compile time grows faster than the size, and the time budget
+# (EngineConfig.grammar_compile_timeout_s) stops the rest.
+MAX_GRAMMAR_CHARS = 256 * 1024
+# Nesting of objects and arrays in a schema or structural tag: xgrammar converts schemas
+# recursively in C++ (each schema level is 2-3 JSON levels: the object, "properties", the key).
+MAX_GRAMMAR_DEPTH = 64
+# A JSON string; an unterminated one runs to the end (an optional close never fails, so no
+# backtracking: linear time on any text).
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 def str_list(value: object, field: str) -> list[str] | None:
@@ -127,3 +141,17 @@ def check_extras(custom_params: Any, stream_interval: Any) -> None:
                                         or stream_interval < 1):
         raise InvalidArgumentError("stream_interval", stream_interval,
                                    "must be null or an int >= 1")
+
+
+def check_grammar_size(kind: str, text: str) -> None:
+    """A constraint's text within MAX_GRAMMAR_CHARS and, for JSON kinds, MAX_GRAMMAR_DEPTH
+    (measured on the text, without parsing it)."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise InvalidArgumentError(kind, f"<{len(text)} characters: {text[:40]!r}...>",
+                                   f"over the limit of {MAX_GRAMMAR_CHARS} characters")
+    if kind in ("json_schema", "structural_tag"):
+        brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+        depth = max(accumulate(_DEPTH_STEP[c] for c in brackets), default=0)
+        if depth > MAX_GRAMMAR_DEPTH:
+            raise InvalidArgumentError(kind, _short(text), f"nested {depth} deep; at most "
+                                       f"{MAX_GRAMMAR_DEPTH} levels of objects and arrays")

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling_checks import (
     check_extras,
+    check_grammar_size,
     is_number,
     normalize_logit_bias,
     normalize_structural_tag,
@@ -235,6 +236,9 @@ def _check_constraint(params: SamplingParams) -> None:
                and all(isinstance(c, str) and c for c in choices), "choices", choices,
                "must be a non-empty list of non-empty str")
         object.__setattr__(params, "choices", list(choices))
+    constraint = params.constraint
+    if constraint is not None:
+        check_grammar_size(*constraint)
 
 
 def _normalize_stop_ids(ids: object) -> list[int] | None:

@@ -1,0 +1,238 @@
+"""Grammar compiles under a budget: a slow or abandoned compile never delays another request's,
+one over budget fails its request with a clear error (over HTTP a 400), a caller that leaves drops
+its queued compile or frees its place, and constraint text is bounded before any compile.
+
+Slow compiles are simulated: `_compile` waits on an Event for the constraints marked slow (real
+xgrammar compiles run in C++ and release the GIL the same way)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import xgrammar as xgr
+
+from forklm.runtime.config import EngineConfig
+from forklm.runtime.constrained import GrammarBackend
+from forklm.runtime.errors import GrammarCompileTimeoutError, InvalidArgumentError
+from forklm.runtime.grammar_pool import CompilePool
+from forklm.runtime.sampling_checks import MAX_GRAMMAR_CHARS, MAX_GRAMMAR_DEPTH
+from forklm.runtime.sampling_params import Constraint, SamplingParams
+from tests.conftest import assert_idle_and_clean, serve_in_thread, wait_until
+
+VOCAB = ["</s>", "a", "b", "c", "ab", "1", "2", "{", "}", '"', ":", ",", " ", "x"]
+SLOW = "a+(b|c)*"  # any regex; the patched compile makes it slow
+
+
+class SlowCompiles:
+    """Patches backend._compile: constraints whose spec starts with SLOW wait for release()."""
+
+    def __init__(self, backend: GrammarBackend, monkeypatch: pytest.MonkeyPatch):
+        self.gate = threading.Event()
+        self.calls: list[str] = []
+        compile_one = backend._compile
+
+        def compile_maybe_slowly(constraint: Constraint) -> xgr.CompiledGrammar:
+            self.calls.append(constraint.spec)
+            if constraint.spec.startswith(SLOW):
+                assert self.gate.wait(30), "never released"
+            return compile_one(constraint)
+
+        monkeypatch.setattr(backend, "_compile", compile_maybe_slowly)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def slow(i: int) -> Constraint:
+    return Constraint("regex", SLOW + "x" * i)  # distinct specs: no deduplication
+
+
+def reqs_of(*constraints: Constraint) -> list:
+    return [SimpleNamespace(sampling_params=SimpleNamespace(constraint=c)) for c in constraints]
+
+
+@pytest.fixture
+def backend() -> Iterator[GrammarBackend]:
+    info = xgr.TokenizerInfo(VOCAB, xgr.VocabType.RAW, stop_token_ids=[0])
+    backend = GrammarBackend(lambda: info, compile_timeout_s=5.0)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def slow_compiles(backend, monkeypatch) -> Iterator[SlowCompiles]:
+    slow_compiles = SlowCompiles(backend, monkeypatch)
+    yield slow_compiles
+    slow_compiles.release()
+
+
+def test_abandoned_and_slow_compiles_do_not_delay_a_regex(backend, slow_compiles):
+    # The issue's case: two deep schemas whose clients left, and two still awaited.
+    abandoned = backend.compile_all(reqs_of(slow(1), slow(2)))
+    for fut in abandoned.values():
+        assert fut.cancel()
+    awaited = backend.compile_all(reqs_of(slow(3), slow(4)))
+    start = time.monotonic()
+    plain = backend.compile(Constraint("regex", "[ab]+")).result(timeout=5)
+    assert time.monotonic() - start < 1.0
+    assert isinstance(plain, xgr.CompiledGrammar)
+    assert not any(f.done() for f in awaited.values())
+    slow_compiles.release()
+    for fut in awaited.values():
+        assert isinstance(fut.result(timeout=5), xgr.CompiledGrammar)
+
+
+def test_over_budget_fails_clearly_and_the_late_result_is_kept(backend, slow_compiles,
+                                                               monkeypatch):
+    monkeypatch.setattr(backend._pool, "timeout_s", 0.2)
+    fut = backend.compile_all(reqs_of(slow(0)))[slow(0)]
+    with pytest.raises(GrammarCompileTimeoutError,
+                       match=r"regex=.*took longer than the 0.2 s budget to compile "
+                             r"\(EngineConfig.grammar_compile_timeout_s\)"):
+        fut.result(timeout=5)
+    # Resubmitted while the overrunning compile still runs: fails at once, no second compile.
+    with pytest.raises(GrammarCompileTimeoutError):
+        backend.compile(slow(0)).result(timeout=1)
+    assert slow_compiles.calls == [slow(0).spec]
+    assert backend._pool.num_fresh() == 0  # it no longer holds a place
+    slow_compiles.release()
+    wait_until(lambda: backend._cache[slow(0)].future.done()
+               and backend._cache[slow(0)].future.exception() is None, timeout=5)
+    assert isinstance(backend.compile(slow(0)).result(timeout=1), xgr.CompiledGrammar)
+    assert slow_compiles.calls == [slow(0).spec]
+
+
+def test_queued_compile_is_dropped_when_its_caller_leaves(backend, slow_compiles, monkeypatch):
+    monkeypatch.setattr(backend, "_pool", CompilePool(5.0, num_threads=1, max_threads=1))
+    running = backend.compile_all(reqs_of(slow(0)))
+    wait_until(lambda: slow_compiles.calls == [slow(0).spec], timeout=5)
+    queued = backend.compile_all(reqs_of(Constraint("regex", "queued")))
+    assert queued[Constraint("regex", "queued")].cancel()  # the client left
+    assert Constraint("regex", "queued") not in backend._cache
+    slow_compiles.release()
+    assert isinstance(running[slow(0)].result(timeout=5), xgr.CompiledGrammar)
+    time.sleep(0.1)
+    assert slow_compiles.calls == [slow(0).spec]  # the dropped compile never started
+    backend._pool.close()
+
+
+def test_shared_compile_survives_one_caller_leaving(backend, slow_compiles, monkeypatch):
+    monkeypatch.setattr(backend, "_pool", CompilePool(5.0, num_threads=1, max_threads=1))
+    backend.compile_all(reqs_of(slow(0)))  # holds the only thread
+    first = backend.compile_all(reqs_of(Constraint("regex", "ab")))
+    second = backend.compile_all(reqs_of(Constraint("regex", "ab")))
+    first[Constraint("regex", "ab")].cancel()
+    slow_compiles.release()
+    assert isinstance(second[Constraint("regex", "ab")].result(timeout=5), xgr.CompiledGrammar)
+    backend._pool.close()
+
+
+def test_queued_past_the_budget_says_the_threads_were_busy(backend, slow_compiles,
+                                                           monkeypatch):
+    monkeypatch.setattr(backend, "_pool", CompilePool(0.2, num_threads=1, max_threads=1))
+    backend.compile_all(reqs_of(slow(0)))
+    queued = backend.compile_all(reqs_of(Constraint("regex", "queued")))
+    with pytest.raises(GrammarCompileTimeoutError, match="all 1 compile threads were busy"):
+        queued[Constraint("regex", "queued")].result(timeout=5)
+    assert Constraint("regex", "queued") not in backend._cache  # a retry compiles anew
+    backend._pool.close()
+
+
+@pytest.mark.parametrize("params, name, says", [
+    ({"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "regex", "characters"),
+    ({"ebnf": 'root ::= "' + "a" * MAX_GRAMMAR_CHARS + '"'}, "ebnf", "characters"),
+    ({"choices": ["a" * 1000] * 300}, "choices", "characters"),
+    ({"json_schema": {"type": "string", "description": "x" * MAX_GRAMMAR_CHARS}}, "json_schema",
+     "characters"),
+    ({"json_schema": json.dumps({"a": [[[[{}]]]] * 10}).replace("{}", "[" * 70 + "]" * 70)},
+     "json_schema", "nested"),
+])
+def test_constraint_text_is_bounded(params, name, says):
+    with pytest.raises(InvalidArgumentError, match=f"^{name}=.*{says}") as e:
+        SamplingParams(**params)
+    assert e.value.name == name
+
+
+def test_deep_schema_nesting_is_bounded_but_strings_do_not_count():
+    schema: dict = {"type": "string"}
+    for _ in range(MAX_GRAMMAR_DEPTH // 2 + 1):
+        schema = {"type": "object", "properties": {"x": schema}}
+    with pytest.raises(InvalidArgumentError, match="json_schema=.*nested 6[6-9] deep"):
+        SamplingParams(json_schema=schema)
+    SamplingParams(json_schema={"type": "string", "pattern": "[[[[{{{{" * 20})
+
+
+def test_depth_is_measured_in_linear_time_on_broken_json():
+    start = time.monotonic()
+    for text in ['"' + '\\"' * 100_000, '"a\\' * 60_000, '"' * 200_000]:
+        with pytest.raises(InvalidArgumentError, match="json_schema"):
+            SamplingParams(json_schema="[" * 100 + text)
+    assert time.monotonic() - start < 1.0
+
+
+def test_budget_is_validated():
+    with pytest.raises(InvalidArgumentError, match="grammar_compile_timeout_s"):
+        EngineConfig(grammar_compile_timeout_s=0)
+
+
+# -- through the engine and the server ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(make_engine):
+    return make_engine()
+
+
+@pytest.fixture
+def engine_slow(engine, monkeypatch) -> Iterator[SlowCompiles]:
+    """The shared engine with a 0.3 s budget and slow compiles of SLOW regexes."""
+    grammar = engine.parts.grammar
+    grammar.compile(Constraint("regex", "warm")).result()  # reads the vocabulary (~0.2 s)
+    monkeypatch.setattr(grammar._pool, "timeout_s", 0.3)
+    slow_compiles = SlowCompiles(grammar, monkeypatch)
+    yield slow_compiles
+    slow_compiles.release()
+    wait_until(lambda: grammar._pool.num_fresh() == 0, timeout=10)
+    assert_idle_and_clean(engine)
+
+
+def test_engine_fails_the_slow_request_and_serves_its_neighbour(engine, engine_slow):
+    async def both():
+        slow_call = engine.async_generate("Say a.", {"regex": SLOW + "1", "max_new_tokens": 4})
+        plain_call = engine.async_generate("Say a.", {"regex": "[ab]{2}", "temperature": 0})
+        return await asyncio.gather(slow_call, plain_call, return_exceptions=True)
+
+    start = time.monotonic()
+    slow_result, plain_result = asyncio.run(both())
+    assert isinstance(slow_result, GrammarCompileTimeoutError), slow_result
+    assert "took longer than the 0.3 s budget" in str(slow_result)
+    assert plain_result["text"] in {"aa", "ab", "ba", "bb"}
+    assert time.monotonic() - start < 10
+    with pytest.raises(GrammarCompileTimeoutError):  # the sync path too
+        engine.generate("Say a.", {"regex": SLOW + "2", "max_new_tokens": 4})
+
+
+def test_http_over_budget_is_400_and_a_client_that_leaves_frees_the_compile(engine,
+                                                                            engine_slow):
+    server = serve_in_thread(engine)
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=30) as client:
+            r = client.post("/generate", json={"text": "Say a.", "sampling_params": {
+                "regex": SLOW + "3", "max_new_tokens": 4}})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "regex"
+            assert "took longer than the 0.3 s budget" in r.json()["error"]["message"]
+        engine.parts.grammar._pool.timeout_s = 30.0  # now the client leaves first
+        with httpx.Client(base_url=server.base_url, timeout=0.5) as client, \
+                pytest.raises(httpx.ReadTimeout):
+            client.post("/generate", json={"text": "Say a.", "sampling_params": {
+                "regex": SLOW + "4", "max_new_tokens": 4}})
+        wait_until(lambda: engine.parts.grammar._pool.num_fresh() == 0, timeout=5)
+        wait_until(lambda: server.app.state.service.admission.admitted == 0, timeout=5)
+    finally:
+        server.stop()
