@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
+from forklm.runtime.errors import EngineShutdownError
+
 # Fresh compiles at once. Typical regexes and schemas compile in 1-10 ms; four places keep a few
 # slow (but within budget) schemas from queueing everyone else's on a small CPU.
 COMPILE_THREADS = 4
@@ -80,7 +82,8 @@ class CompilePool:
         """Queue run() (started at once when a place is free), awaited by one waiter."""
         job = CompileJob(run, time.monotonic() + self.timeout_s, timeout_error, waiters=1)
         with self._cond:
-            assert not self._closed, "the compile pool is closed"
+            if self._closed:
+                raise EngineShutdownError("the engine has been shut down")
             self._pending.append(job)
             self._start_ready()
             if self._watchdog is None:
@@ -104,8 +107,8 @@ class CompilePool:
         with self._cond:
             job.waiters -= 1
             assert job.waiters >= 0, job
-            if job.waiters > 0 or job.future.done():
-                return
+            if job.waiters > 0 or job.expired or job.dropped or job.future.done():
+                return  # still awaited, or already out of the queue
             if not job.started:
                 self._pending.remove(job)
                 job.dropped = True

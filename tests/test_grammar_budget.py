@@ -20,7 +20,11 @@ import xgrammar as xgr
 
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.constrained import GrammarBackend
-from forklm.runtime.errors import GrammarCompileTimeoutError, InvalidArgumentError
+from forklm.runtime.errors import (
+    EngineShutdownError,
+    GrammarCompileTimeoutError,
+    InvalidArgumentError,
+)
 from forklm.runtime.grammar_pool import CompilePool
 from forklm.runtime.sampling_checks import MAX_GRAMMAR_CHARS, MAX_GRAMMAR_DEPTH
 from forklm.runtime.sampling_params import Constraint, SamplingParams
@@ -175,6 +179,12 @@ def test_depth_is_measured_in_linear_time_on_broken_json():
         with pytest.raises(InvalidArgumentError, match="json_schema"):
             SamplingParams(json_schema="[" * 100 + text)
     assert time.monotonic() - start < 1.0
+
+
+def test_compiles_after_close_are_refused(backend):
+    backend.close()
+    with pytest.raises(EngineShutdownError):
+        backend.compile(Constraint("regex", "ab"))
 
 
 def test_budget_is_validated():
