@@ -8,7 +8,9 @@ xgrammar compiles run in C++ and release the GIL the same way)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -147,6 +149,44 @@ def test_queued_past_the_budget_says_the_threads_were_busy(backend, slow_compile
         queued[Constraint("regex", "queued")].result(timeout=5)
     assert Constraint("regex", "queued") not in backend._cache  # a retry compiles anew
     backend._pool.close()
+
+
+def test_pool_under_random_load_settles_every_job_within_its_caps():
+    """Jobs of random length (some over budget), callers leaving at random: every future ends
+    (result, budget error or cancelled), and threads never exceed the caps."""
+    rng = random.Random(0)
+    pool = CompilePool(0.05, num_threads=2, max_threads=4)
+    lock, running, peak = threading.Lock(), [0], [0]
+
+    def work(seconds: float) -> float:
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(seconds)
+        with lock:
+            running[0] -= 1
+        return seconds
+
+    jobs = []
+    for _ in range(150):
+        seconds = rng.choice([0.0, 0.002, 0.01, 0.1])
+        job = pool.submit(lambda s=seconds: work(s), lambda started: TimeoutError(started))
+        jobs.append(job)
+        if rng.random() < 0.3:
+            pool.leave(job)
+        time.sleep(rng.random() * 0.003)
+    kinds = collections.Counter()
+    for job in jobs:
+        if job.future.cancelled():
+            kinds["dropped"] += 1
+            continue
+        error = job.future.exception(timeout=5)
+        assert error is None or isinstance(error, TimeoutError), error
+        kinds["late" if error is not None else "done"] += 1
+    assert set(kinds) == {"dropped", "late", "done"}, kinds  # every path was taken
+    assert peak[0] <= 4
+    wait_until(lambda: running[0] == 0 and pool.num_fresh() == 0, timeout=5)
+    pool.close()
 
 
 @pytest.mark.parametrize("params, name, says", [
