@@ -157,3 +157,18 @@ def wait_until(cond, timeout: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+@pytest.fixture
+def engine_prompts(live_server, monkeypatch) -> list:
+    """The prompt (text or token ids) of every engine call the live server's engine prepares
+    while the test runs."""
+    engine, seen = live_server.engine, []
+    prepare = engine.prepare
+
+    def recording(**call):
+        seen.append(call.get("prompt"))
+        return prepare(**call)
+
+    monkeypatch.setattr(engine, "prepare", recording)
+    return seen

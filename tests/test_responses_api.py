@@ -38,19 +38,6 @@ def client(live_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
-@pytest.fixture
-def prompts(live_server, monkeypatch) -> list[str]:
-    """The prompt text of every engine call the server prepares while the test runs."""
-    engine, seen = live_server.engine, []
-    prepare = engine.prepare
-
-    def recording(**call):
-        seen.append(call.get("prompt"))
-        return prepare(**call)
-
-    monkeypatch.setattr(engine, "prepare", recording)
-    return seen
-
 
 def post(live_server, **body) -> httpx.Response:
     return httpx.post(live_server.base_url + "/v1/responses", json={"model": MODEL, **body},
@@ -112,7 +99,7 @@ def test_streamed_response_events(client, live_server):
 
 
 @slow
-def test_tool_round_trip(client, live_server, prompts):
+def test_tool_round_trip(client, live_server, engine_prompts):
     first = client.responses.create(model=MODEL, input="What is the weather in Paris?",
                                     tools=[WEATHER], tool_choice="required", temperature=0,
                                     max_output_tokens=40)
@@ -127,9 +114,9 @@ def test_tool_round_trip(client, live_server, prompts):
         model=MODEL, temperature=0, max_output_tokens=6, tool_choice="none", tools=[WEATHER],
         input=[{"role": "user", "content": "What is the weather in Paris?"},
                call.model_dump(exclude_none=True), result])
-    assert prompts[1] == prompts[2]  # the stored conversation is the explicit one
-    assert TOOL_RESULT in prompts[1] and call.arguments.replace(" ", "") in \
-        prompts[1].replace(" ", "")
+    assert engine_prompts[1] == engine_prompts[2]  # the stored conversation is the explicit one
+    assert TOOL_RESULT in engine_prompts[1] and call.arguments.replace(" ", "") in \
+        engine_prompts[1].replace(" ", "")
     assert chained.output_text == explicit.output_text
     assert chained.previous_response_id == first.id
 
@@ -383,7 +370,7 @@ class Report(BaseModel):
 
 @slow
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
-def test_agents_sdk_runs_a_tool(live_server, prompts, monkeypatch, api):
+def test_agents_sdk_runs_a_tool(live_server, engine_prompts, monkeypatch, api):
     """An Agent with a function tool, run to its end: the first turn is forced to call the tool
     (a tiny model would not choose to); the SDK runs it, resets tool_choice and sends the
     result back. The Responses model runs streamed (the SDK reads the typed events), chained by
@@ -426,8 +413,9 @@ def test_agents_sdk_runs_a_tool(live_server, prompts, monkeypatch, api):
 
     result = asyncio.run(run())
     assert ran and ran[0] in ("Paris", "Tokyo")
-    assert len(prompts) == 2 and TOOL_RESULT not in prompts[0] and TOOL_RESULT in prompts[1]
-    assert "Weather in Paris?" in prompts[1]  # from the stored conversation, when chained
+    first, second = engine_prompts
+    assert TOOL_RESULT not in first and TOOL_RESULT in second
+    assert "Weather in Paris?" in second  # from the stored conversation, when chained
     assert len(looked_up) == (1 if api == "responses" else 0)
     assert isinstance(result.final_output, Report if api == "responses" else str)
 

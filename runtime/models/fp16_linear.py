@@ -16,7 +16,7 @@ import functools
 import torch
 from torch import nn
 
-from forklm.runtime.models.weights import FusedLinear
+from forklm.runtime.models.weights import replace_linears
 
 # A tied LM head gets its own packed copy (the embedding lookup reads the float32 table): pack
 # it only while that copy is small next to the rest of the model (57 MiB for the default model).
@@ -54,21 +54,8 @@ def fp16_weights_available() -> bool:
 
 
 def pack_fp16_linears(model: nn.Module) -> int:
-    """Replace every float32 nn.Linear under `model` (fused q/k/v and gate/up included; not
-    quantized or expert-stacked weights) by an Fp16WeightLinear; returns how many. Each float32
-    weight is freed once its packed copy exists."""
-    # (parent, name) only: holding the children here would keep every float32 weight alive.
-    targets = [(parent, name) for parent in model.modules()
-               for name, child in parent.named_children()
-               if type(child) in (nn.Linear, FusedLinear) and child.weight.dtype == torch.float32]
-    for parent, name in targets:
-        child = getattr(parent, name)
-        packed = Fp16WeightLinear(child.weight, child.bias)
-        if isinstance(child, FusedLinear):
-            packed.part_sizes = child.part_sizes  # type: ignore[assignment]
-        setattr(parent, name, packed)
-        del child
-    return len(targets)
+    """Replace every float32 linear under `model` by an Fp16WeightLinear; returns how many."""
+    return replace_linears(model, torch.float32, Fp16WeightLinear)
 
 
 def fp16_tied_head(table: torch.Tensor) -> Fp16WeightLinear | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from forklm.runtime.models.weights import FusedLinear
+from forklm.runtime.models.weights import replace_linears
 
 # The weight layout is chosen for this many rows; 1 measured best for decode and within a few %
 # of the row-count-specific layout for 16-1024-row prefills (NOTES.md).
@@ -60,22 +60,9 @@ def can_pack(dtype: torch.dtype, device: str) -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every plain bf16 nn.Linear under `model` (fused q/k/v and gate/up included; not
-    quantized or expert-stacked weights) by a OneDNNLinear; returns how many were replaced.
-    Each weight is freed as soon as its packed copy exists, so memory never holds both layouts
-    of more than one matrix."""
-    # (parent, name) only: holding the children here would keep every plain weight alive.
-    targets = [(parent, name) for parent in model.modules()
-               for name, child in parent.named_children()
-               if type(child) in (nn.Linear, FusedLinear) and child.weight.dtype == torch.bfloat16]
-    for parent, name in targets:
-        child = getattr(parent, name)
-        packed = OneDNNLinear(child.weight, child.bias)
-        if isinstance(child, FusedLinear):
-            packed.part_sizes = child.part_sizes  # type: ignore[assignment]
-        setattr(parent, name, packed)
-        del child
-    return len(targets)
+    """Replace every plain bf16 linear under `model` (fused q/k/v and gate/up included) by a
+    OneDNNLinear; returns how many."""
+    return replace_linears(model, torch.bfloat16, OneDNNLinear)
 
 
 def packed_tied_head(table: torch.Tensor) -> OneDNNLinear | None:

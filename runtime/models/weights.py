@@ -151,6 +151,26 @@ class FusedLinear(nn.Linear):
         self.part_sizes = part_sizes
 
 
+def replace_linears(model: nn.Module, weight_dtype: torch.dtype,
+                    make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> int:
+    """Replace every plain nn.Linear or FusedLinear under `model` whose weight is `weight_dtype`
+    (not quantized or expert-stacked weights) by make(weight, bias), keeping a fused layer's
+    part_sizes; returns how many. Each old weight is freed once its replacement exists, so memory
+    never holds both forms of more than one matrix."""
+    # (parent, name) only: holding the children here would keep every old weight alive.
+    targets = [(parent, name) for parent in model.modules()
+               for name, child in parent.named_children()
+               if type(child) in (nn.Linear, FusedLinear) and child.weight.dtype == weight_dtype]
+    for parent, name in targets:
+        child = getattr(parent, name)
+        new = make(child.weight, child.bias)
+        if isinstance(child, FusedLinear):
+            new.part_sizes = child.part_sizes  # type: ignore[assignment]
+        setattr(parent, name, new)
+        del child
+    return len(targets)
+
+
 def _shard_sizes(module: nn.Module, param: str) -> tuple[int, ...]:
     """Rows of each fused part of `module.param` (of one expert's slice for stacked experts)."""
     if isinstance(module, FusedLinear):
