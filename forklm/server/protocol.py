@@ -20,11 +20,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from forklm.runtime.intake import MAX_TOP_LOGPROBS_NUM as MAX_TOP_LOGPROBS
+from forklm.runtime.sampling_params import MAX_N
 from forklm.server.chat_template import RESERVED_TEMPLATE_KWARGS
 
-# Bounds on per-request fan-out; beyond them one request could monopolize the engine.
-MAX_N = 64
-MAX_TOP_LOGPROBS = 20
+# Per-request fan-out (n, top logprobs) is bounded by the runtime's limits, which every entry
+# point shares; here they become part of the OpenAPI schema.
 MAX_TOOLS = 128  # OpenAI's limit
 # OpenAI's documented metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
 MAX_METADATA_KEYS, MAX_METADATA_KEY_LEN, MAX_METADATA_VALUE_LEN = 16, 64, 512
