@@ -3,6 +3,8 @@ torch's int4 groupwise CPU kernel (`_weight_int4pack_mm_for_cpu`, w = (c - 8) * 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
@@ -10,7 +12,6 @@ from torch import nn
 from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
 
 KERNEL_GROUP = 32  # the smallest group the int4 kernel takes (it accepts 32, 64, 128, 256)
-PACK_BLOCK_N = 64  # the int4 CPU packing interleaves rows in blocks of 64 (tail: N % 64 rows)
 ROW_MULTIPLE = 16  # the packing needs N divisible by 16; other sizes are padded with zero rows
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # From this many rows (prefill chunks) a bf16 matrix is dequantized for the call
@@ -264,19 +265,32 @@ def _split_codes(group: GroupCodes, lo_bits: int) -> tuple[torch.Tensor, ...]:
     return kernel_codes, scales, zeros
 
 
+@functools.cache
+def pack_block_n() -> int:
+    """Rows per block of torch's int4 CPU packing: its vector width decides, 64 where torch runs
+    AVX-512 kernels and 32 on AVX2 CPUs. Found once by packing a single code at row 32: in a
+    64-row block it is the high nibble of byte 0."""
+    codes = torch.zeros(64, 32, dtype=torch.int32)
+    codes[32, 0] = 1
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1).view(-1)
+    return 64 if int(packed[0]) == 0x10 else 32
+
+
 def _unpack_rows(packed: torch.Tensor, k_prime: int, ids: torch.Tensor) -> torch.Tensor:
     """uint8 codes [len(ids), K'] of rows `ids`, read from torch's int4 CPU packing.
 
-    Full blocks of 64 rows are stored k-major, 32 bytes per k: row r of the block is byte r % 32,
-    nibble r // 32. The last N % 64 rows form one block of N % 64 / 2 bytes per k: row r is
-    byte r // 2, nibble r % 2. tests/test_quant.py checks this against the packing op."""
+    Full blocks of B = pack_block_n() rows are stored k-major, B/2 bytes per k: row r of the block
+    is byte r % (B/2), nibble r // (B/2). The last N % B rows form one block of N % B / 2 bytes
+    per k: row r is byte r // 2, nibble r % 2. tests/test_quant.py checks this against the
+    packing op."""
+    block = pack_block_n()
     num_rows = packed.shape[0]
-    full = num_rows // PACK_BLOCK_N * PACK_BLOCK_N
+    full = num_rows // block * block
     ids = ids.long()
     in_full = ids < full
-    start = torch.where(in_full, ids // PACK_BLOCK_N * PACK_BLOCK_N, full)
+    start = torch.where(in_full, ids // block * block, full)
     r = ids - start
-    half = torch.where(in_full, PACK_BLOCK_N, num_rows - full) // 2  # bytes per k
+    half = torch.where(in_full, block, num_rows - full) // 2  # bytes per k
     col = torch.where(in_full, r % half.clamp(min=1), r // 2)
     nibble = torch.where(in_full, r // half.clamp(min=1), r % 2)
     k = torch.arange(k_prime)
@@ -287,13 +301,14 @@ def _unpack_rows(packed: torch.Tensor, k_prime: int, ids: torch.Tensor) -> torch
 def _codes_t(packed: torch.Tensor, k_prime: int) -> torch.Tensor:
     """bf16 codes [K', padded_out] of every row (the transposed code matrix), read from torch's
     int4 CPU packing (the layout _unpack_rows describes) in whole blocks."""
+    block = pack_block_n()
     num_rows = packed.shape[0]
-    full = num_rows // PACK_BLOCK_N * PACK_BLOCK_N
+    full = num_rows // block * block
     out = torch.empty(k_prime, num_rows, dtype=torch.bfloat16)
     flat = packed.view(-1)
-    if full:  # block b, byte (k, j): row 64b + j in the low nibble, row 64b + 32 + j in the high
-        blocks = flat[: full * k_prime // 2].view(full // PACK_BLOCK_N, k_prime, PACK_BLOCK_N // 2)
-        dest = out[:, :full].view(k_prime, -1, 2, PACK_BLOCK_N // 2).permute(1, 0, 2, 3)
+    if full:  # block b, byte (k, j): row Bb + j in the low nibble, row Bb + B/2 + j in the high
+        blocks = flat[: full * k_prime // 2].view(full // block, k_prime, block // 2)
+        dest = out[:, :full].view(k_prime, -1, 2, block // 2).permute(1, 0, 2, 3)
         dest[:, :, 0].copy_(blocks & 0x0F)
         dest[:, :, 1].copy_(blocks >> 4)
     if num_rows > full:  # the tail block, byte (k, j): rows 2j (low) and 2j + 1 (high)
