@@ -18,6 +18,7 @@ import xgrammar as xgr
 from forklm.runtime.errors import GrammarCompileTimeoutError, InvalidArgumentError
 from forklm.runtime.grammar_pool import CompileJob, CompilePool
 from forklm.runtime.request import Req
+from forklm.runtime.sampling_checks import shorten
 from forklm.runtime.sampling_params import Constraint
 
 # Compiled grammars kept, least recently used dropped first. A compiled JSON schema with its
@@ -143,7 +144,7 @@ class GrammarBackend:
                "grammar_compile_timeout_s); simplify it" if started else
                f"was not compiled within the {budget:g} s budget (grammar_compile_timeout_s): "
                f"all {self._pool.max_threads} compile threads were busy; retry later")
-        return GrammarCompileTimeoutError(constraint.kind, _shown(constraint.spec), why)
+        return GrammarCompileTimeoutError(constraint.kind, shorten(constraint.spec), why)
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
@@ -171,7 +172,7 @@ class GrammarBackend:
             return compiler.compile_grammar(choices_ebnf(json.loads(spec)))
         except (RuntimeError, ValueError, TypeError) as e:
             reason = _LOG_PREFIX.sub("", str(e)).strip()
-            raise InvalidArgumentError(kind, _shown(spec),
+            raise InvalidArgumentError(kind, shorten(spec),
                                        f"xgrammar cannot compile it: {reason}") from e
 
     # -- masking (engine thread) ---------------------------------------------------------------
@@ -228,10 +229,6 @@ class GrammarBackend:
         if num_accepted:
             matcher.rollback(num_accepted)
         return ids[:num_accepted]
-
-
-def _shown(spec: str) -> str:
-    return spec if len(spec) <= 80 else spec[:77] + "..."
 
 
 def choices_ebnf(choices: Sequence[str]) -> str:

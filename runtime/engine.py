@@ -42,7 +42,7 @@ class Engine:
     @property
     def closed(self) -> bool:
         """Whether the engine can run nothing more: shut down, or its loop thread has died."""
-        return self._loop.closed or not self._loop._thread.is_alive()
+        return not self._loop.alive
 
     # -- public API ----------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | list[int] | None = None,

@@ -37,6 +37,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="forklm-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop still runs steps: not shut down, and its thread has not died."""
+        return not self.closed and self._thread.is_alive()
+
     def post(self, fn: Callable[[], None]) -> None:
         if self.closed:
             raise EngineShutdownError("the engine has been shut down")

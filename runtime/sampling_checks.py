@@ -32,13 +32,17 @@ _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
-def str_list(value: object, field: str) -> list[str] | None:
-    """A str or a list of str (stop, stop_regex) as a list; None stays None."""
+def str_list(value: object, field: str, max_items: int | None = None,
+             noun: str = "strings") -> list[str] | None:
+    """A str or a list of str (stop, stop_regex) as a list of at most `max_items`; None stays
+    None."""
     if value is None:
         return None
     items = [value] if isinstance(value, str) else value
     if not (isinstance(items, (list, tuple)) and all(isinstance(s, str) for s in items)):
         raise InvalidArgumentError(field, value, "must be a str or a list of str")
+    if max_items is not None and len(items) > max_items:
+        raise InvalidArgumentError(field, f"<{len(items)} {noun}>", f"at most {max_items} {noun}")
     return list(items)
 
 
@@ -92,9 +96,9 @@ def normalize_structural_tag(tag: object) -> str | None:
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError) as e:  # RecursionError: nested beyond Python's stack
-        raise InvalidArgumentError("structural_tag", _short(text), f"not valid JSON: {e}") from e
+        raise InvalidArgumentError("structural_tag", shorten(text), f"not valid JSON: {e}") from e
     if not isinstance(obj, dict) or obj.get("type", "structural_tag") != "structural_tag":
-        raise InvalidArgumentError("structural_tag", _short(text),
+        raise InvalidArgumentError("structural_tag", shorten(text),
                                    'must be an object with "type": "structural_tag"')
     if "format" in obj:
         return text
@@ -105,7 +109,7 @@ def normalize_structural_tag(tag: object) -> str | None:
           and all(isinstance(t, str) and t for t in triggers))
     if not ok or not isinstance(structures, list) or not isinstance(triggers, list):
         raise InvalidArgumentError(
-            "structural_tag", _short(text),
+            "structural_tag", shorten(text),
             f'needs "structures" (1..{MAX_STRUCTURES} of {{"begin": str, "schema": object, '
             f'"end": str}}) and "triggers" (1..{MAX_STRUCTURES} non-empty str), or "format"')
     for s in structures:
@@ -129,7 +133,8 @@ def _dumps(value: object) -> str:
                                    f"not JSON-serializable: {e!r}") from e
 
 
-def _short(text: str) -> str:
+def shorten(text: str) -> str:
+    """text as an error message shows it: at most 80 characters (a client may send megabytes)."""
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -147,11 +152,11 @@ def check_grammar_size(kind: str, text: str) -> None:
     """A constraint's text within MAX_GRAMMAR_CHARS and, for JSON kinds, MAX_GRAMMAR_DEPTH
     (measured on the text, without parsing it)."""
     if len(text) > MAX_GRAMMAR_CHARS:
-        raise InvalidArgumentError(kind, f"<{len(text)} characters: {text[:40]!r}...>",
+        raise InvalidArgumentError(kind, shorten(text),
                                    f"over the limit of {MAX_GRAMMAR_CHARS} characters")
     if kind in ("json_schema", "structural_tag"):
         brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
         depth = max(accumulate(_DEPTH_STEP[c] for c in brackets), default=0)
         if depth > MAX_GRAMMAR_DEPTH:
-            raise InvalidArgumentError(kind, _short(text), f"nested {depth} deep; at most "
+            raise InvalidArgumentError(kind, shorten(text), f"nested {depth} deep; at most "
                                        f"{MAX_GRAMMAR_DEPTH} levels of objects and arrays")

@@ -16,6 +16,7 @@ from forklm.runtime.sampling_checks import (
     is_number,
     normalize_logit_bias,
     normalize_structural_tag,
+    shorten,
     str_list,
 )
 from forklm.runtime.stop_regex import normalize_stop_regex
@@ -195,15 +196,9 @@ def _is_int(v: object) -> bool:
 
 
 def _normalize_stop(stop: object) -> list[str] | None:
-    items = str_list(stop, "stop")
-    if items is None:
-        return None
-    if len(items) > MAX_STOP_STRINGS:
-        raise InvalidArgumentError("stop", f"<{len(items)} strings>",
-                                   f"at most {MAX_STOP_STRINGS} stop strings")
-    for s in items:
-        shown = s if len(s) <= 80 else f"<{len(s)} characters: {s[:40]!r}...>"
-        _check(0 < len(s) <= MAX_STOP_LEN, "stop", shown,
+    items = str_list(stop, "stop", MAX_STOP_STRINGS, "stop strings")
+    for s in items or ():
+        _check(0 < len(s) <= MAX_STOP_LEN, "stop", shorten(s),
                f"stop strings must have 1..{MAX_STOP_LEN} characters")
     return items
 

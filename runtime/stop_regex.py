@@ -17,7 +17,7 @@ from typing import NamedTuple
 import regex
 
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling_checks import str_list
+from forklm.runtime.sampling_checks import shorten, str_list
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +34,16 @@ _SEARCH_TIMEOUT_S = 0.05
 
 def normalize_stop_regex(value: object) -> list[str] | None:
     """A str or list of str -> the list ([] -> None), each pattern bounded and compiled."""
-    items = str_list(value, "stop_regex")
+    items = str_list(value, "stop_regex", MAX_STOP_REGEXES, "patterns")
     if items is None:
         return None
-    if len(items) > MAX_STOP_REGEXES:
-        raise InvalidArgumentError("stop_regex", f"<{len(items)} patterns>",
-                                   f"at most {MAX_STOP_REGEXES} patterns")
     for pattern in items:
         _check_pattern(pattern)
     return items or None
 
 
 def _check_pattern(pattern: str) -> None:
-    shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+    shown = shorten(pattern)
     if not pattern or len(pattern) > MAX_STOP_REGEX_LEN:
         raise InvalidArgumentError("stop_regex", shown,
                                    f"each pattern must have 1..{MAX_STOP_REGEX_LEN} characters")
