@@ -6,8 +6,8 @@
   python -m benchmarks --workloads W1,W2,W3,S1 --systems forklm-http,llama-server-np16  # issue 15
 
 Systems: forklm, forklm-nocache, forklm-fcfs, forklm-ngram (NGRAM speculative decoding), forklm-int4
-(quantization="gguf": no dense copy), forklm-dense (quantization="none": weights in the run dtype)
-(in-process Engine and its ablations), hf1, hf8
+(quantization="gguf": no dense copy), forklm-dense (quantization="none": weights in the run dtype),
+forklm-deterministic (enable_deterministic_inference) (in-process Engine and its ablations), hf1, hf8
 (transformers one at a time / static batches of 8), http (any OpenAI-compatible server at
 --base-url), forklm-http (starts `forklm serve`), llama-server-np8 and llama-server-np16
 (llama.cpp's C++ server with 8 / 16 parallel slots on the same GGUF; build it with
@@ -39,6 +39,8 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the abl
     "forklm-int4": {"quantization": "gguf"},  # only the int4 blocks, no dense bf16 copy
     # Weights in the run dtype (no int4 blocks, no float16 weights on an AVX2 CPU)
     "forklm-dense": {"quantization": "none"},
+    # Batch-invariant matmuls and attention: what determinism costs
+    "forklm-deterministic": {"enable_deterministic_inference": True},
 }
 LLAMA_SERVER_SLOTS = {"llama-server-np8": 8, "llama-server-np16": 16}
 HTTP_SYSTEMS = ("http", "forklm-http", "llamacpp", *LLAMA_SERVER_SLOTS)

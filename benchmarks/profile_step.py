@@ -2,7 +2,7 @@
 tokens, or a prefill of B prompts of L tokens, on the default model over the paged KV pool.
 
   python -m benchmarks.profile_step --batch 16 --ctx 450 [--prefill] [--profile] [--repeats 20]
-      [--quantized [--int4-only] | --fp16-weights]
+      [--quantized [--int4-only] | --fp16-weights] [--deterministic]
 
 Prints the median forward time; with --profile, torch.profiler's top operators by self CPU time.
 """
@@ -16,23 +16,31 @@ import time
 import torch
 
 from forklm.runtime.attention import create_attention_backend
+from forklm.runtime.attention_invariant import BatchInvariantAttention
 from forklm.runtime.builder import build_model
 from forklm.runtime.config import resolved_dtype_name
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import load_model
 from forklm.runtime.models import CausalLM, spec_from_config
+from forklm.runtime.models.batch_invariant import make_batch_invariant
 
 
-def build(dtype: torch.dtype, capacity: int, quantized: bool = False,
-          dense_copies: bool = True, fp16_weights: bool = False) -> tuple[CausalLM, KVPool, object]:
+def build(dtype: torch.dtype, capacity: int, quantized: bool = False, dense_copies: bool = True,
+          fp16_weights: bool = False, deterministic: bool = False) -> tuple[CausalLM, KVPool, object]:
     loaded = load_model("SmolLM2-135M-Instruct")
     spec = spec_from_config(loaded.config)
     model = build_model(loaded, spec, dtype, "cpu", max_positions=4096, keep_quantized=quantized,
                         dense_copies=dense_copies, fp16_weights=fp16_weights)
     pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype)
-    attn = create_attention_backend("torch", pool, spec.num_heads, spec.num_kv_heads,
-                                    spec.head_dim, model.attention_layers)
+    attn: object
+    if deterministic:  # as EngineConfig(enable_deterministic_inference=True) builds it
+        make_batch_invariant(model)
+        attn = BatchInvariantAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                       model.attention_layers)
+    else:
+        attn = create_attention_backend("torch", pool, spec.num_heads, spec.num_kv_heads,
+                                        spec.head_dim, model.attention_layers)
     return model, pool, attn
 
 
@@ -77,11 +85,14 @@ def main() -> None:
     p.add_argument("--int4-only", action="store_true", help="with --quantized: no dense copies")
     p.add_argument("--fp16-weights", action="store_true",
                    help="float32 model with FBGEMM float16 weights (dtype auto on an AVX2 CPU)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant matmuls and attention (--enable-deterministic-inference)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     model, pool, attn = build(getattr(torch, resolved_dtype_name(args.dtype)), args.batch * args.ctx + 64,
-                               args.quantized, not args.int4_only, args.fp16_weights)
+                               args.quantized, not args.int4_only, args.fp16_weights,
+                               args.deterministic)
     if args.prefill:
         fb = prefill_batch(args.batch, args.ctx)
     else:

@@ -111,7 +111,7 @@ class TorchAttention:
                 ~visible, float("-inf"))
         meta = TorchAttentionMeta(
             mask=None if _all_keys_visible(batch) else folded, window_masks=window_masks,
-            packed_rows=None if batch.is_decode else _packed_rows(batch),
+            packed_rows=None if batch.is_decode else packed_rows(batch),
             # index_select on a flat index is ~6x faster on the CPU than advanced indexing with
             # the 2-D table (0.09 vs 0.54 ms per batch-16 K gather, benchmarks/NOTES.md).
             flat_slots=table[:, shared:].reshape(-1),
@@ -239,7 +239,7 @@ def _all_keys_visible(batch: ForwardBatch) -> bool:
     return batch.is_decode and bool((batch.kv_lens == batch.kv_lens[0]).all())
 
 
-def _packed_rows(batch: ForwardBatch) -> torch.Tensor:
+def packed_rows(batch: ForwardBatch) -> torch.Tensor:
     """Rows of the flattened [batch * max_q] output that hold real (non-padding) tokens, in order."""
     i = torch.arange(batch.max_q_len, device=batch.q_lens.device)[None, :]
     keep = i < batch.q_lens[:, None]  # [batch, max_q]

@@ -10,7 +10,8 @@ from typing import Any
 import psutil
 import torch
 
-from forklm.runtime.attention import create_attention_backend
+from forklm.runtime.attention import AttentionBackend, create_attention_backend
+from forklm.runtime.attention_invariant import BatchInvariantAttention
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.constrained import GrammarBackend
 from forklm.runtime.intake import RequestIntake
@@ -19,6 +20,7 @@ from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import LoadedModel, load_model
 from forklm.runtime.model_runner import ModelRunner
 from forklm.runtime.models import CausalLM, ModelSpec, WeightLoader, spec_from_config
+from forklm.runtime.models.batch_invariant import make_batch_invariant
 from forklm.runtime.models.fp16_linear import (
     fp16_tied_head,
     fp16_weights_available,
@@ -82,8 +84,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
     kv = KVCacheManager(pool, cache, max_rows=config.max_running_requests + 1,
                         max_context=min(context_len, capacity))
-    attn = create_attention_backend(config.resolved_attention_backend, pool, spec.num_heads,
-                                    spec.num_kv_heads, spec.head_dim, model.attention_layers)
+    attn: AttentionBackend
+    if config.enable_deterministic_inference:
+        make_batch_invariant(model)
+        attn = BatchInvariantAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                       model.attention_layers)
+    else:
+        attn = create_attention_backend(config.resolved_attention_backend, pool, spec.num_heads,
+                                        spec.num_kv_heads, spec.head_dim, model.attention_layers)
     logger.info("model %s (%s, %s), KV capacity %d tokens", loaded.source, spec.model_type, dtype,
                 capacity)
     eos_token_ids = frozenset(loaded.eos_token_ids)

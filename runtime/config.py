@@ -73,6 +73,11 @@ class EngineConfig:
     # Suffix lengths matched against earlier text, longest first (SGLang's defaults, 1 and 12).
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    # SGLang's --enable-deterministic-inference: batch-invariant matmuls and attention, so that a
+    # request's logits (hence its greedy tokens, and its seeded samples) do not depend on the
+    # other requests in its batch, on prefill chunking or on radix-cache hits. Costs speed
+    # (benchmarks/RESULTS.md); the torch attention path only.
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self) -> None:
         check_field(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
@@ -98,6 +103,10 @@ class EngineConfig:
                "only page_size=1 is implemented so far")
         check_field(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
                self.attention_backend, "expected auto, torch or triton")
+        check_field(not (self.enable_deterministic_inference and self.attention_backend == "triton"),
+                    "attention_backend", self.attention_backend,
+                    "enable_deterministic_inference runs its own batch-invariant attention; "
+                    "leave attention_backend at auto or torch")
         check_field(self.context_length is None or self.context_length >= 1, "context_length",
                self.context_length, "must be >= 1")
         check_field(self.schedule_conservativeness > 0, "schedule_conservativeness",

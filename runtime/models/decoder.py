@@ -14,6 +14,7 @@ from torch import nn
 
 from forklm.runtime.attention import AttentionBackend, AttentionLayerSpec
 from forklm.runtime.forward_batch import ForwardBatch
+from forklm.runtime.models.batch_invariant import tiled_rows
 from forklm.runtime.models.layers import ACTIVATIONS, RMSNorm, RotaryEmbedding, soft_cap
 from forklm.runtime.models.moe import SparseMoE
 from forklm.runtime.models.spec import ModelSpec
@@ -114,6 +115,8 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # A tied head's own copy of the table in a faster matmul layout (onednn_linear.py).
         self.tied_head: nn.Module | None = None
+        # Rows per LM-head matmul call under deterministic inference (batch_invariant.py).
+        self.head_tile_rows: int | None = None
 
     @property
     def attention_layers(self) -> list[AttentionLayerSpec]:
@@ -138,6 +141,11 @@ class CausalLM(nn.Module):
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head_tile_rows:
+            return tiled_rows(self._head_rows, x, self.head_tile_rows)
+        return self._head_rows(x)
+
+    def _head_rows(self, x: torch.Tensor) -> torch.Tensor:
         if not self.spec.tie_word_embeddings:
             return self.lm_head(x)
         if self.tied_head is not None:

@@ -26,6 +26,8 @@ class SparseMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(spec.num_experts, hidden, spec.intermediate_size))
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert else None
+        # How an expert multiplies its tokens (batch_invariant.py swaps in a row-tiled one).
+        self.expert_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -45,9 +47,9 @@ class SparseMoE(nn.Module):
             picks = order[start:start + n]
             start += n
             tokens = picks // self.spec.top_k  # [n]
-            h = F.linear(x[tokens], self.w13[e])
+            h = self.expert_linear(x[tokens], self.w13[e])
             gate, up = h.chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.w2[e])  # [n, hidden]
+            y = self.expert_linear(self.act(gate) * up, self.w2[e])  # [n, hidden]
             out.index_add_(0, tokens, y * weights.reshape(-1)[picks, None])
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x)
