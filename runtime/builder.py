@@ -83,7 +83,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
     cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
     kv = KVCacheManager(pool, cache, max_rows=config.max_running_requests + 1,
-                        max_context=min(context_len, capacity))
+                        max_context=min(context_len, capacity),
+                        pinned_fraction=config.session_pinned_fraction,
+                        pin_idle_s=config.session_idle_timeout_s)
     attn: AttentionBackend
     if config.enable_deterministic_inference:
         make_batch_invariant(model)

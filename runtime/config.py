@@ -78,6 +78,12 @@ class EngineConfig:
     # other requests in its batch, on prefill chunking or on radix-cache hits. Costs speed
     # (benchmarks/RESULTS.md); the torch attention path only.
     enable_deterministic_inference: bool = False
+    # Sessions (Engine.open_session, /open_session, programs while they run) pin the sequence
+    # each of their requests ends with, so LRU eviction cannot take a live program's context:
+    # pins may hold at most this fraction of the KV pool (the oldest session's go first) ...
+    session_pinned_fraction: float = 0.25
+    # ... and a session idle this long loses its pins (it stays open).
+    session_idle_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         check_field(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
@@ -107,6 +113,10 @@ class EngineConfig:
                     "attention_backend", self.attention_backend,
                     "enable_deterministic_inference runs its own batch-invariant attention; "
                     "leave attention_backend at auto or torch")
+        check_field(0 <= self.session_pinned_fraction <= 0.9, "session_pinned_fraction",
+                    self.session_pinned_fraction, "must be in [0, 0.9]")
+        check_field(self.session_idle_timeout_s > 0, "session_idle_timeout_s",
+                    self.session_idle_timeout_s, "must be > 0")
         check_field(self.context_length is None or self.context_length >= 1, "context_length",
                self.context_length, "must be >= 1")
         check_field(self.schedule_conservativeness > 0, "schedule_conservativeness",

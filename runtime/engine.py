@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ from forklm.runtime.builder import EngineParts, ModelInfo, build_engine_parts
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.engine_client import EngineClient
 from forklm.runtime.engine_loop import EngineLoop
+from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.intake import RequestGroup
 from forklm.runtime.request import Req, ReqOutput
 from forklm.runtime.results import GenerateOutput
@@ -50,7 +52,7 @@ class Engine:
                  return_logprob: bool = False, logprob_start_len: int | None = None,
                  top_logprobs_num: int | None = None, stream: bool = False,
                  rid: str | list[str] | None = None,
-                 return_text_in_logprobs: bool = True) -> Any:
+                 return_text_in_logprobs: bool = True, session_params: Any = None) -> Any:
         """Generate for one prompt (a dict result) or a list, or n > 1 (a list of results, in
         prompt-major order).
 
@@ -63,24 +65,27 @@ class Engine:
         runs.
         Logprob entries are [logprob, token_id, text]; text is None with
         return_text_in_logprobs=False (and then never decoded).
+        session_params={"id": sid} (a session from open_session) pins what each request ends
+        with for that session.
         """
         return self.run(self.prepare(
             prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
-            return_text_in_logprobs=return_text_in_logprobs))
+            return_text_in_logprobs=return_text_in_logprobs, session_params=session_params))
 
     async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
                              input_ids: Any = None, return_logprob: bool = False,
                              logprob_start_len: int | None = None,
                              top_logprobs_num: int | None = None, stream: bool = False,
-                             rid: Any = None, return_text_in_logprobs: bool = True) -> Any:
+                             rid: Any = None, return_text_in_logprobs: bool = True,
+                             session_params: Any = None) -> Any:
         """Awaitable twin of generate; with stream=True returns an async iterator of chunks."""
         group = self.prepare(
             prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
-            return_text_in_logprobs=return_text_in_logprobs)
+            return_text_in_logprobs=return_text_in_logprobs, session_params=session_params)
         if group.stream:
             return self._dicts_async(group, await self.async_stream(group))
         await self._compile_async(group)
@@ -91,7 +96,13 @@ class Engine:
         """The intake alone: generate()'s keywords validated and tokenized into a RequestGroup
         (raises InvalidArgumentError naming the bad argument). Nothing is submitted yet: `run`
         or `async_stream` does that, so a caller can count and track the requests first."""
-        return self.parts.intake.build(**call)
+        group = self.parts.intake.build(**call)
+        session = group.reqs[0].session_id if group.reqs else None
+        pins = self.parts.kv.pins
+        if session is not None and (pins is None or session not in pins.sessions):
+            raise InvalidArgumentError("session_params", session,
+                                       "no open session of that id (open_session first)")
+        return group
 
     def run(self, group: RequestGroup) -> Any:
         """Compile the group's constraints, submit it, and answer as generate() does."""
@@ -111,6 +122,25 @@ class Engine:
     def abort(self, rid: str) -> None:
         """Abort a request by id: it finishes with finish_reason abort and frees its KV."""
         self._loop.abort(rid, "aborted by the caller")
+
+    def open_session(self, session_id: str | None = None) -> str:
+        """Open a session (SGLang's open_session): requests sent with session_params={"id": it}
+        leave the sequence they end with pinned in the radix cache until the session closes or
+        idles (EngineConfig.session_idle_timeout_s). Returns its id (a fresh one by default)."""
+        if self.parts.kv.pins is None:
+            raise InvalidArgumentError("session", session_id, "sessions pin prefixes in the radix "
+                                       "cache, which this engine runs without")
+        sid = uuid.uuid4().hex if session_id is None else session_id
+        if not isinstance(sid, str) or not sid or len(sid) > 256:
+            raise InvalidArgumentError("session_id", session_id, "expected a non-empty string")
+        if not self._loop.call(lambda: self.parts.kv.pins.open(sid)):  # type: ignore[union-attr]
+            raise InvalidArgumentError("session_id", sid, "a session of that id is already open")
+        return sid
+
+    def close_session(self, session_id: str) -> bool:
+        """Release a session's pinned prefixes and forget it; False when it was not open."""
+        pins = self.parts.kv.pins
+        return pins is not None and bool(self._loop.call(lambda: pins.close(session_id)))
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are in flight."""

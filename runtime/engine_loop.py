@@ -78,10 +78,13 @@ class EngineLoop:
     def _run(self) -> None:
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
+        pins = self.parts.kv.pins
         while not self.closed:
             self._drain_inbox(block=not self.parts.scheduler.has_work)
             if not self.closed:
                 self._guarded_step()
+                if pins is not None:
+                    pins.expire(time.monotonic())
 
     def _guarded_step(self) -> None:
         """A bug in a step must not hang callers: fail every active request loudly instead."""
@@ -171,6 +174,8 @@ class EngineLoop:
             wrapped(out)
 
         req.sink = sink
+        if self.parts.kv.pins is not None:
+            self.parts.kv.pins.touch(req.session_id)
         self.parts.scheduler.waiting.append(req)
 
     def _abort_now(self, rid: str, message: str) -> None:

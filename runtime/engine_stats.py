@@ -66,6 +66,8 @@ class EngineStats:
                                              for r in sched.active_reqs() if r.row is not None),
             "prompt_tokens": self.prompt_tokens,
             "cache_hit_tokens": self.cached_tokens,
+            "open_sessions": len(kv.pins.sessions) if kv.pins else 0,
+            "pinned_tokens": kv.pins.pinned_tokens if kv.pins else 0,
             "cache_hit_rate": self.cached_tokens / max(self.prompt_tokens, 1),
             "generated_tokens": self.generated_tokens,
             "decode_tokens_per_s": _rate(self.decode_tokens, self.decode_s),

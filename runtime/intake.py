@@ -79,7 +79,7 @@ class RequestIntake:
     def build(self, *, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
               return_logprob: bool = False, logprob_start_len: int | None = None,
               top_logprobs_num: int | None = None, return_text_in_logprobs: bool = True,
-              rid: Any = None, stream: bool = False) -> RequestGroup:
+              rid: Any = None, stream: bool = False, session_params: Any = None) -> RequestGroup:
         """Raises InvalidArgumentError naming the bad argument; no Req exists then."""
         given, single = _prompt_list(prompt, input_ids)
         if stream and len(given) != 1:
@@ -89,12 +89,14 @@ class RequestIntake:
         params_list = _params_list(sampling_params, len(prompts))
         rids = self._result_rids(rid, params_list)
         logprobs = _logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
+        session_id = session_of(session_params)
         for ids, params in zip(prompts, params_list):
             self._check_prompt(ids, params, logprobs)
         reqs: list[Req] = []
         for ids, params in zip(prompts, params_list):
             for k in range(params.n):
                 reqs.append(self._req(ids, params, rids[len(reqs)], k, len(reqs), logprobs))
+                reqs[-1].session_id = session_id
         return RequestGroup(reqs, single and params_list[0].n == 1, given,
                             [p.n for p in params_list], stream, bool(return_text_in_logprobs))
 
@@ -165,6 +167,25 @@ class RequestIntake:
         if logprobs.start_len >= len(ids):
             raise InvalidArgumentError("logprob_start_len", logprobs.start_len,
                                        f"must be < the prompt length ({len(ids)} tokens)")
+
+
+def session_of(session_params: Any) -> str | None:
+    """The session id of SGLang's session_params ({"id": ...}). forklm's sessions pin prefixes
+    and every request sends its whole prompt, so SGLang's continuation fields (rid, offset,
+    replace, drop_previous_output) are refused rather than ignored."""
+    if session_params is None:
+        return None
+    if not isinstance(session_params, dict):
+        raise InvalidArgumentError("session_params", session_params, 'expected {"id": ...}')
+    sid = session_params.get("id")
+    if not isinstance(sid, str) or not sid:
+        raise InvalidArgumentError("session_params.id", sid, "expected an open session's id")
+    for key, value in session_params.items():
+        if key != "id" and value not in (None, False):
+            raise InvalidArgumentError(
+                f"session_params.{key}", value, "not supported: a session here pins the prefix "
+                "its requests end with; send the whole prompt and the radix cache reuses it")
+    return sid
 
 
 def _unset_sink(out: Any) -> None:

@@ -9,15 +9,20 @@ from forklm.runtime.errors import KVCacheFullError
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.radix_cache import RadixCache
 from forklm.runtime.request import Req
+from forklm.runtime.session_pins import SessionPins
 
 
 class KVCacheManager:
     """Slot ownership: the radix cache owns the slots it holds (a request only locks its path);
     a request owns the slots of req_to_token[row, prefix_len:num_computed]; the rest are free."""
 
-    def __init__(self, pool: KVPool, cache: RadixCache | None, max_rows: int, max_context: int):
+    def __init__(self, pool: KVPool, cache: RadixCache | None, max_rows: int, max_context: int,
+                 pinned_fraction: float = 0.25, pin_idle_s: float = 120.0):
         self.pool, self.cache = pool, cache
         self.allocator = pool.allocator
+        # Sessions' pinned prefixes (session_pins.py); none without a radix cache.
+        self.pins = (SessionPins(cache, int(pool.allocator.capacity * pinned_fraction), pin_idle_s)
+                     if cache is not None else None)
         self.req_to_token = torch.zeros(max_rows, max_context, dtype=torch.int64)
         self.free_rows = list(range(max_rows - 1, -1, -1))
 
@@ -74,7 +79,7 @@ class KVCacheManager:
             return
         ids = req.fill_ids[: req.num_computed]
         self._insert(req, ids)
-        match = self.cache.match_prefix(ids)
+        match = self.cache.match_prefix(ids, count=False)
         assert len(match.slots) == len(ids), "inserted sequence must match in full"
         # Lock the new node before unlocking the old one, so the shared path never looks evictable.
         self.cache.lock(match.node)
@@ -82,15 +87,19 @@ class KVCacheManager:
         req.last_node, req.prefix_len = match.node, len(ids)
         self.req_to_token[req.row, : len(ids)] = match.slots
 
-    def release(self, req: Req) -> None:
+    def release(self, req: Req, pin: bool = False) -> None:
         """The single exit: hand computed KV to the cache (or free it), unlock, free the row.
+        pin: a finished request of a session leaves its sequence pinned for the session.
         Idempotent: a second call does nothing."""
         if req.row is None:
             return
         if req.num_computed > req.fill_len:  # a verify step failed: its draft KV is not fill_ids'
             self.trim(req, max(req.fill_len - 1, req.prefix_len))
         if self.cache is not None:
-            self._insert(req, req.fill_ids[: req.num_computed])
+            ids = req.fill_ids[: req.num_computed]
+            self._insert(req, ids)
+            if pin and req.session_id is not None and self.pins is not None:
+                self.pins.pin(req.session_id, self.cache.match_prefix(ids, count=False).node)
             self.cache.unlock(req.last_node)
         else:
             self.allocator.free(self.req_to_token[req.row, req.prefix_len : req.num_computed].clone())
@@ -106,17 +115,27 @@ class KVCacheManager:
             self.allocator.free(slots[req.prefix_len : present])
 
     def flush(self) -> None:
-        """Drop every cached prefix (only valid when no request holds a lock)."""
+        """Drop every cached prefix, sessions' pins included (sessions stay open); only valid
+        when no request holds a lock."""
         if self.cache is not None:
+            if self.pins is not None:
+                self.pins.release_all()
             self.cache.reset()
 
     def check_invariants(self, active: list[Req]) -> None:
         """free + cached + owned-by-requests == capacity, and no slot is held twice."""
         held = [self.allocator.free_slots()]
+        rows = [r.row for r in active if r.row is not None]
         if self.cache is not None:
             self.cache.check_invariants()
             held.append(self.cache.all_slots())
-        rows = [r.row for r in active if r.row is not None]
+            # Every lock on the tree belongs to an admitted request or a session's pin.
+            pins = 0
+            if self.pins is not None:
+                self.pins.check_invariants()
+                pins = self.pins.num_pins
+            assert self.cache.root.lock_ref == len(rows) + pins, (
+                f"{self.cache.root.lock_ref} locks for {len(rows)} requests and {pins} pins")
         assert len(rows) == len(set(rows)), "a row is used by two requests"
         assert len(rows) + len(self.free_rows) == self.req_to_token.shape[0], "request row leaked"
         for r in active:

@@ -91,11 +91,12 @@ class RadixCache:
     def total_size(self) -> int:
         return self._evictable_size + self._protected_size
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], count: bool = True) -> MatchResult:
         """Longest cached prefix of `token_ids`: its slots and the node that ends it.
 
         Mutates the tree: a match ending inside an edge splits it so the result ends at a node
         boundary; visited nodes get a fresh access time. Lock `node` before using `slots`.
+        count=False: the engine's own lookup (not a request's), kept out of the hit counters.
         """
         now = next(self._clock)
         node, pos, values = self.root, 0, []
@@ -107,8 +108,9 @@ class RadixCache:
             child.last_access_time = now
             values.append(child.value)
             node, pos = child, pos + common
-        self.num_queried_tokens += len(token_ids)
-        self.num_hit_tokens += pos
+        if count:
+            self.num_queried_tokens += len(token_ids)
+            self.num_hit_tokens += pos
         slots = torch.cat(values) if values else _EMPTY_SLOTS.clone()
         return MatchResult(slots, node)
 

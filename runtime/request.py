@@ -62,6 +62,7 @@ class Req:
     top_logprobs_num: int = 0
     max_total_len: int = 0  # the context length: generation stops (length) when reached
     index: int = 0  # position among the results of its generate() call (RequestGroup)
+    session_id: str | None = None  # an open session whose pin this request's sequence becomes
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     output_ids: list[int] = field(default_factory=list)

@@ -246,7 +246,8 @@ class Scheduler:
                 # Valid KV now ends before the last appended token; the rest was rejected drafts.
                 self.kv.trim(req, req.fill_len - 1)
             if req.finished:
-                self.kv.release(req)
+                assert req.finish_reason is not None
+                self.kv.release(req, pin=req.finish_reason.type != "abort")
                 if req in self.running:
                     self.running.remove(req)
                 if req is self.chunked_req:

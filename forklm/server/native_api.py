@@ -25,7 +25,13 @@ from forklm.server.parsers.reasoning import (
     get_reasoning_parser,
     prompt_opens_think,
 )
-from forklm.server.protocol import AbortRequest, GenerateRequest, SeparateReasoningRequest
+from forklm.server.protocol import (
+    AbortRequest,
+    CloseSessionRequest,
+    GenerateRequest,
+    OpenSessionRequest,
+    SeparateReasoningRequest,
+)
 
 router = APIRouter()
 _HEALTH_TIMEOUT_S = 30.0
@@ -123,7 +129,7 @@ def _prepare(service: GenerationService, body: GenerateRequest) -> RequestGroup:
         prompt=body.text, input_ids=body.input_ids, sampling_params=params,
         return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
         top_logprobs_num=body.top_logprobs_num, rid=body.rid, stream=body.stream,
-        return_text_in_logprobs=body.return_text_in_logprobs)
+        return_text_in_logprobs=body.return_text_in_logprobs, session_params=body.session_params)
 
 
 def _drop_nulls(params: dict[str, Any]) -> dict[str, Any]:
@@ -237,6 +243,23 @@ async def flush_cache(request: Request) -> JSONResponse:
     if not flushed:
         raise ApiError(400, "cache not flushed: requests are in flight; retry when idle")
     return JSONResponse({"success": True, "message": "Cache flushed."})
+
+
+@router.post("/open_session")
+async def open_session(body: OpenSessionRequest, request: Request) -> JSONResponse:
+    """SGLang's /open_session: returns the session's id (a JSON string). Requests that carry
+    session_params={"id": it} keep their context pinned in the radix cache until /close_session
+    or --session-idle-timeout-s."""
+    sid = await asyncio.to_thread(service_of(request).engine.open_session, body.session_id)
+    return JSONResponse(sid)
+
+
+@router.post("/close_session")
+async def close_session(body: CloseSessionRequest, request: Request) -> dict[str, Any]:
+    """Release a session's pins; an unknown id is a 404."""
+    if not await asyncio.to_thread(service_of(request).engine.close_session, body.session_id):
+        raise ApiError(404, f"no open session {body.session_id!r}")
+    return {"success": True}
 
 
 @router.post("/abort_request")

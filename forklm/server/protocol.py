@@ -159,6 +159,8 @@ class GenerateRequest(_Request):
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
+    # {"id": <an /open_session id>}: the requests' final sequences stay pinned for the session
+    session_params: dict[str, Any] | None = None
     # SGLang fields forklm cannot honour: accepted at their defaults (null/false), a 400 naming
     # them otherwise (native_api.UNSUPPORTED_FIELDS).
     custom_logit_processor: str | list[str | None] | None = None
@@ -193,6 +195,18 @@ class SeparateReasoningRequest(_Request):
 
 class AbortRequest(_Request):
     rid: str = Field(min_length=1)
+
+
+class OpenSessionRequest(_Request):
+    """SGLang's /open_session body. capacity_of_str_len sizes SGLang's session buffer; forklm's
+    sessions pin radix-cache prefixes instead, bounded by --session-pinned-fraction."""
+
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    capacity_of_str_len: int | None = Field(default=None, ge=0)
+
+
+class CloseSessionRequest(_Request):
+    session_id: str = Field(min_length=1, max_length=256)
 
 
 class StreamOptions(_Strict):
