@@ -223,3 +223,28 @@ def test_sessions_over_http(live_server):
     bad = httpx.post(f"{base}/generate", json=body, timeout=60)
     assert bad.status_code == 400 and "session_params" in bad.text
     assert live_server.engine.stats()["pinned_tokens"] == 0
+
+
+def _no_sessions_left(engine) -> bool:
+    deadline = time.monotonic() + 10  # the endpoint closes its session after the response
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats["open_sessions"] == 0 and stats["pinned_tokens"] == 0:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_server_side_program_pins_while_it_runs_and_releases_at_the_end(live_server, stream):
+    program = ('program p(topic)\n"Q: name a {topic}.\\nA:" gen first max_tokens=4\n'
+               '"\\nQ: and another?\\nA:" gen second max_tokens=4\n')
+    body = {"program_text": program, "arguments": {"topic": "fruit"}, "stream": stream,
+            "sampling_params": {"temperature": 0.0}}
+    reply = httpx.post(f"{live_server.base_url}/v1/programs/run", json=body, timeout=120)
+    assert reply.status_code == 200
+    if not stream:
+        meta = reply.json()["results"][0]["meta_info"]["variables"]
+        # the second gen's prompt extends the first's pinned sequence: all but its new text cached
+        assert meta["second"]["cached_tokens"] >= meta["first"]["prompt_tokens"]
+    assert _no_sessions_left(live_server.engine)

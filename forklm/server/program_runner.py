@@ -22,16 +22,25 @@ class TrackedEngine:
     client went away stops at its next gen instead of running to the end.
 
     A call that is still compiling its grammar when cancel() runs is not yet known to the engine
-    and runs to its (bounded) end; every later call is refused."""
+    and runs to its (bounded) end; every later call is refused.
+
+    The run's calls share one engine session (opened at the first call), so the context each gen
+    ends with stays pinned in the radix cache while the program goes on; `close()`, which the
+    endpoint calls however the run ends, releases it."""
 
     def __init__(self, engine: Engine, on_result: Callable[[dict[str, Any]], None] | None = None):
         self.engine, self.tokenizer, self.on_result = engine, engine.tokenizer, on_result
         self._lock = threading.Lock()
         self._live: set[str] = set()
         self.cancelled = False
+        self._session: str | None = None
+        self._closed = engine.parts.kv.pins is None  # no radix cache: nothing to pin
 
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  **kwargs: Any) -> Any:
+        session = self._session_id()
+        if session is not None:
+            kwargs.setdefault("session_params", {"id": session})
         group = self.engine.prepare(prompt=prompt, sampling_params=sampling_params,
                                     input_ids=input_ids, **kwargs)
         rids = group.rids
@@ -53,6 +62,19 @@ class TrackedEngine:
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
+
+    def close(self) -> None:
+        """Release the run's pinned context (idempotent); later calls run unpinned."""
+        with self._lock:
+            session, self._session, self._closed = self._session, None, True
+        if session is not None:
+            self.engine.close_session(session)
+
+    def _session_id(self) -> str | None:
+        with self._lock:
+            if self._session is None and not self._closed:
+                self._session = self.engine.open_session()
+            return self._session
 
     def cancel(self) -> None:
         with self._lock:

@@ -93,9 +93,12 @@ async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
                                      **{**plan.defaults.to_kwargs(), **plan.items[0]})
         except BaseException:
             admission.release(num)  # no stream exists to release it
+            await asyncio.to_thread(engine.close)
             raise
-        # From its first step on, _released owns the slots (released however the stream ends).
-        return await _started_stream(_released(_sse(state, engine, request), admission, num))
+        # From its first step on, _released owns the slots and the session (released however
+        # the stream ends).
+        return await _started_stream(_released(_sse(state, engine, request), admission, num,
+                                               engine))
 
     def run_all() -> list[dict[str, Any]]:
         states = plan.program.run_batch(plan.items, backend=backend, **plan.defaults.to_kwargs())
@@ -105,6 +108,7 @@ async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
         results = await _watch_disconnect(request, engine, _in_thread(run_all))
     finally:
         admission.release(num)
+        await asyncio.to_thread(engine.close)
     return {"results": results, "program": plan.info}
 
 
@@ -214,15 +218,16 @@ def _admission(request: Request) -> Admission:
     return cast(Admission, service.admission)
 
 
-async def _released(events: AsyncIterator[bytes], admission: Admission,
-                    num: int) -> AsyncGenerator[bytes, None]:
-    """The stream's events; its admission slots are returned when it ends, however it ends
-    (once started: see _started_stream)."""
+async def _released(events: AsyncIterator[bytes], admission: Admission, num: int,
+                    engine: TrackedEngine) -> AsyncGenerator[bytes, None]:
+    """The stream's events; its admission slots and pinned context are released when it ends,
+    however it ends (once started: see _started_stream)."""
     try:
         async for event in events:
             yield event
     finally:
         admission.release(num)
+        await asyncio.to_thread(engine.close)
 
 
 async def _started_stream(events: AsyncGenerator[bytes, None]) -> StreamingResponse:
