@@ -80,7 +80,7 @@ class EngineConfig:
     enable_deterministic_inference: bool = False
     # Sessions (Engine.open_session, /open_session, programs while they run) pin the sequence
     # each of their requests ends with, so LRU eviction cannot take a live program's context:
-    # pins may hold at most this fraction of the KV pool (the oldest session's go first) ...
+    # pins may hold at most this fraction of the KV pool (a pin beyond it is not made) ...
     session_pinned_fraction: float = 0.25
     # ... and a session idle this long loses its pins (it stays open).
     session_idle_timeout_s: float = 120.0

@@ -6,8 +6,10 @@ then be computed again. A session is a handle a program (or an agent loop) holds
 each of its requests that finishes pins the sequence it ended with (prompt + output), replacing
 the session's pin on any ancestor of that sequence, so a chain of gens holds one path and forks
 hold one leaf per branch. Pins are released when the session closes, after `idle_s` without a
-request, or, oldest first, when a new pin would take the pinned total over `max_tokens`, so
-ordinary requests always keep the rest of the pool.
+request. A pin that would take the pinned total over `max_tokens` is not made (the session
+keeps its pin on the shorter prefix), so ordinary requests always keep the rest of the pool and
+pins already held are never churned: under cyclic access (agents waiting on tools in turn),
+shedding the least recently used pin would drop exactly the context needed next.
 
 Only the engine thread touches this (EngineLoop posts open/close to it).
 """
@@ -71,23 +73,24 @@ class SessionPins:
             session.last_used = time.monotonic()
 
     def pin(self, session_id: str, node: TreeNode) -> bool:
-        """Pin the path ending at `node` for the session (its pins on ancestors of `node` are
-        released); False when the session is not open or the path alone exceeds the cap."""
+        """Pin the path ending at `node` for the session, replacing its pins on ancestors of
+        `node`; False (nothing changes) when the session is not open or the pinned total would
+        exceed the cap."""
         session = self.sessions.get(session_id)
         if session is None or node is self.cache.root:
             return False
+        session.last_used = time.monotonic()
         tokens = _path_tokens(node)
-        if tokens > self.max_tokens:
+        ancestors = _path_nodes(node)
+        replaced = [p for p in session.pins if p.node in ancestors]
+        if self.pinned_tokens - sum(p.tokens for p in replaced) + tokens > self.max_tokens:
             return False
         self.cache.lock(node)  # before any release, so the shared path never looks evictable
-        ancestors = _path_nodes(node)
-        for old in [p for p in session.pins if p.node in ancestors]:
+        for old in replaced:
             session.pins.remove(old)
             self._release(old)
         session.pins.append(_Pin(node, tokens))
-        session.last_used = time.monotonic()
         self.pinned_tokens += tokens
-        self._shed_over_cap(keep=session.pins[-1])
         return True
 
     def expire(self, now: float) -> None:
@@ -117,17 +120,6 @@ class SessionPins:
     @property
     def num_pins(self) -> int:
         return sum(len(s.pins) for s in self.sessions.values())
-
-    def _shed_over_cap(self, keep: _Pin) -> None:
-        """Release the least recently used sessions' pins (never `keep`) until within the cap."""
-        by_age = sorted(self.sessions.values(), key=lambda s: s.last_used)
-        for session in by_age:
-            for pin in list(session.pins):
-                if self.pinned_tokens <= self.max_tokens:
-                    return
-                if pin is not keep:
-                    session.pins.remove(pin)
-                    self._release(pin)
 
     def _release(self, pin: _Pin) -> None:
         self.cache.unlock(pin.node)

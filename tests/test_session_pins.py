@@ -56,10 +56,12 @@ class PinMachine(RuleBasedStateMachine):
         if node is None:
             return
         self.sequences.append(ids)
-        before = self.pins.num_pins
+        before = (self.pins.num_pins, self.pins.pinned_tokens)
         pinned = self.pins.pin(f"s{session}", node)
         if f"s{session}" not in self.pins.sessions or len(ids) > CAP:
-            assert not pinned and self.pins.num_pins == before
+            assert not pinned
+        if not pinned:  # refused: nothing changed
+            assert (self.pins.num_pins, self.pins.pinned_tokens) == before
 
     @rule(tail=st.lists(st.integers(6, 9), min_size=1, max_size=80))
     def other_traffic(self, tail):
@@ -126,16 +128,25 @@ def test_a_chain_keeps_one_pin_and_forks_keep_one_per_branch():
     assert pins.close("s") and cache.root.lock_ref == 0 and not pins.close("s")
 
 
-def test_the_cap_releases_the_least_recently_used_sessions_pins_first():
+def test_a_pin_over_the_cap_is_refused_and_pins_held_stay():
     alloc = SlotAllocator(64)
     cache = RadixCache(alloc)
     pins = SessionPins(cache, 20, idle_s=60.0)
-    for sid, first in (("old", 1), ("new", 2)):
-        pins.open(sid)
-        ids = [first] * 12
-        cache.insert(ids, alloc.allocate(12))
-        assert pins.pin(sid, cache.match_prefix(ids, count=False).node)
-    assert pins.num_pins == 1 and pins.sessions["new"].pins  # 24 > 20: "old" lost its pin
+
+    def node_of(ids):
+        present = len(cache.match_prefix(ids, count=False).slots)
+        cache.insert(ids, torch.cat((cache.match_prefix(ids, count=False).slots,
+                                     alloc.allocate(len(ids) - present))))
+        return cache.match_prefix(ids, count=False).node
+
+    pins.open("old")
+    pins.open("new")
+    assert pins.pin("old", node_of([1] * 12))
+    assert not pins.pin("new", node_of([2] * 12))  # 24 > 20: refused, "old" keeps its pin
+    assert pins.sessions["old"].pins and not pins.sessions["new"].pins
+    assert pins.pin("old", node_of([1] * 16))  # extending its own pin fits: 16 replaces 12
+    assert not pins.pin("old", node_of([1] * 24))  # too long: the 16-token pin stays
+    assert pins.pinned_tokens == 16 and pins.num_pins == 1
     assert not pins.pin("new", cache.root)
 
 
