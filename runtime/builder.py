@@ -10,6 +10,7 @@ from typing import Any
 import psutil
 import torch
 
+from forklm.runtime import kv_sizing
 from forklm.runtime.attention import AttentionBackend, create_attention_backend
 from forklm.runtime.attention_invariant import BatchInvariantAttention
 from forklm.runtime.config import EngineConfig
@@ -165,8 +166,19 @@ def keeps_gguf_quantized(config: EngineConfig, loaded: LoadedModel) -> bool:
 
 
 def _kv_capacity(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context_len: int) -> int:
+    """Called after the weights are loaded (a GPU's free memory then counts them)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
-    by_memory = int(psutil.virtual_memory().available * config.max_total_tokens_fraction) // per_token
-    return max(16, min(by_memory, config.max_running_requests * context_len))
+    if config.device.startswith("cuda"):
+        device = torch.device(config.device)
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = config.mem_fraction_static or kv_sizing.DEFAULT_MEM_FRACTION_STATIC
+        tokens = kv_sizing.gpu_kv_tokens(kv_sizing.DeviceMemory(total, free), fraction, per_token)
+    else:
+        tokens = kv_sizing.cpu_kv_tokens(psutil.virtual_memory().available,
+                                         config.max_total_tokens_fraction, per_token)
+    capacity = kv_sizing.capped(tokens, config.max_running_requests, context_len)
+    logger.info("KV pool: %d tokens, %.2f GiB", capacity, capacity * per_token / kv_sizing.GIB)
+    return capacity

@@ -34,8 +34,9 @@ class EngineConfig:
     # 2.6-5x slower than fp32 at batch 16-512).
     dtype: str = "auto"
     device: str = "cpu"
-    # KV capacity in tokens; None = sized from max_total_tokens_fraction of free RAM, capped by
-    # what max_running_requests full-context requests could ever use.
+    # KV capacity in tokens; None = sized from the device's memory (mem_fraction_static of a GPU,
+    # max_total_tokens_fraction of free RAM on the CPU), capped by what max_running_requests
+    # full-context requests could ever use.
     max_total_tokens: int | None = None
     max_running_requests: int = 64
     # New prompt tokens computed in one prefill step (all admitted requests together).
@@ -54,6 +55,10 @@ class EngineConfig:
     schedule_conservativeness: float = 1.0
     num_threads: int | None = None
     max_total_tokens_fraction: float = 0.1
+    # SGLang's --mem-fraction-static, on a GPU: weights + KV pool use at most this fraction of the
+    # device's memory, the rest is left for activations and CUDA graphs (runtime/kv_sizing.py);
+    # None = 0.85. On the CPU the pool is max_total_tokens_fraction of free RAM instead.
+    mem_fraction_static: float | None = None
     # Check the KV accounting after every step (tests; costs a pass over all slots per step).
     debug_check_invariants: bool = False
     # Constrained requests append the text their grammar forces next (a JSON key, say) without
@@ -127,6 +132,12 @@ class EngineConfig:
                     self.grammar_compile_timeout_s, "must be > 0")
         check_field(0 < self.max_total_tokens_fraction <= 0.9, "max_total_tokens_fraction",
                self.max_total_tokens_fraction, "must be in (0, 0.9]")
+        check_field(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1,
+                    "mem_fraction_static", self.mem_fraction_static, "must be in (0, 1)")
+        check_field(self.mem_fraction_static is None or self.device.startswith("cuda"),
+                    "mem_fraction_static", self.mem_fraction_static,
+                    "sizes the KV pool from a GPU's memory; on the CPU set "
+                    "max_total_tokens_fraction (of free RAM) or max_total_tokens")
         self._check_speculative()
 
     def _check_speculative(self) -> None:
