@@ -93,7 +93,7 @@ async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
                                      **{**plan.defaults.to_kwargs(), **plan.items[0]})
         except BaseException:
             admission.release(num)  # no stream exists to release it
-            await asyncio.to_thread(engine.close)
+            _close_session(engine)
             raise
         # From its first step on, _released owns the slots and the session (released however
         # the stream ends).
@@ -108,7 +108,7 @@ async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
         results = await _watch_disconnect(request, engine, _in_thread(run_all))
     finally:
         admission.release(num)
-        await asyncio.to_thread(engine.close)
+        _close_session(engine)
     return {"results": results, "program": plan.info}
 
 
@@ -227,7 +227,7 @@ async def _released(events: AsyncIterator[bytes], admission: Admission, num: int
             yield event
     finally:
         admission.release(num)
-        await asyncio.to_thread(engine.close)
+        _close_session(engine)
 
 
 async def _started_stream(events: AsyncGenerator[bytes, None]) -> StreamingResponse:
@@ -252,6 +252,13 @@ async def _started_stream(events: AsyncGenerator[bytes, None]) -> StreamingRespo
 
 
 # -- running ------------------------------------------------------------------------------------
+def _close_session(engine: TrackedEngine) -> None:
+    """Release the run's pinned context without waiting: called from `finally` blocks that a
+    client disconnect cancels, where an awaited close (or a not yet started executor job) would
+    be cancelled with them and leave the session open."""
+    threading.Thread(target=engine.close, name="forklm-program-session", daemon=True).start()
+
+
 def _in_thread(fn: Callable[[], Any]) -> asyncio.Future[Any]:
     """fn's result, computed on a thread of its own: a program waits on the engine for its whole
     run, and asyncio.to_thread's small shared pool would cap how many run at once."""
