@@ -45,6 +45,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_RUNTIME_NAMES[name]), name)
     elif name in _SUBPACKAGES:  # `import forklm; forklm.runtime...` as before the lazy loading
         value = importlib.import_module(f"forklm.{name}")
+    elif name == "__version__":  # `import forklm as sgl; sgl.__version__`, as SGLang's
+        value = importlib.import_module("forklm.frontend_dsl.global_config").__version__
     elif name == "__all__":
         value = [*_dsl_names(), *_RUNTIME_NAMES]
     elif not name.startswith("_") and name in _dsl_names():

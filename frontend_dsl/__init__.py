@@ -4,12 +4,15 @@ from forklm.frontend_dsl.api import (
     assistant,
     assistant_begin,
     assistant_end,
+    flush_cache,
     function,
     gen,
     gen_int,
     gen_string,
     get_default_backend,
+    get_server_info,
     select,
+    separate_reasoning,
     set_default_backend,
     system,
     system_begin,
@@ -18,7 +21,14 @@ from forklm.frontend_dsl.api import (
     user_begin,
     user_end,
 )
-from forklm.frontend_dsl.backends import Backend, BackendError, EngineBackend, RuntimeEndpoint
+from forklm.frontend_dsl.backends import (
+    Backend,
+    BackendError,
+    EngineBackend,
+    OpenAI,
+    Runtime,
+    RuntimeEndpoint,
+)
 from forklm.frontend_dsl.choices import (
     ChoicesDecision,
     ChoicesSamplingMethod,
@@ -27,6 +37,8 @@ from forklm.frontend_dsl.choices import (
     unconditional_likelihood_normalized,
 )
 from forklm.frontend_dsl.defaults import REGEX_BOOL, REGEX_FLOAT, REGEX_INT, REGEX_STR
+from forklm.frontend_dsl.global_config import __version__ as __version__
+from forklm.frontend_dsl.global_config import global_config
 from forklm.frontend_dsl.interpreter import GraphProgram
 from forklm.frontend_dsl.ir import Graph, ProgramLimitError, ProgramLimits
 from forklm.frontend_dsl.program import Program
@@ -37,11 +49,12 @@ from forklm.frontend_dsl.tracer import TraceError
 
 __all__ = [
     "REGEX_BOOL", "REGEX_FLOAT", "REGEX_INT", "REGEX_STR", "Backend", "BackendError",
-    "ChoicesDecision", "ChoicesSamplingMethod", "EngineBackend", "Graph", "GraphProgram",
+    "ChoicesDecision", "ChoicesSamplingMethod", "EngineBackend", "Graph", "GraphProgram", "OpenAI",
     "Program", "ProgramLimitError", "ProgramLimits", "ProgramState", "ProgramSyntaxError",
-    "ProgramStateGroup", "RuntimeEndpoint", "TraceError", "assistant", "assistant_begin", "assistant_end",
-    "function", "gen", "gen_int", "gen_string", "get_default_backend", "greedy_token_selection",
-    "load_program_file", "parse_program", "run_program_file", "select",
+    "ProgramStateGroup", "Runtime", "RuntimeEndpoint", "TraceError", "assistant",
+    "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int", "gen_string",
+    "get_default_backend", "get_server_info", "global_config", "greedy_token_selection",
+    "load_program_file", "parse_program", "run_program_file", "select", "separate_reasoning",
     "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
     "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
 ]

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forklm.frontend_dsl import choices, ir
-from forklm.frontend_dsl.backends.base import Backend, BackendError
+from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
 from forklm.frontend_dsl.defaults import RunDefaults
 from forklm.frontend_dsl.expr import cannot_append, flatten
+from forklm.frontend_dsl.reasoning import ReasoningSplit
 from forklm.frontend_dsl.streaming import EventLog, TextEvent, VariableEvent
 
 
@@ -165,8 +166,7 @@ class Executor:
     def _names(node: Any) -> list[Any]:
         if isinstance(node, JoinNode):
             return [*node.variables]
-        name = ir.produced_name(node)
-        return [] if name is None else [name]
+        return ir.produced_names(node)
 
     # -- worker thread -------------------------------------------------------------------------
     def _work(self) -> None:
@@ -217,21 +217,44 @@ class Executor:
 
     def _run_gen(self, gen: ir.Gen) -> None:
         """Call the backend, appending its output as it streams; a backend that does not stream
-        (or streams only part) has the rest appended when it returns."""
+        (or streams only part) has the rest appended when it returns. A reasoning gen appends
+        only the content (its reasoning is held back as it streams)."""
         params, options = self.defaults.for_gen(gen)
+        split = None if gen.separate_reasoning is None else ReasoningSplit(
+            gen.separate_reasoning, self.text)
         streamed: list[str] = []
 
         def on_text(piece: str) -> None:
             streamed.append(piece)
-            self._append(piece, gen.name)
+            self._append(piece if split is None else split.feed(piece), gen.name)
 
-        result = self.backend.generate(self.text, params, options, on_text=on_text)
+        result = self.backend.generate_turn(self.text, self._turn(), params, options,
+                                            on_text=on_text)
         sent = "".join(streamed)
         if not result.text.startswith(sent):
             raise BackendError(f"{type(self.backend).__name__} streamed {sent!r}, which does not "
                                f"begin its result {result.text!r}")
-        self._append(result.text[len(sent):], gen.name)
-        self._set(gen.name, result.text, result.meta_info)
+        rest = result.text[len(sent):]
+        self._append(rest if split is None else split.feed(rest) + split.finish(), gen.name)
+        self._store_gen(gen, result, split)
+
+    def _store_gen(self, gen: ir.Gen, result: GenResult, split: ReasoningSplit | None) -> None:
+        """Set the gen's variable (with n > 1, a list of the samples') and its reasoning's."""
+        samples = result.samples or [(result.text, result.meta_info)]
+        texts, metas = [t for t, _ in samples], [m for _, m in samples]
+        one = result.samples is None
+        reasonings = None
+        if split is not None:
+            parts = [split.parse(t) for t in texts]
+            texts, reasonings = [c for c, _ in parts], [r for _, r in parts]
+        self._set(gen.name, texts[0] if one else texts, metas[0] if one else metas)
+        if reasonings is not None:
+            self._set(ir.reasoning_name(gen.name or ""), reasonings[0] if one else reasonings,
+                      None)
+
+    def _turn(self) -> ChatTurn:
+        role, start = (self._role[0], self._role[1]) if self._role else (None, len(self.text))
+        return ChatTurn(self.chat_messages(), role, self.text[start:])
 
     def _begin_role(self, node: ir.RoleBegin) -> None:
         if self._role is not None:
@@ -296,3 +319,4 @@ def runs(node: Any) -> bool:
     """Whether a program state can run `node` when it is appended (the interpreter walks the
     graph's other nodes: its blocks, args and reads)."""
     return _handler(node) is not None
+

@@ -112,6 +112,9 @@ class GraphProgram(Program):
         """The graph, with the bound arguments and those given here baked in as constants."""
         return bake_arguments(self.graph, {**self.bind_arguments, **arguments})
 
+    def _prefix_graph(self) -> ir.Graph:
+        return self.trace()
+
     def _split(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                ) -> tuple[inspect.BoundArguments, RunDefaults]:
         known = set(self.arg_names) | RunDefaults.NAMES | IGNORED_RUN_OPTIONS

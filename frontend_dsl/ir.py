@@ -37,6 +37,8 @@ class LogprobOptions:
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
+    # Each logprob entry's token text (its third element); None = the engine's default (given).
+    return_text_in_logprobs: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The options that are set."""
@@ -76,13 +78,17 @@ class Arg(Node):
 class Gen(Node):
     """Generate a continuation into variable `name`. `sampling` holds SamplingParams-named
     overrides (only those the program set; the rest inherit the run's defaults); `dtype` (int,
-    float, str, bool by name) constrains the text with a regex and stop strings."""
+    float, str, bool by name) constrains the text with a regex and stop strings. With `n` > 1 the
+    variable is the list of samples (the text continues with the first). `separate_reasoning`
+    names a reasoning parser (`sgl.separate_reasoning`): the `<think>` part of the output goes to
+    variable `{name}_reasoning_content`, only the rest to `name` and the text."""
 
     op: ClassVar[str] = "gen"
     name: str | None
     sampling: dict[str, Any] = field(default_factory=dict)
     logprob_options: LogprobOptions = field(default_factory=LogprobOptions)
     dtype: str | None = None
+    separate_reasoning: str | None = None
 
 
 @dataclass
@@ -196,6 +202,21 @@ NODE_TYPES: dict[str, type[Node]] = {t.op: t for t in (
 def produced_name(node: Any) -> str | None:
     """The variable a node sets when it runs (a gen, select, scope end or set), else None."""
     return node.name if isinstance(node, (Gen, Select, ScopeEnd, SetVar)) else None
+
+
+def produced_names(node: Any) -> list[str]:
+    """Every variable a node sets when it runs: a reasoning gen sets two."""
+    name = produced_name(node)
+    if name is None:
+        return []
+    if isinstance(node, Gen) and node.separate_reasoning is not None:
+        return [name, reasoning_name(name)]
+    return [name]
+
+
+def reasoning_name(name: str) -> str:
+    """The variable that holds gen `name`'s reasoning (SGLang's name)."""
+    return f"{name}_reasoning_content"
 
 
 def child_blocks(node: Node) -> list[list[Node]]:

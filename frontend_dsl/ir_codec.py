@@ -15,6 +15,7 @@ from forklm.frontend_dsl.ir import LOGPROB_OPTIONS
 from forklm.frontend_dsl.limits import BuildBudget, value_chars
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling_params import SamplingParams
+from forklm.server.parsers.reasoning import REASONING_PARSERS
 
 DTYPES = tuple(DTYPE_RULES)
 _MISSING = object()
@@ -156,6 +157,8 @@ def _branches(path: str, v: Any, size: int, budget: BuildBudget, depth: int
 _FIELDS: dict[str, Callable[[str, Any], Any]] = {
     "text": _str, "sampling": _sampling, "logprob_options": _logprob_options,
     "dtype": lambda p, v: None if v is None else _one_of(DTYPES)(p, v),
+    "separate_reasoning": lambda p, v: None if v is None else _one_of(tuple(REASONING_PARSERS))(
+        p, v),
     "choices": _choices, "temperature": _temperature,
     "choices_method": _one_of(ir.CHOICES_METHODS), "role": _one_of(ir.ROLES),
     "state": _state, "value": _json_value, "source": _one_of(ir.SET_SOURCES),

@@ -27,7 +27,11 @@ def node_label(node: ir.Node) -> str:
     if isinstance(node, ir.Gen):
         opts = {**node.sampling, **node.logprob_options.to_dict()}
         parts = [_q(node.name)] + [f"{k}={_q(opts[k])}" for k in sorted(opts)]
-        return f"gen({', '.join(parts + ([f'dtype={node.dtype}'] if node.dtype else []))})"
+        if node.dtype:
+            parts.append(f"dtype={node.dtype}")
+        if node.separate_reasoning:
+            parts.append(f"separate_reasoning={node.separate_reasoning}")
+        return f"gen({', '.join(parts)})"
     if isinstance(node, ir.Select):
         method = ("" if node.choices_method == "token_length_normalized"
                   else f", method={node.choices_method}")  # a custom method object: its repr

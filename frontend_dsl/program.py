@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from forklm.frontend_dsl.backends.base import Backend
 from forklm.frontend_dsl.defaults import SAMPLING_FIELDS, RunDefaults
 from forklm.frontend_dsl.executor import Executor
+from forklm.frontend_dsl.global_config import global_config
 from forklm.frontend_dsl.state import ProgramState
 
 if TYPE_CHECKING:
@@ -30,7 +31,12 @@ _default_lock = threading.Lock()
 def set_default_backend(backend: Any) -> None:
     """The backend programs use when `run` is given none (a Backend or an Engine)."""
     global _default_backend
-    _default_backend = _as_backend(backend)
+    _default_backend = as_backend(backend)
+
+
+def current_default_backend() -> Backend | None:
+    """The default backend if one is set or built, else None (builds nothing)."""
+    return _default_backend
 
 
 def get_default_backend() -> Backend:
@@ -44,7 +50,8 @@ def get_default_backend() -> Backend:
         return _default_backend
 
 
-def _as_backend(backend: Any) -> Backend:
+def as_backend(backend: Any) -> Backend:
+    """`backend` as a Backend: None is the default backend, an Engine runs in process."""
     if backend is None:
         return get_default_backend()
     if isinstance(backend, Backend):
@@ -86,8 +93,8 @@ class Program:
         every gen (SamplingParams fields and return_logprob/logprob_start_len/top_logprobs_num).
         Returns at once with the state; its reads block until their values exist. With
         stream=True the program body itself runs in a background thread."""
-        call_args, defaults = self._split(args, kwargs)
-        state = ProgramState(Executor(_as_backend(backend), defaults))
+        call_args, defaults = self._split(args, {**global_config.run_defaults(), **kwargs})
+        state = ProgramState(Executor(as_backend(backend), defaults))
         if stream:
             state._ex.start_body(lambda: self._call_recording(state, call_args))
         else:
@@ -105,7 +112,8 @@ class Program:
         backend that runs whole batches itself gets the graph (`run_program_batch`); otherwise
         the graph's constant prefix is prefilled once so every item hits the prefix cache. A
         program that cannot be traced just runs item by item."""
-        backend_obj = _as_backend(backend)
+        backend_obj = as_backend(backend)
+        defaults = {**global_config.run_defaults(), **defaults}
         items = [self._item_kwargs(item) for item in batch_kwargs]
         if not items:
             return iter([]) if generator_style else []
@@ -116,7 +124,8 @@ class Program:
             states = backend_obj.run_program_batch(graph, items, defaults)
             if states is not None:
                 return iter(states) if generator_style else states
-            hint_prefix(backend_obj, graph)
+            if global_config.enable_precache_with_tracing:
+                hint_prefix(backend_obj, graph)
         if num_threads == "auto":
             num_threads = max(96, (os.cpu_count() or 1) * 16)
         assert isinstance(num_threads, int) and num_threads >= 1, num_threads
@@ -137,6 +146,17 @@ class Program:
 
         return trace_program(self, arguments)
 
+    def cache(self, backend: Any = None) -> str:
+        """SGLang's `cache_program`: prefill the text every run of this program starts with (its
+        leading constant text and role markers, up to the first argument or gen) into the
+        backend's prefix cache, so later runs hit it. Returns the prefix ("" when the program
+        starts with a value that varies; nothing is sent then)."""
+        backend_obj = as_backend(backend)
+        prefix = constant_prefix(backend_obj, self._prefix_graph())
+        if prefix:
+            backend_obj.cache_prefix(prefix)
+        return prefix
+
     async def run_async(self, *args: Any, **kwargs: Any) -> ProgramState:
         """`await prog.run_async(...)`: the finished state; the event loop is not blocked."""
 
@@ -153,6 +173,12 @@ class Program:
         return await asyncio.to_thread(self.run_batch, batch_kwargs, **kwargs)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _prefix_graph(self) -> Graph:
+        """The graph of the program's start (up to where it cannot be traced)."""
+        from forklm.frontend_dsl.tracer import trace_program
+
+        return trace_program(self, {}, prefix_only=True)
+
     def _try_trace(self) -> Graph | None:
         """The graph for batch-level optimizations, or None when the program cannot be traced
         (it then simply runs item by item)."""

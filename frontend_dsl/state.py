@@ -10,6 +10,7 @@ from forklm.frontend_dsl.executor import Executor, JoinNode
 from forklm.frontend_dsl.expr import Expr, ExprList
 from forklm.frontend_dsl.ir import JOIN_MODES, RoleBegin, RoleEnd, ScopeBegin, ScopeEnd, SetVar
 from forklm.frontend_dsl.streaming import PieceFilter, TextEvent
+from forklm.runtime.errors import InvalidArgumentError
 
 
 class ChatBlocks:
@@ -144,11 +145,11 @@ class ProgramState(ChatBlocks):
             raise self._ex.error
 
     # -- fork ----------------------------------------------------------------------------------
-    def fork(self, size: int = 1) -> ProgramStateGroup:
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         """`size` copies of this state (text, messages, variables) that run independently, in the
-        same engine batches; waits for this state's queued work first."""
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"fork size must be an int >= 1, got {size!r}")
+        same engine batches; waits for this state's queued work first. `position_ids_offset`
+        (SGLang's) may only be None or zeros: see check_fork."""
+        check_fork(size, position_ids_offset)
         return ProgramStateGroup([ProgramState(c) for c in self._ex.fork(size)], self)
 
     @contextlib.contextmanager
@@ -161,6 +162,23 @@ class ProgramState(ChatBlocks):
     def __repr__(self) -> str:
         self._ex.wait()
         return f"ProgramState({self._ex.text!r})"
+
+
+def check_fork(size: Any, position_ids_offset: Any) -> None:
+    """A fork's arguments. Shifting a branch's position ids would change what it generates, and
+    forklm's branches always continue at the parent's positions (SGLang accepts the argument
+    and ignores it), so only offsets that shift nothing are accepted."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"fork size must be an int >= 1, got {size!r}")
+    offsets = position_ids_offset
+    if offsets is None or (isinstance(offsets, int) and offsets == 0):
+        return
+    if (isinstance(offsets, (list, tuple)) and len(offsets) == size
+            and all(isinstance(o, int) and o == 0 for o in offsets)):
+        return
+    raise InvalidArgumentError("position_ids_offset", offsets, (
+        "forklm cannot shift a fork branch's position ids (branches continue at the parent's "
+        "positions); pass None, or 0 per branch"))
 
 
 S = TypeVar("S")  # a branch: ProgramState, or TracerState while tracing

@@ -23,7 +23,7 @@ from forklm.frontend_dsl import ir
 from forklm.frontend_dsl.executor import runs
 from forklm.frontend_dsl.expr import Expr, flatten
 from forklm.frontend_dsl.ir_codec import node_to_dict
-from forklm.frontend_dsl.state import BranchGroup, ChatBlocks
+from forklm.frontend_dsl.state import BranchGroup, ChatBlocks, check_fork
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
 from forklm.runtime.sampling_params import SamplingParams
 
@@ -155,8 +155,7 @@ class TracerState(ChatBlocks):
             node_to_dict(node)
         except InvalidArgumentError as e:  # e.g. a custom choices_method, which JSON cannot name
             raise TraceError(str(e)) from e
-        name = ir.produced_name(node)
-        if name is not None:
+        for name in ir.produced_names(node):
             self._known.pop(name, None)
             self._produced.add(name)
         return copy.deepcopy(node)
@@ -231,9 +230,8 @@ class TracerState(ChatBlocks):
     def _append_node(self, expr: Any) -> None:
         self.__iadd__(expr)
 
-    def fork(self, size: int = 1) -> TracerGroup:
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"fork size must be an int >= 1, got {size!r}")
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> TracerGroup:
+        check_fork(size, position_ids_offset)
         node = self._trace.node(ir.Fork(size, []))
         assert isinstance(node, ir.Fork)
         children = [TracerState(self._trace, [node.id, i], self._known) for i in range(size)]
@@ -264,8 +262,11 @@ class TracerGroup(BranchGroup["TracerState"]):
                 self.parent._produced.add(name)
 
 
-def trace_program(program: Program, arguments: dict[str, Any]) -> ir.Graph:
-    """The graph of `program`; arguments not in `arguments` become the graph's arguments."""
+def trace_program(program: Program, arguments: dict[str, Any],
+                  prefix_only: bool = False) -> ir.Graph:
+    """The graph of `program`; arguments not in `arguments` become the graph's arguments. With
+    `prefix_only`, a program that cannot be traced to its end gives the graph of what it
+    appended before the step that cannot be traced (what `Program.cache` needs)."""
     name = program.func.__name__
     params = list(program.signature.parameters.values())[1:]
     for p in params:
@@ -286,7 +287,11 @@ def trace_program(program: Program, arguments: dict[str, Any]) -> ir.Graph:
         if p.default is not inspect.Parameter.empty:
             defaults[p.name] = _json_default(name, p.name, p.default)
     root = TracerState(trace, [])
-    program.func(root, **values)
+    try:
+        program.func(root, **values)
+    except TraceError:
+        if not prefix_only:
+            raise
     return ir.Graph(name, args, root.nodes, defaults).normalized()
 
 

@@ -53,6 +53,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         raise InvalidArgumentError("suffix", body.suffix, "is not supported")
     if body.echo and body.stream:
         raise InvalidArgumentError("echo", True, "is not supported with stream")
+    if body.prompt_logprobs is not None and body.stream:
+        raise InvalidArgumentError("prompt_logprobs", body.prompt_logprobs,
+                                   "is not supported with stream")
     if body.best_of not in (None, body.n):
         raise InvalidArgumentError("best_of", body.best_of, "only best_of == n is supported")
     max_tokens = body.max_tokens if body.max_tokens is not None else _COMPLETION_DEFAULT_MAX_TOKENS
@@ -60,8 +63,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         if isinstance(text, str):
             service.check_text_size("prompt", len(text))
     # Tokenizing grows with the prompt: a worker thread, never the event loop.
+    top = conv.completion_top_logprobs(body)
     group = await asyncio.to_thread(_prepare, service, body, body.prompt,
-                                    conv.sampling_dict(body, max_tokens), body.logprobs)
+                                    conv.sampling_dict(body, max_tokens), top,
+                                    body.prompt_logprobs is not None)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": body.model}
     if body.stream:
@@ -72,10 +77,13 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     choices = []
     for i, r in enumerate(results):
         echo = _prompt_text(group.prompts[group.prompt_index(i)], tokenizer) if body.echo else ""
-        choices.append({"index": i, "text": echo + r.text,
-                        "logprobs": conv.completion_logprobs(r, tokenizer, len(echo)),
-                        "finish_reason": conv.finish_reason(r),
-                        "matched_stop": conv.matched_stop(r)})
+        choice = {"index": i, "text": echo + r.text,
+                  "logprobs": None if body.logprobs is None else conv.completion_logprobs(
+                      r, tokenizer, len(echo)),
+                  "finish_reason": conv.finish_reason(r), "matched_stop": conv.matched_stop(r)}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = conv.prompt_logprobs(r, tokenizer, body.prompt_logprobs)
+        choices.append(choice)
     return {**head, "choices": choices, "usage": conv.usage(results, body.n)}
 
 
@@ -262,12 +270,13 @@ def _delta_fields(delta: ReplyDelta) -> dict[str, Any]:
 
 # -- shared ------------------------------------------------------------------------------------
 def _prepare(service: GenerationService, body: Any, prompt: Any, params: dict[str, Any],
-             top_logprobs: int | None) -> RequestGroup:
-    """The engine call of a request: its prompt(s), n samples each, logprobs when asked."""
+             top_logprobs: int | None, prompt_logprobs: bool = False) -> RequestGroup:
+    """The engine call of a request: its prompt(s), n samples each, logprobs when asked (the
+    prompt's too with `prompt_logprobs`)."""
     return service.engine.prepare(
         prompt=prompt, sampling_params={**params, "n": body.n},
         return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
-        rid=body.rid)
+        logprob_start_len=0 if prompt_logprobs else None, rid=body.rid)
 
 
 def _in_order(finals: list[GenerateOutput], num: int) -> list[GenerateOutput]:

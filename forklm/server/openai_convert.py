@@ -98,6 +98,38 @@ def completion_logprobs(out: GenerateOutput, tokenizer: Any,
             "text_offset": offsets}
 
 
+def completion_top_logprobs(body: Any) -> int | None:
+    """The engine's top_logprobs_num for a completion (None: no logprobs at all). `logprobs` and
+    vLLM's `prompt_logprobs` share it, so when both ask for alternatives they must agree."""
+    if body.prompt_logprobs and body.logprobs not in (None, body.prompt_logprobs):
+        raise InvalidArgumentError("prompt_logprobs", body.prompt_logprobs,
+                                   f"must equal logprobs ({body.logprobs}) when it asks for top "
+                                   "alternatives")
+    asked = [n for n in (body.logprobs, body.prompt_logprobs) if n is not None]
+    return max(asked) if asked else None
+
+
+def prompt_logprobs(out: GenerateOutput, tokenizer: Any, top: int) -> list[Any]:
+    """vLLM's prompt_logprobs shape: per prompt token, null for the first, else {token_id:
+    {logprob, rank, decoded_token}} holding the prompt's token and `top` alternatives."""
+    if out.logprobs is None:
+        return []
+    tops = out.logprobs.input_top or [[] for _ in out.logprobs.input_token]
+    positions: list[Any] = []
+    for (lp, tid, text), alternatives in zip(token_entries(out.logprobs.input_token, tokenizer),
+                                             tops):
+        if lp is None:
+            positions.append(None)
+            continue
+        ranked = token_entries(alternatives, tokenizer)[:top]
+        entry = {str(t): {"logprob": finite(a), "rank": r + 1, "decoded_token": txt}
+                 for r, (a, t, txt) in enumerate(ranked)}
+        rank = next((r + 1 for r, (_, t, _) in enumerate(ranked) if t == tid), None)
+        entry[str(tid)] = {"logprob": finite(lp), "rank": rank, "decoded_token": text}
+        positions.append(entry)
+    return positions
+
+
 def chat_logprobs(out: GenerateOutput, tokenizer: Any) -> dict[str, Any] | None:
     """The chat shape: content = [{token, logprob, bytes, top_logprobs: [...]}]."""
     if out.logprobs is None:

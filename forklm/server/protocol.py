@@ -266,6 +266,8 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's extra: each prompt token's logprob (with this many top alternatives), per choice
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)

@@ -19,8 +19,21 @@ class BackendError(ForkLMError, RuntimeError):
 
 
 class GenResult(NamedTuple):
+    """A gen's output: `text` continues the program (with n > 1, the first sample's);
+    `samples` holds every sample's (text, meta_info) when n > 1."""
+
     text: str
     meta_info: dict[str, Any]
+    samples: list[tuple[str, dict[str, Any]]] | None = None
+
+
+class ChatTurn(NamedTuple):
+    """The chat a gen continues, as messages: those closed so far, the open role (None outside a
+    role) and what the program appended in it before the gen."""
+
+    messages: list[dict[str, str]]
+    role: str | None
+    content: str
 
 
 class Backend:
@@ -33,6 +46,14 @@ class Backend:
         """Continue `prompt`; logprob_options holds return_logprob/logprob_start_len/top_logprobs_num.
         With `on_text`, each new piece of output text is passed to it as soon as it is decoded."""
         raise NotImplementedError(f"{type(self).__name__}.generate")
+
+    def generate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
+                      logprob_options: dict[str, Any],
+                      on_text: Callable[[str], None] | None = None) -> GenResult:
+        """generate, also given the chat that `prompt` renders; what the executor calls. A backend
+        that sends messages rather than text (an OpenAI chat model) overrides it; the default
+        continues the text."""
+        return self.generate(prompt, sampling_params, logprob_options, on_text=on_text)
 
     def select(self, prompt: str, choices: list[str],
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
@@ -50,6 +71,14 @@ class Backend:
     def cache_prefix(self, prompt: str) -> None:
         """Prefill `prompt` into the backend's prefix cache (a hint; no output)."""
         raise NotImplementedError(f"{type(self).__name__}.cache_prefix")
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; False when refused (requests are in flight)."""
+        raise NotImplementedError(f"{type(self).__name__} has no prefix cache to flush")
+
+    def get_server_info(self) -> dict[str, Any]:
+        """The configuration and live state of what serves this backend (SGLang's shape)."""
+        raise NotImplementedError(f"{type(self).__name__}.get_server_info")
 
     def abort(self, rid: str) -> None:
         """Abort an in-flight request by id."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -9,6 +10,7 @@ from jinja2 import TemplateError
 
 from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
+from forklm.frontend_dsl.global_config import __version__
 from forklm.runtime.engine import Engine
 from forklm.runtime.engine_client import EngineClient
 from forklm.runtime.sampling_params import SamplingParams
@@ -36,6 +38,11 @@ class EngineBackend(Backend):
         if on_text is None or sampling_params.n != 1:  # n > 1 samples come back whole, as a list
             out = self.engine.generate(prompt=prompt, sampling_params=sampling_params,
                                        **logprob_options)
+            if isinstance(out, list):  # n > 1
+                for sample in out:
+                    _raise_if_aborted(sample)
+                return GenResult(out[0]["text"], out[0]["meta_info"],
+                                 [(o["text"], o["meta_info"]) for o in out])
             _raise_if_aborted(out)
             return GenResult(out["text"], out["meta_info"])
         pieces: list[str] = []
@@ -118,6 +125,23 @@ class EngineBackend(Backend):
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
+
+    def flush_cache(self) -> bool:
+        """The engine's own flush: False (nothing dropped) while requests are in flight."""
+        return self._own_engine("flush_cache").flush_cache()
+
+    def get_server_info(self) -> dict[str, Any]:
+        """The engine's config, the package version and its live stats (`internal_states`), as a
+        server's /get_server_info gives them."""
+        engine = self._own_engine("get_server_info")
+        return {**dataclasses.asdict(engine.config), "version": __version__,
+                "internal_states": [engine.stats()]}
+
+    def _own_engine(self, what: str) -> Engine:
+        if not isinstance(self.engine, Engine):
+            raise BackendError(f"{what} needs an in-process Engine; this backend runs on "
+                               f"{type(self.engine).__name__}")
+        return self.engine
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False)

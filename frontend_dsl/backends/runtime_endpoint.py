@@ -122,8 +122,19 @@ class RuntimeEndpoint(Backend):
         except httpx.HTTPError as e:
             raise BackendError(f"POST {self.base_url}{path} failed: {e!r}") from e
 
-    def flush_cache(self) -> None:
-        self.call("POST", "/flush_cache")
+    def flush_cache(self) -> bool:
+        """POST /flush_cache: False when the server refuses (requests are in flight)."""
+        try:
+            self.call("POST", "/flush_cache")
+        except InvalidArgumentError as e:
+            if "in flight" in str(e):
+                return False
+            raise
+        return True
+
+    def get_server_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self.call("GET", "/get_server_info")
+        return info
 
     def close(self) -> None:
         self.client.close()
@@ -149,13 +160,13 @@ class _RemoteEngine:
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  return_logprob: bool = False, logprob_start_len: int | None = None,
                  top_logprobs_num: int | None = None, stream: bool = False,
-                 rid: Any = None) -> Any:
+                 rid: Any = None, return_text_in_logprobs: bool = True) -> Any:
         """Engine.generate's contract: a result dict (a list for a batch), or with stream=True
         an iterator of chunks whose text/output_ids are increments."""
         body: dict[str, Any] = {"text": prompt} if prompt is not None else {"input_ids": input_ids}
         body["sampling_params"] = _params_json(SamplingParams.coerce(sampling_params))
-        if return_logprob:  # the in-process engine always gives each entry's token text
-            body.update(return_logprob=True, return_text_in_logprobs=True)
+        if return_logprob:  # entries carry their token text unless asked not to, as in process
+            body.update(return_logprob=True, return_text_in_logprobs=return_text_in_logprobs)
             options = {"logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
             body.update({k: v for k, v in options.items() if v is not None})
         if rid is not None:
