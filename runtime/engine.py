@@ -127,13 +127,14 @@ class Engine:
         """Open a session (SGLang's open_session): requests sent with session_params={"id": it}
         leave the sequence they end with pinned in the radix cache until the session closes or
         idles (EngineConfig.session_idle_timeout_s). Returns its id (a fresh one by default)."""
-        if self.parts.kv.pins is None:
+        pins = self.parts.kv.pins
+        if pins is None:
             raise InvalidArgumentError("session", session_id, "sessions pin prefixes in the radix "
                                        "cache, which this engine runs without")
         sid = uuid.uuid4().hex if session_id is None else session_id
         if not isinstance(sid, str) or not sid or len(sid) > 256:
             raise InvalidArgumentError("session_id", session_id, "expected a non-empty string")
-        if not self._loop.call(lambda: self.parts.kv.pins.open(sid)):  # type: ignore[union-attr]
+        if not self._loop.call(lambda: pins.open(sid)):
             raise InvalidArgumentError("session_id", sid, "a session of that id is already open")
         return sid
 

@@ -80,8 +80,7 @@ class SessionPins:
         if session is None or node is self.cache.root:
             return False
         session.last_used = time.monotonic()
-        tokens = _path_tokens(node)
-        ancestors = _path_nodes(node)
+        ancestors, tokens = _path(node)
         replaced = [p for p in session.pins if p.node in ancestors]
         if self.pinned_tokens - sum(p.tokens for p in replaced) + tokens > self.max_tokens:
             return False
@@ -112,7 +111,7 @@ class SessionPins:
         for session in self.sessions.values():
             for pin in session.pins:
                 assert pin.node.lock_ref > 0, f"pinned {pin.node} is not locked"
-                assert self.cache.root in _path_nodes(pin.node), f"pinned {pin.node} is detached"
+                assert self.cache.root in _path(pin.node)[0], f"pinned {pin.node} is detached"
                 total += pin.tokens
         assert total == self.pinned_tokens <= self.max_tokens, (
             f"pinned tokens {total} (counted {self.pinned_tokens}, cap {self.max_tokens})")
@@ -126,18 +125,13 @@ class SessionPins:
         self.pinned_tokens -= pin.tokens
 
 
-def _path_nodes(node: TreeNode) -> set[TreeNode]:
+def _path(node: TreeNode) -> tuple[set[TreeNode], int]:
+    """The nodes from `node` up to the root, and the tokens on that path."""
     nodes: set[TreeNode] = set()
+    tokens = 0
     n: TreeNode | None = node
     while n is not None:
         nodes.add(n)
+        tokens += len(n)
         n = n.parent
-    return nodes
-
-
-def _path_tokens(node: TreeNode) -> int:
-    total, n = 0, node
-    while n is not None:
-        total += len(n)
-        n = n.parent  # type: ignore[assignment]
-    return total
+    return nodes, tokens

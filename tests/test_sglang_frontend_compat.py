@@ -117,13 +117,14 @@ def test_gen_return_text_in_logprobs(default_backend):
 THINKING = r"<think>[a-z]{2,10}( [a-z]{2,10}){0,2}</think>[A-Z][a-z]{2,8}\."
 
 
-def test_separate_reasoning(default_backend):
-    @sgl.function
-    def answer(s, question):
-        s += sgl.user(question)
-        s += sgl.assistant(sgl.separate_reasoning(
-            sgl.gen("answer", max_tokens=48, regex=THINKING, **GREEDY), model_type="qwen3"))
+@sgl.function
+def answer(s, question):
+    s += sgl.user(question)
+    s += sgl.assistant(sgl.separate_reasoning(
+        sgl.gen("answer", max_tokens=48, regex=THINKING, **GREEDY), model_type="qwen3"))
 
+
+def test_separate_reasoning(default_backend):
     state = answer.run(question="Which city is the capital of France?", stream=True)
     pieces = "".join(state.text_iter("answer"))
     reasoning, content = state["answer_reasoning_content"], state["answer"]
@@ -139,13 +140,6 @@ def test_separate_reasoning(default_backend):
 
 def test_separate_reasoning_in_a_graph_run_by_the_server(live_server):
     """A traced batch goes to /v1/programs/run as graph JSON; the server splits the reasoning."""
-
-    @sgl.function
-    def answer(s, question):
-        s += sgl.user(question)
-        s += sgl.assistant(sgl.separate_reasoning(
-            sgl.gen("answer", max_tokens=48, regex=THINKING, **GREEDY), model_type="qwen3"))
-
     assert "separate_reasoning=qwen3" in answer.trace().to_text()
     endpoint = sgl.RuntimeEndpoint(live_server.base_url)
     questions = ["Which city is the capital of France?", "Which city is the capital of Italy?"]
