@@ -30,6 +30,9 @@ class Executor:
     """Owns one program state's text, messages and variables. Only the worker thread mutates
     them while nodes are queued; readers wait on `_cond` until the variable's producers are done."""
 
+    INTERNAL_NODES: tuple[type, ...] = (JoinNode,)  # queued as they are, not user expressions
+    error: BaseException | None  # what stopped the program, raised at its next read
+
     def __init__(self, backend: Backend, defaults: RunDefaults):
         self.backend, self.defaults = backend, defaults
         self.text = ""
@@ -37,7 +40,7 @@ class Executor:
         self.variables: dict[Any, Any] = {}
         self.meta_info: dict[Any, Any] = {}
         self.produced: list[Any] = []  # variable names set since creation, in order (for join)
-        self.error: BaseException | None = None
+        self.error = None
         self.fork_start = 0
         # The template's default system prompt when it injected one before the first message
         # (in the text but not written by the program); messages() lists it first.
@@ -54,20 +57,28 @@ class Executor:
     # -- user thread ---------------------------------------------------------------------------
     def submit(self, expr: Any) -> None:
         """Queue `expr`'s nodes; raises ValueError (queueing nothing) for one it cannot run."""
-        nodes = flatten(expr) if not isinstance(expr, JoinNode) else [expr]
+        nodes = [expr] if isinstance(expr, self.INTERNAL_NODES) else flatten(expr)
         for node in nodes:
-            if not runs(node):
+            if not isinstance(node, self.INTERNAL_NODES) and not runs(node):
                 raise cannot_append(node)
         with self._cond:
             if self.error is not None:
                 return  # the program already failed; the error is raised at the next read
             for node in nodes:
                 self._queue.append(node)
+                self._enqueue_hook(node)
                 for name in self._names(node):
                     self._pending[name] += 1
             if not self._running:
                 self._running = True
-                threading.Thread(target=self._work, name="forklm-program", daemon=True).start()
+                self._start_worker()
+
+    def _enqueue_hook(self, node: Any) -> None:
+        """What a subclass counts as a node is queued (called with `_cond` held)."""
+
+    def _start_worker(self) -> None:
+        """Start running the queue (called with `_cond` held, once per idle-to-busy change)."""
+        threading.Thread(target=self._work, name="forklm-program", daemon=True).start()
 
     def get(self, name: Any, table: str = "variables") -> Any:
         """Block until every queued producer of `name` has run; raise the program's error if any."""
@@ -128,19 +139,21 @@ class Executor:
     def fork(self, size: int) -> list[Executor]:
         self.drain()
         self._raise_error()
-        children = []
-        for _ in range(size):
-            child = Executor(self.backend, self.defaults)
-            child.text, child.fork_start = self.text, len(self.text)
-            if self.text:  # so a branch's stream, too, concatenates to its whole text
-                with child._cond:
-                    child.events.append(TextEvent(self.text, ()))
-            child.messages = [dict(m) for m in self.messages]
-            child.implied_system = self.implied_system
-            child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
-            child._role, child._scopes = self._role, dict(self._scopes)
-            children.append(child)
+        children = [Executor(self.backend, self.defaults) for _ in range(size)]
+        for child in children:
+            self.copy_into(child)
         return children
+
+    def copy_into(self, child: Executor) -> None:
+        """Make a fresh `child` a fork branch of this state as it is now."""
+        child.text, child.fork_start = self.text, len(self.text)
+        if self.text:  # so a branch's stream, too, concatenates to its whole text
+            with child._cond:
+                child.events.append(TextEvent(self.text, ()))
+        child.messages = [dict(m) for m in self.messages]
+        child.implied_system = self.implied_system
+        child.variables, child.meta_info = dict(self.variables), dict(self.meta_info)
+        child._role, child._scopes = self._role, dict(self._scopes)
 
     def load_finished(self, text: str, messages: list[dict[str, str]],
                       variables: dict[Any, Any], meta_info: dict[Any, Any]) -> None:
@@ -166,6 +179,8 @@ class Executor:
     def _names(node: Any) -> list[Any]:
         if isinstance(node, JoinNode):
             return [*node.variables]
+        if not isinstance(node, ir.Node):
+            return []  # text, or a subclass's internal node
         return ir.produced_names(node)
 
     # -- worker thread -------------------------------------------------------------------------
@@ -219,24 +234,9 @@ class Executor:
         """Call the backend, appending its output as it streams; a backend that does not stream
         (or streams only part) has the rest appended when it returns. A reasoning gen appends
         only the content (its reasoning is held back as it streams)."""
-        params, options = self.defaults.for_gen(gen)
-        split = None if gen.separate_reasoning is None else ReasoningSplit(
-            gen.separate_reasoning, self.text)
-        streamed: list[str] = []
-
-        def on_text(piece: str) -> None:
-            streamed.append(piece)
-            self._append(piece if split is None else split.feed(piece), gen.name)
-
-        result = self.backend.generate_turn(self.text, self._turn(), params, options,
-                                            on_text=on_text)
-        sent = "".join(streamed)
-        if not result.text.startswith(sent):
-            raise BackendError(f"{type(self.backend).__name__} streamed {sent!r}, which does not "
-                               f"begin its result {result.text!r}")
-        rest = result.text[len(sent):]
-        self._append(rest if split is None else split.feed(rest) + split.finish(), gen.name)
-        self._store_gen(gen, result, split)
+        call = GenCall(self, gen)
+        call.finish(self.backend.generate_turn(self.text, self._turn(), call.params, call.options,
+                                               on_text=call.on_text))
 
     def _store_gen(self, gen: ir.Gen, result: GenResult, split: ReasoningSplit | None) -> None:
         """Set the gen's variable (with n > 1, a list of the samples') and its reasoning's."""
@@ -276,8 +276,10 @@ class Executor:
         self._role = None
 
     def _run_select(self, node: ir.Select) -> None:
-        method = choices.resolve(node.choices_method)
-        decision = self.backend.select(self.text, node.choices, method)
+        self._store_select(node, self.backend.select(
+            self.text, node.choices, choices.resolve(node.choices_method)))
+
+    def _store_select(self, node: ir.Select, decision: choices.ChoicesDecision) -> None:
         self._append(decision.decision, node.name)
         self._set(node.name, decision.decision, decision.meta_info)
 
@@ -295,6 +297,33 @@ class Executor:
         self._append(node.text)
         for name, values in node.variables.items():
             self._set(name, values, node.meta_info.get(name))
+
+
+class GenCall:
+    """One gen's run around its backend call: the params, a callback that appends each streamed
+    piece as it arrives, and `finish`, which appends what was not streamed and sets the gen's
+    variable (a reasoning gen appends only the content; its reasoning is held back)."""
+
+    def __init__(self, ex: Executor, gen: ir.Gen):
+        self.ex, self.gen = ex, gen
+        self.params, self.options = ex.defaults.for_gen(gen)
+        self.split = None if gen.separate_reasoning is None else ReasoningSplit(
+            gen.separate_reasoning, ex.text)
+        self.streamed: list[str] = []
+
+    def on_text(self, piece: str) -> None:
+        self.streamed.append(piece)
+        self.ex._append(piece if self.split is None else self.split.feed(piece), self.gen.name)
+
+    def finish(self, result: GenResult) -> None:
+        sent, split = "".join(self.streamed), self.split
+        if not result.text.startswith(sent):
+            raise BackendError(f"{type(self.ex.backend).__name__} streamed {sent!r}, which does "
+                               f"not begin its result {result.text!r}")
+        rest = result.text[len(sent):]
+        self.ex._append(rest if split is None else split.feed(rest) + split.finish(),
+                        self.gen.name)
+        self.ex._store_gen(self.gen, result, split)
 
 
 _HANDLERS: dict[type, Callable[[Executor, Any], None]] = {

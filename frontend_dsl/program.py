@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,7 @@ class Program:
             raise TypeError(f"program {func.__name__} must take the state `s` as first argument")
         self.func, self.num_api_spec_tokens = func, num_api_spec_tokens
         self.signature = inspect.signature(func)
+        self.is_async = inspect.iscoroutinefunction(func)  # reads are awaited; runs on a loop
         self.arg_names = [p.name for p in params[1:]]
         self.bind_arguments = dict(bind_arguments or {})
 
@@ -93,6 +95,12 @@ class Program:
         every gen (SamplingParams fields and return_logprob/logprob_start_len/top_logprobs_num).
         Returns at once with the state; its reads block until their values exist. With
         stream=True the program body itself runs in a background thread."""
+        if self.is_async:
+            self._outside_loop("run", "await prog.run_async(...)")
+            if stream:
+                raise TypeError(f"{self.func.__name__} is an async program; stream=True is for "
+                                "plain ones (an async program reads s.text_async_iter())")
+            return asyncio.run(self.run_async(*args, backend=backend, **kwargs))
         call_args, defaults = self._split(args, {**global_config.run_defaults(), **kwargs})
         state = ProgramState(Executor(as_backend(backend), defaults))
         if stream:
@@ -112,6 +120,11 @@ class Program:
         backend that runs whole batches itself gets the graph (`run_program_batch`); otherwise
         the graph's constant prefix is prefilled once so every item hits the prefix cache. A
         program that cannot be traced just runs item by item."""
+        if self.is_async:
+            self._outside_loop("run_batch", "await prog.run_batch_async(...)")
+            states = asyncio.run(self.run_batch_async(
+                batch_kwargs, backend=backend, progress_bar=progress_bar, **defaults))
+            return iter(states) if generator_style else states
         backend_obj = as_backend(backend)
         defaults = {**global_config.run_defaults(), **defaults}
         items = [self._item_kwargs(item) for item in batch_kwargs]
@@ -157,20 +170,83 @@ class Program:
             backend_obj.cache_prefix(prefix)
         return prefix
 
-    async def run_async(self, *args: Any, **kwargs: Any) -> ProgramState:
-        """`await prog.run_async(...)`: the finished state; the event loop is not blocked."""
+    async def run_async(self, *args: Any, backend: Any = None, **kwargs: Any) -> ProgramState:
+        """`await prog.run_async(...)`: the finished state (its reads return at once); the event
+        loop is not blocked. An `async def` program runs on this loop, no thread: its body
+        awaits its reads (`await s["x"]`) and its gens and selects are awaited on the backend.
+        A plain program runs in a thread."""
+        if not self.is_async:
+            def run_to_end() -> ProgramState:
+                state = self.run(*args, backend=backend, **kwargs)
+                state._ex.wait()
+                return state
 
-        def run_to_end() -> ProgramState:
-            state = self.run(*args, **kwargs)
-            state._ex.wait()
-            return state
+            return await asyncio.to_thread(run_to_end)
+        call_args, defaults = self._split(args, {**global_config.run_defaults(), **kwargs})
+        return await self._run_body_async(as_backend(backend), call_args, defaults)
 
-        return await asyncio.to_thread(run_to_end)
-
-    async def run_batch_async(self, batch_kwargs: list[Any], **kwargs: Any) -> list[ProgramState]:
-        """`await prog.run_batch_async([...])`: run_batch without blocking the event loop."""
+    async def run_batch_async(self, batch_kwargs: list[Any], *, backend: Any = None,
+                              progress_bar: bool = False, **kwargs: Any) -> list[ProgramState]:
+        """`await prog.run_batch_async([...])`: the finished states in input order. An `async def`
+        program runs every item as a task on this loop (no thread per item; the engine batches
+        their gens); as in run_batch, a traced program's constant prefix is prefilled once
+        first, and a backend that runs whole batches gets the graph. A plain program runs
+        run_batch in a thread."""
         kwargs.pop("generator_style", None)
-        return await asyncio.to_thread(self.run_batch, batch_kwargs, **kwargs)
+        if not self.is_async:
+            return await asyncio.to_thread(self.run_batch, batch_kwargs, backend=backend,
+                                           progress_bar=progress_bar, **kwargs)
+        backend_obj = as_backend(backend)
+        defaults = {**global_config.run_defaults(), **kwargs}
+        items = [self._item_kwargs(item) for item in batch_kwargs]
+        runs = [self._split((), {**defaults, **item}) for item in items]  # bad args fail here
+        graph = self._try_trace() if len(items) > 1 else None
+        if graph is not None:
+            states = await asyncio.to_thread(backend_obj.run_program_batch, graph, items, defaults)
+            if states is not None:
+                return states
+            if global_config.enable_precache_with_tracing:
+                await asyncio.to_thread(hint_prefix, backend_obj, graph)
+        tasks = [asyncio.ensure_future(self._run_body_async(backend_obj, call_args, run_defaults))
+                 for call_args, run_defaults in runs]
+        try:
+            if progress_bar:
+                await _show_progress_async(tasks)
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # the caller was cancelled: so is every item still running
+                task.cancel()
+
+    async def _run_body_async(self, backend: Backend, call_args: inspect.BoundArguments,
+                              defaults: RunDefaults) -> ProgramState:
+        """Await the body and then its queue; an exception the body raises is kept as the
+        state's error (raised when the returned state is read). Cancelled, the gen in flight
+        is aborted."""
+        from forklm.frontend_dsl.async_executor import AsyncExecutor
+        from forklm.frontend_dsl.async_state import AsyncProgramState
+
+        ex = AsyncExecutor(backend, defaults)
+        try:
+            try:
+                await self.func(AsyncProgramState(ex), *call_args.args[1:], **call_args.kwargs)
+            except Exception as e:  # noqa: BLE001 - the program's own error, kept for its reader
+                ex.record_error(e)
+            await ex.wait_async()
+        except BaseException:
+            ex.cancel()
+            raise
+        ex.seal()
+        return ProgramState(ex)
+
+    def _outside_loop(self, method: str, instead: str) -> None:
+        """An async program's blocking entry points start their own event loop, so they cannot
+        run on a thread that already runs one."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        raise TypeError(f"{self.func.__name__} is an async program and this thread runs an event "
+                        f"loop: {method}() would block it; use {instead}")
 
     # -- helpers -------------------------------------------------------------------------------
     def _prefix_graph(self) -> Graph:
@@ -242,6 +318,14 @@ def _show_progress(futures: list[Future]) -> None:
 
     for _ in tqdm(as_completed(futures), total=len(futures)):
         pass
+
+
+async def _show_progress_async(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    from tqdm import tqdm
+
+    for next_done in tqdm(asyncio.as_completed(tasks), total=len(tasks)):
+        with contextlib.suppress(Exception):
+            await next_done
 
 
 def constant_prefix(backend: Backend, graph: Graph) -> str:

@@ -95,7 +95,8 @@ class VarRef(_Placeholder):
 class _Trace:
     """What one trace shares: the argument markers and node ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, awaited_reads: bool = False) -> None:
+        self.awaited_reads = awaited_reads  # an async program: its reads are awaited
         self.nonce = secrets.token_hex(4)
         self.ids = itertools.count()
         self.marker_re = re.compile(f"\x00{self.nonce}:([^\x00]*)\x00")
@@ -107,6 +108,21 @@ class _Trace:
     def node(self, node: ir.Node) -> ir.Node:
         node.id = next(self.ids)
         return node
+
+    def read(self, value: Any) -> Any:
+        """What a read of the state returns: the value, or one an async program can await."""
+        return _Ready(value) if self.awaited_reads else value
+
+
+class _Ready:
+    """An awaitable that is done at once (an async program's read while tracing)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __await__(self) -> Iterator[Any]:
+        return self.value  # type: ignore[no-any-return]
+        yield  # a generator that returns at once: awaiting it never suspends
 
 
 def split_markers(text: str, marker_re: re.Pattern[str]) -> list[ir.Node]:
@@ -184,8 +200,8 @@ class TracerState(ChatBlocks):
     # -- the ProgramState surface --------------------------------------------------------------
     def __getitem__(self, name: str) -> Any:
         if name in self._known:
-            return self._known[name]
-        return VarRef(name, self._path)
+            return self._trace.read(self._known[name])
+        return self._trace.read(VarRef(name, self._path))
 
     get_var = __getitem__
 
@@ -221,11 +237,12 @@ class TracerState(ChatBlocks):
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         return self._run_time_only("text_iter()")  # type: ignore[no-any-return]
 
-    def sync(self) -> None:
+    def sync(self) -> Any:
         """Nothing runs while tracing, so there is nothing to wait for."""
+        return self._trace.read(None)
 
-    def error(self) -> None:
-        return None
+    def error(self) -> Any:
+        return self._trace.read(None)
 
     def _append_node(self, expr: Any) -> None:
         self.__iadd__(expr)
@@ -252,7 +269,7 @@ class TracerGroup(BranchGroup["TracerState"]):
     def __init__(self, states: list[TracerState], parent: TracerState, fork_id: int):
         self.states, self.parent, self.fork_id = states, parent, fork_id
 
-    def join(self, mode: str = "gather_variable") -> None:
+    def join(self, mode: str = "gather_variable") -> Any:
         self._check_mode(mode)
         self.parent._trace.joined.add(self.fork_id)
         self.parent.nodes.append(self.parent._trace.node(ir.Join(self.fork_id, mode)))
@@ -260,6 +277,7 @@ class TracerGroup(BranchGroup["TracerState"]):
             for name in state._produced:
                 self.parent._known.pop(name, None)
                 self.parent._produced.add(name)
+        return self.parent._trace.read(None)
 
 
 def trace_program(program: Program, arguments: dict[str, Any],
@@ -277,7 +295,7 @@ def trace_program(program: Program, arguments: dict[str, Any],
     if unknown:
         raise InvalidArgumentError(unknown[0], given[unknown[0]],
                                    f"not an argument of {name} {program.arg_names}")
-    trace = _Trace()
+    trace = _Trace(awaited_reads=program.is_async)
     values, args, defaults = dict(given), [], {}
     for p in params:
         if p.name in given:
@@ -288,11 +306,25 @@ def trace_program(program: Program, arguments: dict[str, Any],
             defaults[p.name] = _json_default(name, p.name, p.default)
     root = TracerState(trace, [])
     try:
-        program.func(root, **values)
+        body = program.func(root, **values)
+        if program.is_async:
+            _run_to_end(body)
     except TraceError:
         if not prefix_only:
             raise
     return ir.Graph(name, args, root.nodes, defaults).normalized()
+
+
+def _run_to_end(body: Any) -> None:
+    """Run an async program's body while tracing: its awaited reads return at once, so it never
+    suspends; one that does awaits something else, which no graph can describe."""
+    try:
+        body.send(None)
+    except StopIteration:
+        return
+    body.close()
+    raise TraceError("the program awaits something other than its state's reads; it cannot be "
+                     "traced")
 
 
 def _json_default(program: str, arg: str, value: Any) -> Any:

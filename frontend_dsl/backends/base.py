@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -38,7 +39,8 @@ class ChatTurn(NamedTuple):
 
 class Backend:
     """A model the program executor calls. Methods are called from many threads at once (one per
-    program state) and must be thread-safe; each blocks until its result is ready."""
+    program state) and must be thread-safe; each blocks until its result is ready. The `a...`
+    twins serve async programs (one event loop, no thread per program)."""
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
                  logprob_options: dict[str, Any],
@@ -59,6 +61,20 @@ class Backend:
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
         """Score every choice as a continuation of `prompt` and let `choices_method` decide."""
         raise NotImplementedError(f"{type(self).__name__}.select")
+
+    # Async programs await these on their event loop. A backend with a native async client
+    # overrides them; the defaults run the blocking call on the loop's default thread pool.
+    async def agenerate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
+                             logprob_options: dict[str, Any],
+                             on_text: Callable[[str], None] | None = None) -> GenResult:
+        """generate_turn, awaited; `on_text` (if given) may be called from another thread."""
+        return await asyncio.to_thread(self.generate_turn, prompt, turn, sampling_params,
+                                       logprob_options, on_text)
+
+    async def aselect(self, prompt: str, choices: list[str],
+                      choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+        """select, awaited."""
+        return await asyncio.to_thread(self.select, prompt, choices, choices_method)
 
     def role_prefix_suffix(self, role: str, history: list[dict[str, str]]) -> tuple[str, str]:
         """The chat template's text before and after a `role` message that follows `history`."""

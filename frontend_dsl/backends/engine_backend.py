@@ -8,7 +8,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
+from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from forklm.frontend_dsl.global_config import __version__
 from forklm.runtime.engine import Engine
@@ -36,26 +36,32 @@ class EngineBackend(Backend):
         """One engine request; with `on_text` it streams, and each chunk's new text is passed on
         as the engine decodes it (the pieces concatenate to the result's text)."""
         if on_text is None or sampling_params.n != 1:  # n > 1 samples come back whole, as a list
-            out = self.engine.generate(prompt=prompt, sampling_params=sampling_params,
-                                       **logprob_options)
-            if isinstance(out, list):  # n > 1
-                for sample in out:
-                    _raise_if_aborted(sample)
-                return GenResult(out[0]["text"], out[0]["meta_info"],
-                                 [(o["text"], o["meta_info"]) for o in out])
-            _raise_if_aborted(out)
-            return GenResult(out["text"], out["meta_info"])
+            return _gen_result(self.engine.generate(
+                prompt=prompt, sampling_params=sampling_params, **logprob_options))
         pieces: list[str] = []
         last: dict[str, Any] | None = None
         for chunk in self.engine.generate(prompt=prompt, sampling_params=sampling_params,
                                           stream=True, **logprob_options):
-            if chunk["text"]:
-                pieces.append(chunk["text"])
-                on_text(chunk["text"])
-            last = chunk
-        assert last is not None, "an engine stream ends with a final chunk"
-        _raise_if_aborted(last)
-        return GenResult("".join(pieces), last["meta_info"])  # the last chunk has the full meta
+            last = _pass_on(chunk, pieces, on_text)
+        return _streamed_result(pieces, last)
+
+    async def agenerate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
+                             logprob_options: dict[str, Any],
+                             on_text: Callable[[str], None] | None = None) -> GenResult:
+        """generate on the engine's async API (the caller's event loop, no thread)."""
+        agenerate = getattr(self.engine, "async_generate", None)
+        if agenerate is None:  # an engine client without one: the blocking call on a thread
+            return await super().agenerate_turn(prompt, turn, sampling_params, logprob_options,
+                                                on_text)
+        if on_text is None or sampling_params.n != 1:
+            return _gen_result(await agenerate(
+                prompt=prompt, sampling_params=sampling_params, **logprob_options))
+        pieces: list[str] = []
+        last: dict[str, Any] | None = None
+        async for chunk in await agenerate(prompt=prompt, sampling_params=sampling_params,
+                                           stream=True, **logprob_options):
+            last = _pass_on(chunk, pieces, on_text)
+        return _streamed_result(pieces, last)
 
     def select(self, prompt: str, choices: list[str],
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
@@ -63,31 +69,25 @@ class EngineBackend(Backend):
         that merges with the prompt's last token is scored on the merged token) and each choice's
         logprobs are those of the tokens after its common prefix with the prompt's tokenization.
         The shared prompt prefix is computed once and reused through the radix cache."""
-        prefix_ids = self._encode(prompt)
-        full_ids = [self._encode(prompt + c) for c in choices]
-        starts = [min(max(_common_len(prefix_ids, ids), 1), len(ids) - 1) for ids in full_ids]
-        start = min(starts)
-        outs = self.engine.generate(input_ids=full_ids, sampling_params=_SCORE_PARAMS,
-                                    return_logprob=True, logprob_start_len=start)
-        for out in outs:
-            _raise_if_aborted(out)
-        input_lps = [out["meta_info"]["input_token_logprobs"][s - start:]
-                     for out, s in zip(outs, starts)]
+        scoring = _Scoring(self, prompt, choices, choices_method)
+        outs = self.engine.generate(**scoring.request())
         unconditional = None
-        if choices_method.requires_unconditional_logprobs:
-            unconditional = self._unconditional(input_lps)
-        return choices_method(
-            choices=choices, normalized_prompt_logprobs=[mean_logprob(e) for e in input_lps],
-            input_token_logprobs=input_lps,
-            output_token_logprobs=[out["meta_info"]["output_token_logprobs"] for out in outs],
-            unconditional_token_logprobs=unconditional)
+        if scoring.needs_unconditional:
+            unconditional = self.engine.generate(**scoring.unconditional_request(outs))
+        return scoring.decide(outs, unconditional)
 
-    def _unconditional(self, input_lps: list[list[list[Any]]]) -> list[list[list[Any]]]:
-        """Each choice's scored tokens on their own (no prompt); the first logprob is None."""
-        ids = [[e[1] for e in entries if e[0] is not None] for entries in input_lps]
-        outs = self.engine.generate(input_ids=ids, sampling_params=_SCORE_PARAMS,
-                                    return_logprob=True, logprob_start_len=0)
-        return [out["meta_info"]["input_token_logprobs"] for out in outs]
+    async def aselect(self, prompt: str, choices: list[str],
+                      choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+        """select on the engine's async API."""
+        agenerate = getattr(self.engine, "async_generate", None)
+        if agenerate is None:
+            return await super().aselect(prompt, choices, choices_method)
+        scoring = _Scoring(self, prompt, choices, choices_method)
+        outs = await agenerate(**scoring.request())
+        unconditional = None
+        if scoring.needs_unconditional:
+            unconditional = await agenerate(**scoring.unconditional_request(outs))
+        return scoring.decide(outs, unconditional)
 
     def role_prefix_suffix(self, role: str, history: list[dict[str, str]]) -> tuple[str, str]:
         """Render history + [role: sentinel] with the tokenizer's template and cut at the sentinel;
@@ -148,6 +148,75 @@ class EngineBackend(Backend):
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+class _Scoring:
+    """A select's scoring on the engine, split around its (one or two) engine calls so the blocking
+    and async selects share it: `request()` scores prompt + each choice; with a method that
+    needs them, `unconditional_request(outs)` scores each choice's tokens alone; `decide`."""
+
+    def __init__(self, backend: EngineBackend, prompt: str, choices: list[str],
+                 method: ChoicesSamplingMethod):
+        self.choices, self.method = choices, method
+        prefix_ids = backend._encode(prompt)
+        self.full_ids = [backend._encode(prompt + c) for c in choices]
+        self.starts = [min(max(_common_len(prefix_ids, ids), 1), len(ids) - 1)
+                       for ids in self.full_ids]
+        self.start = min(self.starts)
+        self.needs_unconditional = method.requires_unconditional_logprobs
+
+    def request(self) -> dict[str, Any]:
+        return dict(input_ids=self.full_ids, sampling_params=_SCORE_PARAMS, return_logprob=True,
+                    logprob_start_len=self.start)
+
+    def _input_logprobs(self, outs: list[dict[str, Any]]) -> list[list[list[Any]]]:
+        for out in outs:
+            _raise_if_aborted(out)
+        return [out["meta_info"]["input_token_logprobs"][s - self.start:]
+                for out, s in zip(outs, self.starts)]
+
+    def unconditional_request(self, outs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Each choice's scored tokens on their own (no prompt); their first logprob is None."""
+        ids = [[e[1] for e in entries if e[0] is not None]
+               for entries in self._input_logprobs(outs)]
+        return dict(input_ids=ids, sampling_params=_SCORE_PARAMS, return_logprob=True,
+                    logprob_start_len=0)
+
+    def decide(self, outs: list[dict[str, Any]],
+               unconditional: list[dict[str, Any]] | None) -> ChoicesDecision:
+        input_lps = self._input_logprobs(outs)
+        return self.method(
+            choices=self.choices,
+            normalized_prompt_logprobs=[mean_logprob(e) for e in input_lps],
+            input_token_logprobs=input_lps,
+            output_token_logprobs=[out["meta_info"]["output_token_logprobs"] for out in outs],
+            unconditional_token_logprobs=None if unconditional is None else [
+                out["meta_info"]["input_token_logprobs"] for out in unconditional])
+
+
+def _gen_result(out: Any) -> GenResult:
+    """An engine result (a list of samples when n > 1) as a GenResult; an abort raises."""
+    if isinstance(out, list):
+        for sample in out:
+            _raise_if_aborted(sample)
+        return GenResult(out[0]["text"], out[0]["meta_info"],
+                         [(o["text"], o["meta_info"]) for o in out])
+    _raise_if_aborted(out)
+    return GenResult(out["text"], out["meta_info"])
+
+
+def _pass_on(chunk: dict[str, Any], pieces: list[str], on_text: Callable[[str], None]
+             ) -> dict[str, Any]:
+    if chunk["text"]:
+        pieces.append(chunk["text"])
+        on_text(chunk["text"])
+    return chunk
+
+
+def _streamed_result(pieces: list[str], last: dict[str, Any] | None) -> GenResult:
+    assert last is not None, "an engine stream ends with a final chunk"
+    _raise_if_aborted(last)
+    return GenResult("".join(pieces), last["meta_info"])  # the last chunk has the full meta
 
 
 def _common_len(a: list[int], b: list[int]) -> int:

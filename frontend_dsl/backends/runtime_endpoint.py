@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import httpx
 
-from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
+from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
 from forklm.frontend_dsl.backends.engine_backend import EngineBackend
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod
 from forklm.frontend_dsl.defaults import RunDefaults
@@ -42,6 +44,10 @@ class RuntimeEndpoint(Backend):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        # Async programs' calls: one client per event loop (a client belongs to its loop).
+        self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                                       httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary())
         self.model_info = self.call("GET", "/get_model_info")
         self.tokenizer = _load_tokenizer(self.call("GET", "/v1/programs/tokenizer")["files"])
         self._local = EngineBackend(_RemoteEngine(self, self.tokenizer))  # an EngineClient
@@ -55,6 +61,18 @@ class RuntimeEndpoint(Backend):
     def select(self, prompt: str, choices: list[str],
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
         return self._local.select(prompt, choices, choices_method)
+
+    async def agenerate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
+                             logprob_options: dict[str, Any],
+                             on_text: Callable[[str], None] | None = None) -> GenResult:
+        if on_text is not None:  # streamed: the blocking client, on a thread
+            return await super().agenerate_turn(prompt, turn, sampling_params, logprob_options,
+                                                on_text)
+        return await self._local.agenerate_turn(prompt, turn, sampling_params, logprob_options)
+
+    async def aselect(self, prompt: str, choices: list[str],
+                      choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
+        return await self._local.aselect(prompt, choices, choices_method)
 
     def role_prefix_suffix(self, role: str, history: list[dict[str, str]]) -> tuple[str, str]:
         return self._local.role_prefix_suffix(role, history)
@@ -96,9 +114,21 @@ class RuntimeEndpoint(Backend):
             response = self.client.request(method, path, **kwargs)
         except httpx.HTTPError as e:
             raise BackendError(f"{method} {self.base_url}{path} failed: {e!r}") from e
-        if response.status_code >= 400:
-            _raise_server_error(response.status_code, _error_of(response.text), path)
-        return response.json()
+        return _reply(response, path)
+
+    async def call_async(self, method: str, path: str, **kwargs: Any) -> Any:
+        """`call` on the running event loop (one pooled async client per loop)."""
+        loop = asyncio.get_running_loop()
+        client = self._async_clients.get(loop)
+        if client is None:
+            client = self._async_clients[loop] = httpx.AsyncClient(
+                base_url=self.base_url, headers=self.client.headers, timeout=self.client.timeout,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        try:
+            response = await client.request(method, path, **kwargs)
+        except httpx.HTTPError as e:
+            raise BackendError(f"{method} {self.base_url}{path} failed: {e!r}") from e
+        return _reply(response, path)
 
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The JSON payloads of an SSE reply until `data: [DONE]`; leaving early closes the
@@ -163,20 +193,41 @@ class _RemoteEngine:
                  rid: Any = None, return_text_in_logprobs: bool = True) -> Any:
         """Engine.generate's contract: a result dict (a list for a batch), or with stream=True
         an iterator of chunks whose text/output_ids are increments."""
-        body: dict[str, Any] = {"text": prompt} if prompt is not None else {"input_ids": input_ids}
-        body["sampling_params"] = _params_json(SamplingParams.coerce(sampling_params))
-        if return_logprob:  # entries carry their token text unless asked not to, as in process
-            body.update(return_logprob=True, return_text_in_logprobs=return_text_in_logprobs)
-            options = {"logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
-            body.update({k: v for k, v in options.items() if v is not None})
-        if rid is not None:
-            body["rid"] = rid
+        body = _generate_body(prompt, sampling_params, input_ids, return_logprob,
+                              logprob_start_len, top_logprobs_num, rid, return_text_in_logprobs)
         if stream:
             return _increments(self.endpoint.stream("/generate", {**body, "stream": True}))
         return self.endpoint.call("POST", "/generate", json=body)
 
+    async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
+                             input_ids: Any = None, return_logprob: bool = False,
+                             logprob_start_len: int | None = None,
+                             top_logprobs_num: int | None = None, stream: bool = False,
+                             rid: Any = None, return_text_in_logprobs: bool = True) -> Any:
+        """generate's results over the caller's event loop (async programs; not streamed)."""
+        if stream:
+            raise NotImplementedError("RuntimeEndpoint streams only through its blocking API")
+        body = _generate_body(prompt, sampling_params, input_ids, return_logprob,
+                              logprob_start_len, top_logprobs_num, rid, return_text_in_logprobs)
+        return await self.endpoint.call_async("POST", "/generate", json=body)
+
     def abort(self, rid: str) -> None:
         self.endpoint.call("POST", "/abort_request", json={"rid": rid})
+
+
+def _generate_body(prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
+                   logprob_start_len: int | None, top_logprobs_num: int | None, rid: Any,
+                   return_text_in_logprobs: bool) -> dict[str, Any]:
+    """A /generate request body for Engine.generate's arguments."""
+    body: dict[str, Any] = {"text": prompt} if prompt is not None else {"input_ids": input_ids}
+    body["sampling_params"] = _params_json(SamplingParams.coerce(sampling_params))
+    if return_logprob:  # entries carry their token text unless asked not to, as in process
+        body.update(return_logprob=True, return_text_in_logprobs=return_text_in_logprobs)
+        options = {"logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
+        body.update({k: v for k, v in options.items() if v is not None})
+    if rid is not None:
+        body["rid"] = rid
+    return body
 
 
 def _increments(events: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
@@ -203,6 +254,12 @@ def _load_tokenizer(files: dict[str, str]) -> Any:
         for name, text in files.items():
             (Path(tmp) / Path(name).name).write_text(text, encoding="utf-8")
         return AutoTokenizer.from_pretrained(tmp)
+
+
+def _reply(response: httpx.Response, path: str) -> Any:
+    if response.status_code >= 400:
+        _raise_server_error(response.status_code, _error_of(response.text), path)
+    return response.json()
 
 
 def _error_of(text: str) -> dict[str, Any]:
