@@ -52,6 +52,7 @@ class Executor:
         self._cond = threading.Condition()
         self._running = False
         self._body_thread: int | None = None  # a body running in the background (stream=True)
+        self._on_done: list[Callable[[], None]] = []  # see when_done
         self.events = EventLog(self._cond, self.done)
 
     # -- user thread ---------------------------------------------------------------------------
@@ -101,6 +102,22 @@ class Executor:
         with self._cond:
             self._cond.wait_for(lambda: not self._running)
 
+    def when_done(self, fn: Callable[[], None]) -> None:
+        """Call fn once nothing is queued or running and no background body can append more:
+        now if that holds already, else from the thread that finishes last."""
+        with self._cond:
+            if not self.done():
+                self._on_done.append(fn)
+                return
+        fn()
+
+    def _take_on_done(self) -> list[Callable[[], None]]:
+        """The when_done callbacks due now (hold `_cond`)."""
+        if not self.done():
+            return []
+        due, self._on_done = self._on_done, []
+        return due
+
     def start_body(self, body: Callable[[], None]) -> None:
         """Run the program body in a background thread (stream=True); until it returns, other
         threads' reads of names not yet produced wait for it."""
@@ -112,6 +129,9 @@ class Executor:
                 with self._cond:
                     self._body_thread = None
                     self.events.notify()
+                    due = self._take_on_done()
+                for fn in due:
+                    fn()
 
         thread = threading.Thread(target=run, name="forklm-program-body", daemon=True)
         with self._cond:  # registered before the body can append or anyone can read
@@ -192,7 +212,8 @@ class Executor:
                     self._pending.clear()
                     self._running = False
                     self.events.notify()
-                    return
+                    due = self._take_on_done()
+                    break
                 node = self._queue.popleft()
             try:
                 self._execute(node)
@@ -203,6 +224,8 @@ class Executor:
                 for name in self._names(node):
                     self._pending[name] -= 1
                 self.events.notify()
+        for fn in due:
+            fn()
 
     def _execute(self, node: Any) -> None:
         handler = _handler(node)

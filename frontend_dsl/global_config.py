@@ -25,11 +25,16 @@ class GlobalConfig:
     - `verbosity` (0): kept for SGLang programs that set it; forklm reports through `logging`.
     - `enable_parallel_encoding` (False): joining forks by concatenating their KV caches is not
       something forklm can do (the joined text is prefilled as text), so setting it to True raises.
+    And forklm's own:
+    - `pin_program_context` (True): each program run holds an engine session, so the context
+      its gens end with stays pinned in the radix cache while it runs (see SessionClient);
+      False runs every gen as a plain request.
     Setting an unknown name raises AttributeError (a misspelt setting would otherwise do nothing).
     """
 
     _BOOLS = ("enable_precache_with_tracing", "skip_special_tokens_in_output",
-              "spaces_between_special_tokens_in_out", "enable_parallel_encoding")
+              "spaces_between_special_tokens_in_out", "enable_parallel_encoding",
+              "pin_program_context")
 
     def __init__(self) -> None:
         self.verbosity = 0
@@ -37,6 +42,7 @@ class GlobalConfig:
         self.skip_special_tokens_in_output = True
         self.spaces_between_special_tokens_in_out = True
         self.enable_parallel_encoding = False
+        self.pin_program_context = True
 
     @property
     def default_backend(self) -> Any:

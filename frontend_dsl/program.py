@@ -102,11 +102,15 @@ class Program:
                                 "plain ones (an async program reads s.text_async_iter())")
             return asyncio.run(self.run_async(*args, backend=backend, **kwargs))
         call_args, defaults = self._split(args, {**global_config.run_defaults(), **kwargs})
-        state = ProgramState(Executor(as_backend(backend), defaults))
-        if stream:
-            state._ex.start_body(lambda: self._call_recording(state, call_args))
-        else:
-            self._invoke(state, call_args)
+        backend_obj, release = with_session(as_backend(backend))
+        state = ProgramState(Executor(backend_obj, defaults))
+        try:
+            if stream:
+                state._ex.start_body(lambda: self._call_recording(state, call_args))
+            else:
+                self._invoke(state, call_args)
+        finally:  # the session ends with the program (appends after that run unpinned)
+            state._ex.when_done(release)
         return state
 
     def run_batch(self, batch_kwargs: list[Any], *, backend: Any = None,
@@ -225,6 +229,7 @@ class Program:
         from forklm.frontend_dsl.async_executor import AsyncExecutor
         from forklm.frontend_dsl.async_state import AsyncProgramState
 
+        backend, release = with_session(backend)
         ex = AsyncExecutor(backend, defaults)
         try:
             try:
@@ -235,6 +240,8 @@ class Program:
         except BaseException:
             ex.cancel()
             raise
+        finally:
+            release()  # queued, not awaited: a cancelled run releases its pins too
         ex.seal()
         return ProgramState(ex)
 
@@ -267,9 +274,13 @@ class Program:
     def _run_to_end(self, backend: Backend, item: dict[str, Any],
                     defaults: dict[str, Any]) -> ProgramState:
         call_args, run_defaults = self._split((), {**defaults, **item})
+        backend, release = with_session(backend)
         state = ProgramState(Executor(backend, run_defaults))
-        self._call_recording(state, call_args)
-        state._ex.wait()
+        try:
+            self._call_recording(state, call_args)
+            state._ex.wait()
+        finally:
+            release()
         return state
 
     def _invoke(self, state: ProgramState, bound: inspect.BoundArguments) -> None:
@@ -309,6 +320,17 @@ class Program:
         bound = self.signature.bind(None, *args, **prog_kwargs)
         bound.apply_defaults()
         return bound, defaults
+
+
+def with_session(backend: Backend) -> tuple[Backend, Callable[[], None]]:
+    """The backend one program run uses, holding an engine session for the run when the backend
+    has them and global_config.pin_program_context is on, and the function that releases it."""
+    bound = backend.with_session() if global_config.pin_program_context else None
+    return bound if bound is not None else (backend, _nothing)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _show_progress(futures: list[Future]) -> None:

@@ -127,6 +127,19 @@ class Engine:
         """Open a session (SGLang's open_session): requests sent with session_params={"id": it}
         leave the sequence they end with pinned in the radix cache until the session closes or
         idles (EngineConfig.session_idle_timeout_s). Returns its id (a fresh one by default)."""
+        sid, opened = self._open_session_on_loop(session_id)
+        if not opened.result():
+            raise InvalidArgumentError("session_id", sid, "a session of that id is already open")
+        return sid
+
+    async def async_open_session(self, session_id: str | None = None) -> str:
+        """open_session, awaited on the caller's event loop (no thread waits for the step)."""
+        sid, opened = self._open_session_on_loop(session_id)
+        if not await asyncio.wrap_future(opened):
+            raise InvalidArgumentError("session_id", sid, "a session of that id is already open")
+        return sid
+
+    def _open_session_on_loop(self, session_id: str | None) -> tuple[str, Future]:
         pins = self.parts.kv.pins
         if pins is None:
             raise InvalidArgumentError("session", session_id, "sessions pin prefixes in the radix "
@@ -134,14 +147,16 @@ class Engine:
         sid = uuid.uuid4().hex if session_id is None else session_id
         if not isinstance(sid, str) or not sid or len(sid) > 256:
             raise InvalidArgumentError("session_id", session_id, "expected a non-empty string")
-        if not self._loop.call(lambda: pins.open(sid)):
-            raise InvalidArgumentError("session_id", sid, "a session of that id is already open")
-        return sid
+        return sid, self._loop.call_soon(lambda: pins.open(sid))
 
-    def close_session(self, session_id: str) -> bool:
-        """Release a session's pinned prefixes and forget it; False when it was not open."""
+    def close_session(self, session_id: str, wait: bool = True) -> bool:
+        """Release a session's pinned prefixes and forget it; False when it was not open. With
+        wait=False the release is queued for the engine thread and this returns True at once."""
         pins = self.parts.kv.pins
-        return pins is not None and bool(self._loop.call(lambda: pins.close(session_id)))
+        if pins is None:
+            return False
+        closed = self._loop.call_soon(lambda: pins.close(session_id))
+        return bool(closed.result()) if wait else True
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are in flight."""

@@ -49,6 +49,10 @@ class EngineLoop:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run fn on the engine thread (between steps) and return its result."""
+        return self.call_soon(fn).result()
+
+    def call_soon(self, fn: Callable[[], Any]) -> Future:
+        """Queue fn for the engine thread (between steps); the future gets its result."""
         fut: Future = Future()
 
         def run() -> None:
@@ -58,7 +62,7 @@ class EngineLoop:
                 fut.set_exception(e)
 
         self.post(run)
-        return fut.result()
+        return fut
 
     def submit(self, reqs: list[Req]) -> None:
         """Queue reqs (their sinks set) together: they join the same scheduling step."""

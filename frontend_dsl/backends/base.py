@@ -76,6 +76,12 @@ class Backend:
         """select, awaited."""
         return await asyncio.to_thread(self.select, prompt, choices, choices_method)
 
+    def with_session(self) -> tuple[Backend, Callable[[], None]] | None:
+        """For one program run: a view of this backend whose calls share one engine session (the
+        context each gen ends with stays pinned while the program goes on), and the function
+        that releases it. None when this backend has no sessions."""
+        return None
+
     def role_prefix_suffix(self, role: str, history: list[dict[str, str]]) -> tuple[str, str]:
         """The chat template's text before and after a `role` message that follows `history`."""
         raise NotImplementedError(f"{type(self).__name__}.role_prefix_suffix")

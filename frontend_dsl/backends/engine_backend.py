@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
+from forklm.frontend_dsl.backends.session_client import SessionClient
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from forklm.frontend_dsl.global_config import __version__
 from forklm.runtime.engine import Engine
@@ -119,6 +121,16 @@ class EngineBackend(Backend):
             return None
         content = implied[len(head):len(implied) - len(tail)]
         return content if content.strip() else None
+
+    def with_session(self) -> tuple[Backend, Callable[[], None]] | None:
+        """A copy of this backend on a SessionClient of its engine (an engine client without
+        sessions, like the server's program runner, which has its own: None)."""
+        if not (hasattr(self.engine, "open_session") and hasattr(self.engine, "close_session")):
+            return None
+        client = SessionClient(self.engine)
+        view = copy.copy(self)
+        view.engine = client
+        return view, client.close
 
     def cache_prefix(self, prompt: str) -> None:
         self.engine.generate(prompt=prompt, sampling_params=_SCORE_PARAMS)

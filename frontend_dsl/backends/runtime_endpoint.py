@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -73,6 +75,17 @@ class RuntimeEndpoint(Backend):
     async def aselect(self, prompt: str, choices: list[str],
                       choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
         return await self._local.aselect(prompt, choices, choices_method)
+
+    def with_session(self) -> tuple[Backend, Callable[[], None]] | None:
+        """A copy whose calls carry one server session (/open_session at the first gen,
+        session_params on every /generate, /close_session when the program ends)."""
+        inner = self._local.with_session()
+        if inner is None:
+            return None
+        local, close = inner
+        view = copy.copy(self)
+        view._local = local  # type: ignore[assignment]
+        return view, close
 
     def role_prefix_suffix(self, role: str, history: list[dict[str, str]]) -> tuple[str, str]:
         return self._local.role_prefix_suffix(role, history)
@@ -190,11 +203,13 @@ class _RemoteEngine:
     def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                  return_logprob: bool = False, logprob_start_len: int | None = None,
                  top_logprobs_num: int | None = None, stream: bool = False,
-                 rid: Any = None, return_text_in_logprobs: bool = True) -> Any:
+                 rid: Any = None, return_text_in_logprobs: bool = True,
+                 session_params: Any = None) -> Any:
         """Engine.generate's contract: a result dict (a list for a batch), or with stream=True
         an iterator of chunks whose text/output_ids are increments."""
         body = _generate_body(prompt, sampling_params, input_ids, return_logprob,
-                              logprob_start_len, top_logprobs_num, rid, return_text_in_logprobs)
+                              logprob_start_len, top_logprobs_num, rid, return_text_in_logprobs,
+                              session_params)
         if stream:
             return _increments(self.endpoint.stream("/generate", {**body, "stream": True}))
         return self.endpoint.call("POST", "/generate", json=body)
@@ -203,13 +218,39 @@ class _RemoteEngine:
                              input_ids: Any = None, return_logprob: bool = False,
                              logprob_start_len: int | None = None,
                              top_logprobs_num: int | None = None, stream: bool = False,
-                             rid: Any = None, return_text_in_logprobs: bool = True) -> Any:
+                             rid: Any = None, return_text_in_logprobs: bool = True,
+                             session_params: Any = None) -> Any:
         """generate's results over the caller's event loop (async programs; not streamed)."""
         if stream:
             raise NotImplementedError("RuntimeEndpoint streams only through its blocking API")
         body = _generate_body(prompt, sampling_params, input_ids, return_logprob,
-                              logprob_start_len, top_logprobs_num, rid, return_text_in_logprobs)
+                              logprob_start_len, top_logprobs_num, rid, return_text_in_logprobs,
+                              session_params)
         return await self.endpoint.call_async("POST", "/generate", json=body)
+
+    # Sessions (the server's /open_session and /close_session; see SessionClient).
+    def open_session(self) -> str:
+        sid: str = self.endpoint.call("POST", "/open_session", json={})
+        return sid
+
+    async def async_open_session(self) -> str:
+        sid: str = await self.endpoint.call_async("POST", "/open_session", json={})
+        return sid
+
+    def close_session(self, session_id: str, wait: bool = True) -> bool:
+        """With wait=False the request is sent from a thread of its own (a program's close
+        must not wait, nor be cancelled with the program's task)."""
+        def close() -> bool:
+            try:
+                self.endpoint.call("POST", "/close_session", json={"session_id": session_id})
+            except (InvalidArgumentError, BackendError):  # unknown by now (idled out), or down
+                return False
+            return True
+
+        if wait:
+            return close()
+        threading.Thread(target=close, name="forklm-close-session", daemon=True).start()
+        return True
 
     def abort(self, rid: str) -> None:
         self.endpoint.call("POST", "/abort_request", json={"rid": rid})
@@ -217,7 +258,7 @@ class _RemoteEngine:
 
 def _generate_body(prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
                    logprob_start_len: int | None, top_logprobs_num: int | None, rid: Any,
-                   return_text_in_logprobs: bool) -> dict[str, Any]:
+                   return_text_in_logprobs: bool, session_params: Any) -> dict[str, Any]:
     """A /generate request body for Engine.generate's arguments."""
     body: dict[str, Any] = {"text": prompt} if prompt is not None else {"input_ids": input_ids}
     body["sampling_params"] = _params_json(SamplingParams.coerce(sampling_params))
@@ -227,6 +268,8 @@ def _generate_body(prompt: Any, sampling_params: Any, input_ids: Any, return_log
         body.update({k: v for k, v in options.items() if v is not None})
     if rid is not None:
         body["rid"] = rid
+    if session_params is not None:
+        body["session_params"] = session_params
     return body
 
 
