@@ -75,6 +75,10 @@ def _serve(args: argparse.Namespace) -> int:
     except InvalidArgumentError as e:
         print(f"forklm serve: error: {e}", file=sys.stderr)
         return 2
+    if engine_config.node_rank > 0:  # another machine's tensor-parallel ranks: no server here
+        from forklm.runtime.distributed import run_worker_node
+
+        return run_worker_node(engine_config)
     return serve(engine_config, server_config)
 
 

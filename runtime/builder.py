@@ -75,26 +75,20 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     spec = spec_from_config(hf)
     dtype = getattr(torch, config.torch_dtype_name)
     context_len = config.context_length or hf.max_position_embeddings
-    keep_quantized = keeps_gguf_quantized(config, loaded)
-    model = build_model(loaded, spec, dtype, config.device, context_len,
-                        keep_quantized=keep_quantized,
-                        dense_copies=config.quantization is None,
-                        fp16_weights=uses_fp16_weights(config, keep_quantized))
-    capacity = _kv_capacity(config, spec, dtype, context_len)
-    pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
-    cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
-    kv = KVCacheManager(pool, cache, max_rows=config.max_running_requests + 1,
-                        max_context=min(context_len, capacity),
-                        pinned_fraction=config.session_pinned_fraction,
-                        pin_idle_s=config.session_idle_timeout_s)
-    attn: AttentionBackend
-    if config.enable_deterministic_inference:
-        make_batch_invariant(model)
-        attn = BatchInvariantAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                       model.attention_layers)
+    runner: ModelRunner
+    if config.tp_size > 1:  # this process is rank 0: it starts the other ranks, then its shard
+        from forklm.runtime.distributed import start_tensor_parallel
+
+        tp = start_tensor_parallel(config, loaded, spec)
+        pool, capacity = tp.shard.pool, tp.shard.pool.capacity
+        kv = _kv_manager(config, pool, context_len)
+        runner = tp.runner(kv, spec.vocab_size)
     else:
-        attn = create_attention_backend(config.resolved_attention_backend, pool, spec.num_heads,
-                                        spec.num_kv_heads, spec.head_dim, model.attention_layers)
+        model = build_model_for(config, loaded, spec, context_len)
+        capacity = kv_capacity(config, spec, dtype, context_len)
+        pool, attn = build_kv_and_attention(config, spec, model, capacity)
+        kv = _kv_manager(config, pool, context_len)
+        runner = ModelRunner(model, attn, kv, config.device)
     logger.info("model %s (%s, %s), KV capacity %d tokens", loaded.source, spec.model_type, dtype,
                 capacity)
     eos_token_ids = frozenset(loaded.eos_token_ids)
@@ -102,7 +96,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         config=config, model_config=hf, tokenizer=loaded.tokenizer,
         eos_token_ids=eos_token_ids, context_len=context_len,
         vocab_size=spec.vocab_size, kv=kv, scheduler=Scheduler(config, kv),
-        runner=ModelRunner(model, attn, kv, config.device),
+        runner=runner,
         # The logits are vocab_size wide, which may exceed the tokenizer's length.
         grammar=GrammarBackend.for_tokenizer(
             loaded.tokenizer, spec.vocab_size, loaded.eos_token_ids,
@@ -111,6 +105,39 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
                              eos_token_ids, config.random_seed),
     )
+
+
+def build_model_for(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec,
+                    context_len: int) -> CausalLM:
+    """The model `config` asks for (dtype, device, quantized or not) with `loaded`'s weights;
+    under tensor parallelism `spec` and `loaded` are this rank's shard of them."""
+    keep_quantized = keeps_gguf_quantized(config, loaded)
+    return build_model(loaded, spec, getattr(torch, config.torch_dtype_name), config.device,
+                       context_len, keep_quantized=keep_quantized,
+                       dense_copies=config.quantization is None,
+                       fp16_weights=uses_fp16_weights(config, keep_quantized))
+
+
+def build_kv_and_attention(config: EngineConfig, spec: ModelSpec, model: CausalLM,
+                           capacity: int) -> tuple[KVPool, AttentionBackend]:
+    """The KV pool of `capacity` slots for `spec`'s KV heads and the attention backend over it."""
+    dtype = getattr(torch, config.torch_dtype_name)
+    pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
+    if config.enable_deterministic_inference:
+        make_batch_invariant(model)
+        return pool, BatchInvariantAttention(pool, spec.num_heads, spec.num_kv_heads,
+                                             spec.head_dim, model.attention_layers)
+    return pool, create_attention_backend(config.resolved_attention_backend, pool, spec.num_heads,
+                                          spec.num_kv_heads, spec.head_dim,
+                                          model.attention_layers)
+
+
+def _kv_manager(config: EngineConfig, pool: KVPool, context_len: int) -> KVCacheManager:
+    cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
+    return KVCacheManager(pool, cache, max_rows=config.max_running_requests + 1,
+                          max_context=min(context_len, pool.capacity),
+                          pinned_fraction=config.session_pinned_fraction,
+                          pin_idle_s=config.session_idle_timeout_s)
 
 
 def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device: str,
@@ -155,8 +182,8 @@ def uses_fp16_weights(config: EngineConfig, keep_quantized: bool) -> bool:
 def keeps_gguf_quantized(config: EngineConfig, loaded: LoadedModel) -> bool:
     """quantization="gguf" keeps a GGUF's blocks; "none" dequantizes; unset (auto) keeps them
     where that is faster at batch 1 (see runtime/quant/), never under dtype="float32", which is
-    the exact path (token-identical to transformers' own GGUF load)."""
-    if not loaded.is_gguf or config.quantization == "none":
+    the exact path (token-identical to transformers' own GGUF load), nor split over ranks."""
+    if not loaded.is_gguf or config.quantization == "none" or config.tp_size > 1:
         return False
     if config.quantization == "gguf":
         return True
@@ -165,8 +192,9 @@ def keeps_gguf_quantized(config: EngineConfig, loaded: LoadedModel) -> bool:
     return config.dtype != "float32" and quantized_is_faster(config.device)
 
 
-def _kv_capacity(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context_len: int) -> int:
-    """Called after the weights are loaded (a GPU's free memory then counts them)."""
+def kv_capacity(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context_len: int) -> int:
+    """KV slots for `spec`'s KV heads (a rank's own under tensor parallelism). Called after the
+    weights are loaded (a GPU's free memory then counts them)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import pathlib
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -89,6 +90,17 @@ class EngineConfig:
     session_pinned_fraction: float = 0.25
     # ... and a session idle this long loses its pins (it stays open).
     session_idle_timeout_s: float = 120.0
+    # SGLang's --tp-size: the model split Megatron-style over this many ranks (processes; one GPU
+    # each on CUDA), see runtime/distributed/. Rank 0 schedules and samples; the others forward
+    # their shard only. Token-identical to tp_size=1 in float32 up to the summation order.
+    tp_size: int = 1
+    # SGLang's --nnodes / --node-rank / --dist-init-addr: the tp_size ranks spread evenly over
+    # machines. Node 0 serves; the others (`forklm serve --node-rank N`) run workers only.
+    # dist_init_addr is node 0's host:port for torch.distributed's TCP rendezvous; None = a free
+    # port on 127.0.0.1 (one machine only).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         check_field(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
@@ -139,6 +151,41 @@ class EngineConfig:
                     "sizes the KV pool from a GPU's memory; on the CPU set "
                     "max_total_tokens_fraction (of free RAM) or max_total_tokens")
         self._check_speculative()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        check_field(self.tp_size >= 1, "tp_size", self.tp_size, "must be >= 1")
+        check_field(self.nnodes >= 1 and self.tp_size % self.nnodes == 0, "nnodes", self.nnodes,
+                    f"must be >= 1 and divide tp_size ({self.tp_size})")
+        check_field(0 <= self.node_rank < self.nnodes, "node_rank", self.node_rank,
+                    f"must be in [0, nnodes={self.nnodes})")
+        check_field(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr",
+                    self.dist_init_addr, "several nodes need node 0's host:port to meet at")
+        check_field(self.dist_init_addr is None or _is_host_port(self.dist_init_addr),
+                    "dist_init_addr", self.dist_init_addr,
+                    "expected host:port (or tcp://host:port)")
+        if self.tp_size == 1:
+            return
+        check_field(self.quantization != "gguf", "quantization", self.quantization,
+                    "GGUF blocks kept quantized are not split across ranks; with tp_size > 1 "
+                    "leave it unset or 'none' (the GGUF is dequantized)")
+        check_field(not self.enable_deterministic_inference, "enable_deterministic_inference",
+                    True, "not implemented with tp_size > 1")
+        check_field(self.device == "cpu" or self.device == "cuda", "device", self.device,
+                    "with tp_size > 1 use 'cuda' (rank r takes the node's r-th GPU) or 'cpu'")
+
+    @property
+    def local_tp_size(self) -> int:
+        """Tensor-parallel ranks on each node."""
+        return self.tp_size // self.nnodes
+
+    @property
+    def threads_per_rank(self) -> int | None:
+        """CPU threads each rank's torch uses: num_threads, or under tensor parallelism this
+        node's cores shared evenly by its ranks (None = torch's default)."""
+        if self.num_threads or self.tp_size == 1:
+            return self.num_threads
+        return max(1, len(os.sched_getaffinity(0)) // self.local_tp_size)
 
     def _check_speculative(self) -> None:
         check_field(self.speculative_algorithm in SPECULATIVE_ALGORITHMS, "speculative_algorithm",
@@ -214,3 +261,8 @@ def check_field(ok: bool, name: str, value: object, why: str) -> None:
     """Config validation: raise InvalidArgumentError naming the field unless `ok`."""
     if not ok:
         raise InvalidArgumentError(name, value, why)
+
+
+def _is_host_port(addr: str) -> bool:
+    host, sep, port = addr.removeprefix("tcp://").rpartition(":")
+    return bool(host and sep and port.isdigit() and 0 < int(port) < 65536)

@@ -15,7 +15,7 @@ import torch
 
 from forklm.runtime.builder import EngineParts
 from forklm.runtime.engine_stats import EngineStats
-from forklm.runtime.errors import EngineShutdownError
+from forklm.runtime.errors import EngineShutdownError, WorkerLostError
 from forklm.runtime.output_processor import StepTokens, fail, finish, process_logits
 from forklm.runtime.request import FinishReason, Req, ReqOutput
 from forklm.runtime.scheduler import ScheduledBatch
@@ -80,27 +80,52 @@ class EngineLoop:
 
     # -- the thread (engine thread only below) -------------------------------------------------
     def _run(self) -> None:
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
+        threads = self.config.threads_per_rank
+        previous = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
         pins = self.parts.kv.pins
-        while not self.closed:
-            self._drain_inbox(block=not self.parts.scheduler.has_work)
-            if not self.closed:
-                self._guarded_step()
-                if pins is not None:
-                    pins.expire(time.monotonic())
+        try:
+            while not self.closed:
+                self._drain_inbox(block=not self.parts.scheduler.has_work)
+                if not self.closed:
+                    self._guarded_step()
+                    if pins is not None:
+                        pins.expire(time.monotonic())
+        finally:
+            self._close_now()
+            if threads:
+                torch.set_num_threads(previous)
 
     def _guarded_step(self) -> None:
-        """A bug in a step must not hang callers: fail every active request loudly instead."""
+        """A bug in a step must not hang callers: fail every active request loudly instead. A
+        lost tensor-parallel worker ends the loop: no later step could run."""
         try:
+            self.parts.runner.check_health()
             self._step()
             if self.config.debug_check_invariants:
                 self.parts.kv.check_invariants(self.parts.scheduler.active_reqs())
+        except WorkerLostError as e:
+            logger.error("engine stopped: %s", e)
+            self.last_error = e
+            for rid in list(self._reqs):
+                self._abort_now(rid, f"engine stopped: {e}")
+            self.closed = True
         except Exception as e:
             logger.exception("engine step failed; aborting all requests")
             self.last_error = e
             for rid in list(self._reqs):
                 self._abort_now(rid, f"internal error: {e!r}")
+
+    def _close_now(self) -> None:
+        """The thread's last act: calls posted as it closed still run (a request they submit is
+        aborted at once), then the runner releases its workers."""
+        try:
+            self._drain_inbox(block=False)
+            for rid in list(self._reqs):
+                self._abort_now(rid, "engine shut down")
+        finally:
+            self.parts.runner.close()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -134,6 +159,8 @@ class EngineLoop:
             logits, layout = self.parts.runner.forward(batch)
             forward_s = time.perf_counter() - t1
             return process_logits(batch, logits, layout, self.parts.grammar), forward_s
+        except WorkerLostError:  # not the batch's fault: rerunning its halves cannot help
+            raise
         except Exception as e:
             if len(batch.reqs) == 1:
                 logger.exception("request %s failed its engine step", batch.reqs[0].rid)

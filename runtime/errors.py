@@ -34,3 +34,8 @@ class KVCacheFullError(ForkLMError, RuntimeError):
 
 class EngineShutdownError(ForkLMError, RuntimeError):
     """A request was submitted to, or was pending in, an engine that has shut down."""
+
+
+class WorkerLostError(EngineShutdownError):
+    """A tensor-parallel rank died or a collective with it failed: the engine cannot run another
+    step, so it fails its requests and shuts down."""

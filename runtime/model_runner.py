@@ -36,10 +36,18 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[LogitsRows]]:
         """-> (logits [num_rows, vocab] fp32, per-request row layout)."""
         fb, layout = self._build(batch)
-        logits = self.model(fb, self.attn)
+        logits = self.model(fb.to(self.device), self.attn)
         # Sampling, grammar masks and logprobs run on the CPU; on a GPU this costs one copy of
         # [rows, vocab] per step (a GPU-side sampler is future work).
         return logits.cpu(), layout
+
+    def check_health(self) -> None:
+        """Called by the engine loop between steps; raises WorkerLostError when the forward can
+        no longer run (a tensor-parallel rank died). One process: nothing to check."""
+
+    def close(self) -> None:
+        """Release what the runner started (tensor-parallel workers); the engine loop calls it
+        once, when it ends."""
 
     def _build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[LogitsRows]]:
         ids: list[int] = []
@@ -74,8 +82,8 @@ class ModelRunner:
         kv_lens_t = torch.tensor(kv_lens)
         slot_table = self.kv.req_to_token[rows_t, : int(kv_lens_t.max())]
         positions_t = torch.tensor(positions)
-        # Built on the CPU (the slot rows live there), then moved to the model's device at once.
-        tensors = dict(
+        # Built on the CPU (the slot rows live there); forward moves it to the model's device.
+        fb = ForwardBatch(
             input_ids=torch.tensor(ids),
             positions=positions_t,
             out_slots=self.kv.req_to_token[torch.repeat_interleave(rows_t, q_lens_t), positions_t],
@@ -84,10 +92,8 @@ class ModelRunner:
             slot_table=slot_table,
             q_index=q_index_t,
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
+            max_q_len=max_q, is_decode=batch.is_decode,
         )
-        if self.device.type != "cpu":
-            tensors = {k: v.to(self.device, non_blocking=True) for k, v in tensors.items()}
-        fb = ForwardBatch(**tensors, max_q_len=max_q, is_decode=batch.is_decode)
         return fb, layout
 
 

@@ -139,18 +139,19 @@ ARCHITECTURES: dict[str, TinyArch] = {
 }
 
 
-def tiny_config(name: str, tokenizer) -> transformers.PretrainedConfig:
-    """ARCHITECTURES[name]'s config: 64 wide, 4 heads over 2 KV heads, the tokenizer's vocabulary."""
-    return ARCHITECTURES[name].make_config(_common(tokenizer))
+def tiny_config(name: str, tokenizer, **overrides: Any) -> transformers.PretrainedConfig:
+    """ARCHITECTURES[name]'s config: 64 wide, 4 heads over 2 KV heads, the tokenizer's vocabulary
+    (`overrides` replace any of those common fields)."""
+    return ARCHITECTURES[name].make_config({**_common(tokenizer), **overrides})
 
 
 def build_tiny_model(name: str, folder: pathlib.Path | str, tokenizer,
-                     seed: int = 0) -> transformers.PreTrainedModel:
+                     seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
     """Build ARCHITECTURES[name] with random fp32 weights (scaled by its weight_scale, norm weights
     jittered), save it and `tokenizer` into `folder` (safetensors), and return it in eval mode on
-    transformers' eager attention."""
+    transformers' eager attention. `overrides` change common config fields (tiny_config)."""
     arch = ARCHITECTURES[name]
-    config = tiny_config(name, tokenizer)
+    config = tiny_config(name, tokenizer, **overrides)
     config._attn_implementation = "eager"  # the plainest reference: explicit masks and soft-caps
     torch.manual_seed(seed)
     model = arch.model_class(config).float().eval()

@@ -1,0 +1,86 @@
+"""A worker rank: joins the group, loads its shard, then runs the model on every batch rank 0
+broadcasts until told to stop. It schedules nothing and samples nothing."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import torch
+
+from forklm.runtime.config import EngineConfig
+from forklm.runtime.distributed.group import TPGroup, init_group, leave_group
+from forklm.runtime.distributed.processes import WorkerProcesses
+from forklm.runtime.distributed.shard import ModelShard, build_model_shard
+from forklm.runtime.distributed.step_channel import Command, receive_step
+
+logger = logging.getLogger(__name__)
+
+
+def main(rank: int, config: EngineConfig, init_addr: str) -> None:
+    """A spawned worker process's entry point."""
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"%(levelname)s tp{rank} %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: rank 0 decides when its workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(run_worker(rank, config, init_addr))
+
+
+def run_worker(rank: int, config: EngineConfig, init_addr: str) -> int:
+    """Serve as `rank` until rank 0 says stop (0) or the group breaks (1)."""
+    from forklm.runtime.model_loader import load_model
+    from forklm.runtime.models import spec_from_config
+
+    device = rank_device(config, rank)
+    if config.threads_per_rank:
+        torch.set_num_threads(config.threads_per_rank)
+    group = init_group(rank, config.tp_size, init_addr, device)
+    try:
+        config = group.share_from_first(None)  # rank 0's settings, whatever this node was given
+        loaded = load_model(config.model_path, config.revision, config.tokenizer_path)
+        shard = build_model_shard(config, loaded, spec_from_config(loaded.config), group, None)
+        serve_steps(shard, group)
+        return 0
+    except Exception:
+        logger.exception("tensor-parallel rank %d stopped", rank)
+        return 1
+    finally:
+        leave_group()
+
+
+def serve_steps(shard: ModelShard, group: TPGroup) -> None:
+    """The worker loop: one command from rank 0 at a time."""
+    while True:
+        command, batch = receive_step(group)
+        if command == Command.SHUTDOWN:
+            return
+        if command == Command.PING:
+            group.ping()
+            continue
+        assert batch is not None
+        logits = shard.model(batch.to(group.device), shard.attn)  # [rows, vocab / tp_size]
+        group.gather_to_first(logits)
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """`forklm serve --node-rank N` (N > 0): run this node's ranks, the first in this process,
+    until node 0 shuts down. SIGTERM stops them all."""
+    assert config.node_rank > 0 and config.dist_init_addr is not None
+    first = config.node_rank * config.local_tp_size
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the rest
+    workers = WorkerProcesses.spawn(config, config.dist_init_addr,
+                                    range(first + 1, first + config.local_tp_size))
+    try:
+        return run_worker(first, config, config.dist_init_addr)
+    finally:
+        workers.stop()
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    """The device `rank` runs on: the CPU, or its node's GPU number rank % local_tp_size."""
+    if config.device == "cpu":
+        return "cpu"
+    local = rank % config.local_tp_size
+    torch.cuda.set_device(local)
+    return f"cuda:{local}"
