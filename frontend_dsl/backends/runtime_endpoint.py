@@ -46,6 +46,8 @@ class RuntimeEndpoint(Backend):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self._lock = threading.Lock()
+        self._background: set[threading.Thread] = set()  # see in_background
         # Async programs' calls: one client per event loop (a client belongs to its loop).
         self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
                                                        httpx.AsyncClient] = (
@@ -179,7 +181,27 @@ class RuntimeEndpoint(Backend):
         info: dict[str, Any] = self.call("GET", "/get_server_info")
         return info
 
+    def in_background(self, fn: Callable[[], Any]) -> None:
+        """Run fn on a thread of its own; close() waits for it before closing the client."""
+        def run() -> None:
+            try:
+                fn()
+            finally:
+                with self._lock:
+                    self._background.discard(thread)
+
+        thread = threading.Thread(target=run, name="forklm-endpoint-background", daemon=True)
+        with self._lock:  # started before close() can see it
+            self._background.add(thread)
+            thread.start()
+
     def close(self) -> None:
+        """Wait (up to the client's timeout) for the calls still running in the background (the
+        closes of programs' sessions), then close the HTTP client."""
+        with self._lock:
+            pending = list(self._background)
+        for thread in pending:
+            thread.join(timeout=self.client.timeout.read or 60.0)
         self.client.close()
 
     def _finished_state(self, result: dict[str, Any], defaults: dict[str, Any]) -> ProgramState:
@@ -239,7 +261,8 @@ class _RemoteEngine:
 
     def close_session(self, session_id: str, wait: bool = True) -> bool:
         """With wait=False the request is sent from a thread of its own (a program's close
-        must not wait, nor be cancelled with the program's task)."""
+        must not wait, nor be cancelled with the program's task); RuntimeEndpoint.close()
+        waits for those."""
         def close() -> bool:
             try:
                 self.endpoint.call("POST", "/close_session", json={"session_id": session_id})
@@ -249,7 +272,7 @@ class _RemoteEngine:
 
         if wait:
             return close()
-        threading.Thread(target=close, name="forklm-close-session", daemon=True).start()
+        self.endpoint.in_background(close)
         return True
 
     def abort(self, rid: str) -> None:
