@@ -273,9 +273,10 @@ def test_two_nodes_serve_and_a_lost_node_turns_health_red(tmp_path, tokenizer, p
             assert served == _ids(single.generate(input_ids=prompts[:4], sampling_params=GREEDY))
         worker.kill()  # node 1 vanishes: rank 0's next ping fails
         lost = time.monotonic()
-        while httpx.get(base + "/health", timeout=2).status_code == 200:
+        while (health := httpx.get(base + "/health", timeout=2)).status_code == 200:
             assert time.monotonic() - lost < 15, "health still green"
             time.sleep(0.2)
+        assert "tensor-parallel worker lost" in health.json()["reason"]
         assert httpx.post(base + "/generate", json=body, timeout=10).status_code >= 400
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0, server.stdout.read().decode()

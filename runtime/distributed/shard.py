@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+import torch
 
 from forklm.runtime import builder
 from forklm.runtime.attention import AttentionBackend
@@ -27,7 +29,8 @@ class ModelShard:
     model: CausalLM  # forward -> this rank's logits slice [rows, plan.vocab_size]
     pool: KVPool
     attn: AttentionBackend
-    # Rank 0 only: bytes of weights each rank holds, in rank order (None on the others).
+    # Rank 0 only: bytes of weights each rank holds (its checkpoint slices in the engine's dtype,
+    # however packed), in rank order; None on the others.
     weight_bytes: list[int] | None
 
 
@@ -36,14 +39,20 @@ def build_model_shard(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec
     """Every rank calls this together. Rank 0 passes kv_capacity (slots from its own memory,
     for its shard's KV heads) and the others adopt that number."""
     plan = ShardPlan(spec, group.rank, group.size)
-    sliced = dataclasses.replace(
-        loaded, weights=lambda keep_quantized=False: shard_weights(loaded.weights(False), plan))
+    numel = [0]  # of the slices streamed in: the rank's weights as dense tensors
+
+    def counted(keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in shard_weights(loaded.weights(False), plan):
+            numel[0] += tensor.numel()
+            yield name, tensor
+
+    sliced = dataclasses.replace(loaded, weights=counted)
     context_len = config.context_length or loaded.config.max_position_embeddings
     model = parallelize(builder.build_model_for(config, sliced, plan.local_spec, context_len),
                         plan, group)
     capacity = group.share_from_first(kv_capacity(plan.local_spec) if kv_capacity else None)
     pool, attn = builder.build_kv_and_attention(config, plan.local_spec, model, capacity)
-    own = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    own = numel[0] * getattr(torch, config.torch_dtype_name).itemsize
     weight_bytes = group.gather_objects(own)
     logger.info("rank %d: %d/%d heads, KV heads %s, %.1f MiB of weights", group.rank,
                 plan.num_heads, spec.num_heads, plan.kv_heads, own / 2**20)
