@@ -35,6 +35,7 @@ class Engine:
         self.tokenizer = self.parts.tokenizer
         self.model_info: ModelInfo = self.parts.model_info()
         self._loop = EngineLoop(self.parts)
+        self._opening: set[str] = set()  # sessions opened without waiting, not yet open
 
     @property
     def last_error(self) -> Exception | None:
@@ -99,7 +100,8 @@ class Engine:
         group = self.parts.intake.build(**call)
         session = group.reqs[0].session_id if group.reqs else None
         pins = self.parts.kv.pins
-        if session is not None and (pins is None or session not in pins.sessions):
+        if session is not None and (pins is None or (
+                session not in pins.sessions and session not in self._opening)):
             raise InvalidArgumentError("session_params", session,
                                        "no open session of that id (open_session first)")
         return group
@@ -123,17 +125,25 @@ class Engine:
         """Abort a request by id: it finishes with finish_reason abort and frees its KV."""
         self._loop.abort(rid, "aborted by the caller")
 
-    def open_session(self, session_id: str | None = None) -> str:
+    def open_session(self, session_id: str | None = None, wait: bool = True) -> str:
         """Open a session (SGLang's open_session): requests sent with session_params={"id": it}
         leave the sequence they end with pinned in the radix cache until the session closes or
-        idles (EngineConfig.session_idle_timeout_s). Returns its id (a fresh one by default)."""
+        idles (EngineConfig.session_idle_timeout_s). Returns its id (a fresh one by default).
+        wait=False (a fresh id only) returns at once: the open is queued ahead of any request
+        that uses it."""
+        if not wait and session_id is not None:
+            raise InvalidArgumentError("session_id", session_id,
+                                       "only a fresh session opens without waiting")
         sid, opened = self._open_session_on_loop(session_id)
-        if not opened.result():
+        if wait and not opened.result():
             raise InvalidArgumentError("session_id", sid, "a session of that id is already open")
         return sid
 
     async def async_open_session(self, session_id: str | None = None) -> str:
-        """open_session, awaited on the caller's event loop (no thread waits for the step)."""
+        """open_session on the caller's event loop: a fresh one at once (wait=False), a named
+        one awaited (no thread waits for the step)."""
+        if session_id is None:
+            return self.open_session(wait=False)
         sid, opened = self._open_session_on_loop(session_id)
         if not await asyncio.wrap_future(opened):
             raise InvalidArgumentError("session_id", sid, "a session of that id is already open")
@@ -147,7 +157,15 @@ class Engine:
         sid = uuid.uuid4().hex if session_id is None else session_id
         if not isinstance(sid, str) or not sid or len(sid) > 256:
             raise InvalidArgumentError("session_id", session_id, "expected a non-empty string")
-        return sid, self._loop.call_soon(lambda: pins.open(sid))
+        self._opening.add(sid)
+
+        def open_now() -> bool:
+            try:
+                return pins.open(sid)
+            finally:
+                self._opening.discard(sid)
+
+        return sid, self._loop.call_soon(open_now)
 
     def close_session(self, session_id: str, wait: bool = True) -> bool:
         """Release a session's pinned prefixes and forget it; False when it was not open. With

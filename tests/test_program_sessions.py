@@ -11,6 +11,7 @@ import pytest
 
 import forklm as sgl
 from forklm.frontend_dsl.global_config import global_config
+from forklm.runtime.errors import InvalidArgumentError
 from tests.conftest import assert_idle_and_clean, wait_until
 
 pytestmark = pytest.mark.slow
@@ -182,4 +183,15 @@ def test_runtime_endpoint_programs_hold_a_server_session(live_server):
     finally:
         endpoint.close()
     assert [s for s, _ in seen] == [1, 1] and all(p > 0 for _, p in seen)
+    assert_idle_and_clean(engine)
+
+
+def test_a_session_opened_without_waiting_is_usable_at_once(engine):
+    sid = engine.open_session(wait=False)  # what a program's first gen does
+    engine.generate("Hello there", {"max_new_tokens": 2, "temperature": 0},
+                    session_params={"id": sid})
+    wait_until(lambda: engine.stats()["pinned_tokens"] > 0, timeout=5)
+    assert engine.close_session(sid) and released(engine)
+    with pytest.raises(InvalidArgumentError, match="fresh"):
+        engine.open_session("named", wait=False)
     assert_idle_and_clean(engine)

@@ -251,7 +251,8 @@ class _RemoteEngine:
         return await self.endpoint.call_async("POST", "/generate", json=body)
 
     # Sessions (the server's /open_session and /close_session; see SessionClient).
-    def open_session(self) -> str:
+    def open_session(self, wait: bool = True) -> str:
+        """POST /open_session (it always waits: the server names the id)."""
         sid: str = self.endpoint.call("POST", "/open_session", json={})
         return sid
 

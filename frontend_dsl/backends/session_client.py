@@ -16,8 +16,8 @@ logger = logging.getLogger(__name__)
 
 class SessionClient:
     """Wraps an engine client that has sessions (Engine in process, or a server's over HTTP:
-    `open_session`, `async_open_session`, `close_session(sid, wait=False)` and `session_params`
-    on generate). The session is opened at the first request and closed by `close()`, which
+    `open_session(wait=False)`, `async_open_session`, `close_session(sid, wait=False)` and
+    `session_params` on generate). The session is opened at the first request and closed by `close()`, which
     does not wait. Pinning is an optimisation, never a failure: an engine that has no sessions
     (no radix cache), or one that no longer knows the session (it idled out), gets the
     requests without one."""
@@ -101,7 +101,7 @@ class SessionClient:
 
     def _open(self) -> str | None:
         try:
-            sid: str = self.engine.open_session()
+            sid: str = self.engine.open_session(wait=False)  # queued ahead of the first gen
         except InvalidArgumentError as e:  # no radix cache: nothing to pin
             logger.debug("no session (%s); the program runs unpinned", e)
             return None
