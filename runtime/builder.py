@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -35,6 +35,9 @@ from forklm.runtime.models.onednn_linear import (
 )
 from forklm.runtime.radix_cache import RadixCache
 from forklm.runtime.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from forklm.runtime.distributed.processes import WorkerProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -70,16 +73,30 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    if config.tp_size == 1:
+        return _build_parts(config, None)
+    from forklm.runtime.distributed import spawn_workers
+
+    # This process is rank 0; the other ranks of this node start (and load) meanwhile.
+    workers = spawn_workers(config)
+    try:
+        return _build_parts(config, workers)
+    except BaseException:
+        workers.stop(timeout_s=2.0)
+        raise
+
+
+def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> EngineParts:
     loaded = load_model(config.model_path, config.revision, config.tokenizer_path)
     hf = loaded.config
     spec = spec_from_config(hf)
     dtype = getattr(torch, config.torch_dtype_name)
     context_len = config.context_length or hf.max_position_embeddings
     runner: ModelRunner
-    if config.tp_size > 1:  # this process is rank 0: it starts the other ranks, then its shard
+    if workers is not None:
         from forklm.runtime.distributed import start_tensor_parallel
 
-        tp = start_tensor_parallel(config, loaded, spec)
+        tp = start_tensor_parallel(config, loaded, spec, workers)
         pool, capacity = tp.shard.pool, tp.shard.pool.capacity
         kv = _kv_manager(config, pool, context_len)
         runner = tp.runner(kv, spec.vocab_size)

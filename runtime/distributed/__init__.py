@@ -1,7 +1,11 @@
 """Tensor parallelism over torch.distributed: rank 0 (the engine's process) schedules, samples and
 broadcasts each step's batch; every rank runs its Megatron-style shard of the model."""
 
-from forklm.runtime.distributed.launch import TensorParallel, start_tensor_parallel
+from forklm.runtime.distributed.launch import (
+    TensorParallel,
+    spawn_workers,
+    start_tensor_parallel,
+)
 from forklm.runtime.distributed.worker import run_worker_node
 
-__all__ = ["TensorParallel", "run_worker_node", "start_tensor_parallel"]
+__all__ = ["TensorParallel", "run_worker_node", "spawn_workers", "start_tensor_parallel"]

@@ -12,7 +12,7 @@ from forklm.runtime.config import EngineConfig
 from forklm.runtime.distributed.group import TPGroup, free_local_address, init_group, leave_group
 from forklm.runtime.distributed.processes import WorkerProcesses
 from forklm.runtime.distributed.runner import TensorParallelRunner
-from forklm.runtime.distributed.shard import ModelShard, build_model_shard
+from forklm.runtime.distributed.shard import ModelShard, connect_shard, load_shard
 from forklm.runtime.distributed.sharding import check_shardable
 from forklm.runtime.distributed.worker import rank_device
 from forklm.runtime.kv_manager import KVCacheManager
@@ -32,24 +32,30 @@ class TensorParallel:
         return TensorParallelRunner(self.shard, kv, self.group, self.workers, vocab_size)
 
 
-def start_tensor_parallel(config: EngineConfig, loaded: LoadedModel,
-                          spec: ModelSpec) -> TensorParallel:
-    """Start the group with this process as rank 0 (node 0); returns once every rank holds its
-    shard. A rank that fails while loading makes this raise, and the local workers are stopped."""
+def spawn_workers(config: EngineConfig) -> WorkerProcesses:
+    """Start this node's ranks 1 .. local_tp_size - 1 (node 0), meeting at dist_init_addr or a
+    free local port; they load their shards while rank 0 loads its own."""
     assert config.tp_size > 1 and config.node_rank == 0
-    check_shardable(spec, config.tp_size)  # before any process starts
     addr = config.dist_init_addr or free_local_address()
-    workers = WorkerProcesses.spawn(config, addr, range(1, config.local_tp_size))
+    return WorkerProcesses.spawn(config, addr, range(1, config.local_tp_size))
+
+
+def start_tensor_parallel(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec,
+                          workers: WorkerProcesses) -> TensorParallel:
+    """Join the group as rank 0 with `workers` started; returns once every rank holds its shard.
+    A rank that fails while loading makes this raise (the caller stops the workers)."""
+    check_shardable(spec, config.tp_size)  # before this rank loads anything
     try:
-        group = init_group(0, config.tp_size, addr, rank_device(config, 0))
+        device = rank_device(config, 0)
+        own = load_shard(config, loaded, spec, 0, config.tp_size)
+        group = init_group(0, config.tp_size, workers.init_addr, device)
         group.share_from_first(config)
         dtype = getattr(torch, config.torch_dtype_name)
         context_len = config.context_length or loaded.config.max_position_embeddings
-        shard = build_model_shard(
-            config, loaded, spec, group,
+        shard = connect_shard(
+            config, own, group,
             kv_capacity=lambda local: builder.kv_capacity(config, local, dtype, context_len))
     except BaseException:
-        workers.stop(timeout_s=2.0)
         leave_group()
         raise
     return TensorParallel(shard, group, workers)

@@ -21,6 +21,7 @@ STOP_TIMEOUT_S = 10.0
 
 @dataclass
 class WorkerProcesses:
+    init_addr: str  # host:port where they meet rank 0
     procs: dict[int, BaseProcess] = field(default_factory=dict)  # rank -> process
 
     @classmethod
@@ -28,7 +29,7 @@ class WorkerProcesses:
         from forklm.runtime.distributed.worker import main
 
         ctx = mp.get_context("spawn")  # fork would copy rank 0's threads and torch state
-        workers = cls()
+        workers = cls(init_addr)
         for rank in ranks:
             proc = ctx.Process(target=main, args=(rank, config, init_addr), daemon=True,
                                name=f"forklm-tp{rank}")

@@ -34,12 +34,20 @@ class ModelShard:
     weight_bytes: list[int] | None
 
 
-def build_model_shard(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec, group: TPGroup,
-                      kv_capacity: Callable[[ModelSpec], int] | None) -> ModelShard:
-    """Every rank calls this together. Rank 0 passes kv_capacity (slots from its own memory,
-    for its shard's KV heads) and the others adopt that number."""
-    plan = ShardPlan(spec, group.rank, group.size)
-    numel = [0]  # of the slices streamed in: the rank's weights as dense tensors
+@dataclass
+class LoadedShard:
+    """A rank's weights, loaded before it joins the group (no collective needed for that)."""
+
+    plan: ShardPlan
+    model: CausalLM
+    weight_bytes: int  # its checkpoint slices in the engine's dtype, however packed
+
+
+def load_shard(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec, rank: int,
+               size: int) -> LoadedShard:
+    """Rank `rank`'s slice of the weights, streamed in tensor by tensor."""
+    plan = ShardPlan(spec, rank, size)
+    numel = [0]
 
     def counted(keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in shard_weights(loaded.weights(False), plan):
@@ -48,12 +56,20 @@ def build_model_shard(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec
 
     sliced = dataclasses.replace(loaded, weights=counted)
     context_len = config.context_length or loaded.config.max_position_embeddings
-    model = parallelize(builder.build_model_for(config, sliced, plan.local_spec, context_len),
-                        plan, group)
-    capacity = group.share_from_first(kv_capacity(plan.local_spec) if kv_capacity else None)
-    pool, attn = builder.build_kv_and_attention(config, plan.local_spec, model, capacity)
+    model = builder.build_model_for(config, sliced, plan.local_spec, context_len)
     own = numel[0] * getattr(torch, config.torch_dtype_name).itemsize
-    weight_bytes = group.gather_objects(own)
-    logger.info("rank %d: %d/%d heads, KV heads %s, %.1f MiB of weights", group.rank,
-                plan.num_heads, spec.num_heads, plan.kv_heads, own / 2**20)
-    return ModelShard(plan, model, pool, attn, weight_bytes)
+    logger.info("rank %d: %d/%d heads, KV heads %s, %.1f MiB of weights", rank, plan.num_heads,
+                spec.num_heads, plan.kv_heads, own / 2**20)
+    return LoadedShard(plan, model, own)
+
+
+def connect_shard(config: EngineConfig, shard: LoadedShard, group: TPGroup,
+                  kv_capacity: Callable[[ModelSpec], int] | None) -> ModelShard:
+    """Every rank calls this together, once loaded: the model joins the group's collectives and
+    gets its KV pool. Rank 0 passes kv_capacity (slots from its own memory, for its shard's KV
+    heads) and the others adopt that number."""
+    local = shard.plan.local_spec
+    model = parallelize(shard.model, shard.plan, group)
+    capacity = group.share_from_first(kv_capacity(local) if kv_capacity else None)
+    pool, attn = builder.build_kv_and_attention(config, local, model, capacity)
+    return ModelShard(shard.plan, model, pool, attn, group.gather_objects(shard.weight_bytes))

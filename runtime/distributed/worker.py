@@ -12,7 +12,7 @@ import torch
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.distributed.group import TPGroup, init_group, leave_group
 from forklm.runtime.distributed.processes import WorkerProcesses
-from forklm.runtime.distributed.shard import ModelShard, build_model_shard
+from forklm.runtime.distributed.shard import ModelShard, connect_shard, load_shard
 from forklm.runtime.distributed.step_channel import Command, receive_step
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ def run_worker(rank: int, config: EngineConfig, init_addr: str) -> int:
     try:
         config = group.share_from_first(None)  # rank 0's settings, whatever this node was given
         loaded = load_model(config.model_path, config.revision, config.tokenizer_path)
-        shard = build_model_shard(config, loaded, spec_from_config(loaded.config), group, None)
+        own = load_shard(config, loaded, spec_from_config(loaded.config), rank, config.tp_size)
+        shard = connect_shard(config, own, group, None)
         serve_steps(shard, group)
         return 0
     except Exception:
