@@ -17,6 +17,7 @@ from forklm.frontend_dsl.defaults import SAMPLING_FIELDS, RunDefaults
 from forklm.frontend_dsl.executor import Executor
 from forklm.frontend_dsl.global_config import global_config
 from forklm.frontend_dsl.state import ProgramState
+from forklm.runtime.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from forklm.frontend_dsl.ir import Graph
@@ -127,7 +128,8 @@ class Program:
         if self.is_async:
             self._outside_loop("run_batch", "await prog.run_batch_async(...)")
             states = asyncio.run(self.run_batch_async(
-                batch_kwargs, backend=backend, progress_bar=progress_bar, **defaults))
+                batch_kwargs, backend=backend, num_threads=num_threads,
+                progress_bar=progress_bar, **defaults))
             return iter(states) if generator_style else states
         backend_obj = as_backend(backend)
         defaults = {**global_config.run_defaults(), **defaults}
@@ -190,16 +192,22 @@ class Program:
         return await self._run_body_async(as_backend(backend), call_args, defaults)
 
     async def run_batch_async(self, batch_kwargs: list[Any], *, backend: Any = None,
-                              progress_bar: bool = False, **kwargs: Any) -> list[ProgramState]:
+                              num_threads: int | str = "auto", progress_bar: bool = False,
+                              **kwargs: Any) -> list[ProgramState]:
         """`await prog.run_batch_async([...])`: the finished states in input order. An `async def`
         program runs every item as a task on this loop (no thread per item; the engine batches
-        their gens); as in run_batch, a traced program's constant prefix is prefilled once
-        first, and a backend that runs whole batches gets the graph. A plain program runs
-        run_batch in a thread."""
+        their gens), at most `num_threads` at once when it is an int ("auto": all); as in
+        run_batch, a traced program's constant prefix is prefilled once first, and a backend
+        that runs whole batches gets the graph. A plain program runs run_batch in a thread."""
         kwargs.pop("generator_style", None)
         if not self.is_async:
             return await asyncio.to_thread(self.run_batch, batch_kwargs, backend=backend,
-                                           progress_bar=progress_bar, **kwargs)
+                                           num_threads=num_threads, progress_bar=progress_bar,
+                                           **kwargs)
+        if num_threads != "auto" and (not isinstance(num_threads, int) or num_threads < 1):
+            raise InvalidArgumentError("num_threads", num_threads, 'expected an int >= 1 or "auto"')
+        limit = asyncio.Semaphore(num_threads if isinstance(num_threads, int) else len(batch_kwargs)
+                                  or 1)
         backend_obj = as_backend(backend)
         defaults = {**global_config.run_defaults(), **kwargs}
         items = [self._item_kwargs(item) for item in batch_kwargs]
@@ -211,7 +219,13 @@ class Program:
                 return states
             if global_config.enable_precache_with_tracing:
                 await asyncio.to_thread(hint_prefix, backend_obj, graph)
-        tasks = [asyncio.ensure_future(self._run_body_async(backend_obj, call_args, run_defaults))
+
+        async def run_item(call_args: inspect.BoundArguments, run_defaults: RunDefaults
+                           ) -> ProgramState:
+            async with limit:
+                return await self._run_body_async(backend_obj, call_args, run_defaults)
+
+        tasks = [asyncio.ensure_future(run_item(call_args, run_defaults))
                  for call_args, run_defaults in runs]
         try:
             if progress_bar:

@@ -244,3 +244,22 @@ def test_async_program_over_runtime_endpoint(live_server, backend):
         assert asyncio.run(main(endpoint)).text() == asyncio.run(main(backend)).text()
     finally:
         endpoint.close()
+
+
+def test_num_threads_bounds_how_many_async_programs_run_at_once(backend):
+    live = peak = 0
+
+    @sgl.function
+    async def counted(s, i):
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        s += f"Item {i}:" + sgl.gen("x", max_tokens=2)
+        await s["x"]
+        live -= 1
+
+    states = asyncio.run(counted.run_batch_async([{"i": i} for i in range(6)], backend=backend,
+                                                 num_threads=2, **GREEDY))
+    assert peak == 2 and all(s.text().startswith(f"Item {i}:") for i, s in enumerate(states))
+    with pytest.raises(sgl.InvalidArgumentError, match="num_threads"):
+        asyncio.run(counted.run_batch_async([{"i": 0}], backend=backend, num_threads=0))
