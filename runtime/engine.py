@@ -189,9 +189,8 @@ class Engine:
         self._loop.call(lambda: self.parts.kv.check_invariants(self.parts.scheduler.active_reqs()))
 
     def shutdown(self) -> None:
-        """Stop the loop; pending requests finish with an abort."""
-        if self._loop.closed:
-            return
+        """Stop the loop; pending requests finish with an abort. Also after the loop closed
+        itself: it waits for the loop to release its runner (tensor-parallel workers)."""
         self._loop.stop()
         self.parts.grammar.close()
 

@@ -3,6 +3,7 @@ its inbox (submit, abort, flush, stats); a step is schedule -> forward -> sample
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -72,11 +73,13 @@ class EngineLoop:
         self.post(lambda: self._abort_now(rid, message))
 
     def stop(self) -> None:
-        """Finish every pending request with an abort, then end the thread."""
-        if self.closed:
-            return
-        self.post(self._stop_now)
-        self._thread.join(timeout=30)
+        """Finish every pending request with an abort, end the thread and wait for it: a loop
+        that closed itself (a lost tensor-parallel worker) may still be releasing its runner."""
+        if not self.closed:
+            with contextlib.suppress(EngineShutdownError):  # closed meanwhile
+                self.post(self._stop_now)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
 
     # -- the thread (engine thread only below) -------------------------------------------------
     def _run(self) -> None:

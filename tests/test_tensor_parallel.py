@@ -253,7 +253,7 @@ def test_served_default_model_with_openai_client_matches_tp1(make_engine):
         _stop(proc)
 
 
-def test_two_nodes_serve_and_a_lost_node_turns_health_red(tmp_path, tokenizer, prompts):
+def test_two_nodes_serve_and_a_stopped_node_turns_health_red(tmp_path, tokenizer, prompts):
     # One KV head for 2 ranks: both keep a copy of it (the replicated case).
     build_tiny_model("llama3", tmp_path, tokenizer, num_key_value_heads=1)
     tiny_folder = str(tmp_path)
@@ -271,8 +271,9 @@ def test_two_nodes_serve_and_a_lost_node_turns_health_red(tmp_path, tokenizer, p
                                                       timeout=60).json()]
         with Engine(tiny_folder, dtype="float32", max_total_tokens=512) as single:
             assert served == _ids(single.generate(input_ids=prompts[:4], sampling_params=GREEDY))
-        worker.kill()  # node 1 vanishes: rank 0's next ping fails
+        worker.send_signal(signal.SIGTERM)  # node 1 stops its rank: rank 0's next ping fails
         lost = time.monotonic()
+        assert worker.wait(timeout=10) == 143
         while (health := httpx.get(base + "/health", timeout=2)).status_code == 200:
             assert time.monotonic() - lost < 15, "health still green"
             time.sleep(0.2)

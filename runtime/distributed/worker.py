@@ -11,7 +11,7 @@ import torch
 
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.distributed.group import TPGroup, init_group, leave_group
-from forklm.runtime.distributed.processes import WorkerProcesses
+from forklm.runtime.distributed.processes import STOP_TIMEOUT_S, WorkerProcesses
 from forklm.runtime.distributed.shard import ModelShard, connect_shard, load_shard
 from forklm.runtime.distributed.step_channel import Command, receive_step
 
@@ -72,10 +72,12 @@ def run_worker_node(config: EngineConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the rest
     workers = WorkerProcesses.spawn(config, config.dist_init_addr,
                                     range(first + 1, first + config.local_tp_size))
+    code = 1
     try:
-        return run_worker(first, config, config.dist_init_addr)
-    finally:
-        workers.stop()
+        code = run_worker(first, config, config.dist_init_addr)
+        return code
+    finally:  # told to stop, the others exit as this one did; else they are stopped at once
+        workers.stop(timeout_s=STOP_TIMEOUT_S if code == 0 else 1.0)
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
