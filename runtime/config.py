@@ -90,6 +90,14 @@ class EngineConfig:
     session_pinned_fraction: float = 0.25
     # ... and a session idle this long loses its pins (it stays open).
     session_idle_timeout_s: float = 120.0
+    # SGLang's CUDA graphs for decode (runtime/cuda_graphs.py): captured on CUDA for batch-size
+    # buckets up to cuda_graph_max_bs (None: max_running_requests, at most 160) and replayed
+    # with padded batches; --disable-cuda-graph runs every step eagerly. debug_eager_cuda_graph
+    # serves decode through the same buffers and padding on any device with eager re-runs in
+    # place of graph replays (how the CPU tests the runner).
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    debug_eager_cuda_graph: bool = False
     # SGLang's --tp-size: the model split Megatron-style over this many ranks (processes; one GPU
     # each on CUDA), see runtime/distributed/. Rank 0 schedules and samples; the others forward
     # their shard only. Token-identical to tp_size=1 in float32 up to the summation order.
@@ -116,6 +124,8 @@ class EngineConfig:
                self.max_total_tokens, "need at least 16 KV slots")
         check_field(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests,
                "must be >= 1")
+        check_field(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+                    "cuda_graph_max_bs", self.cuda_graph_max_bs, "must be >= 1")
         check_field(self.max_prefill_tokens >= 1, "max_prefill_tokens", self.max_prefill_tokens,
                "must be >= 1")
         check_field(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
@@ -185,7 +195,8 @@ class EngineConfig:
         node's cores shared evenly by its ranks (None = torch's default)."""
         if self.num_threads or self.tp_size == 1:
             return self.num_threads
-        return max(1, len(os.sched_getaffinity(0)) // self.local_tp_size)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return max(1, (cores or 1) // self.local_tp_size)
 
     def _check_speculative(self) -> None:
         check_field(self.speculative_algorithm in SPECULATIVE_ALGORITHMS, "speculative_algorithm",

@@ -107,6 +107,15 @@ def test_what_cannot_be_split_is_refused_naming_the_flag():
     assert EngineConfig(tp_size=4, nnodes=2, dist_init_addr="h:1").local_tp_size == 2
 
 
+def test_each_rank_takes_its_share_of_the_cores():
+    cores = len(os.sched_getaffinity(0))
+    assert EngineConfig(tp_size=2).threads_per_rank == max(1, cores // 2)
+    assert EngineConfig(tp_size=4, nnodes=2, dist_init_addr="h:1").threads_per_rank == max(
+        1, cores // 2)  # 2 ranks on each node
+    assert EngineConfig(tp_size=2, num_threads=3).threads_per_rank == 3
+    assert EngineConfig().threads_per_rank is None  # one process: torch's default
+
+
 # ---- a tiny model in this process: rank 0 here, rank 1 a spawned worker ------------------------
 
 
@@ -191,6 +200,18 @@ def test_killed_worker_fails_requests_within_seconds(engines, prompts):
     with pytest.raises(EngineShutdownError):
         parallel.generate(input_ids=prompts[0], sampling_params=GREEDY)
     assert not parallel.parts.runner.workers.procs[1].is_alive()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_other_dense_families_match_tp1(arch, tmp_path, tokenizer, prompts):
+    """qwen2: q/k/v biases and an untied LM head; gemma2: soft-caps, sandwich norms, a scaled
+    embedding and sliding windows, head_dim 32. Runs after the module's TP engine is shut down
+    (one TP engine per process)."""
+    build_tiny_model(arch, tmp_path, tokenizer)
+    with Engine(str(tmp_path), dtype="float32", max_total_tokens=512) as single:
+        expected = _ids(single.generate(input_ids=prompts[:4], sampling_params=GREEDY))
+    with Engine(str(tmp_path), tp_size=2, dtype="float32", max_total_tokens=512) as parallel:
+        assert _ids(parallel.generate(input_ids=prompts[:4], sampling_params=GREEDY)) == expected
 
 
 # ---- processes: `forklm serve` ------------------------------------------------------------------

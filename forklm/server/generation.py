@@ -98,7 +98,7 @@ class GenerationService:
     def unavailable_reason(self) -> str | None:
         """Why the server cannot take a request now (for /health), or None when it can."""
         if self.engine.closed:  # a lost tensor-parallel worker closes it: say so
-            error = self.engine.last_error
+            error = getattr(self.engine, "last_error", None)  # stand-ins in tests lack it
             return "the engine has shut down" + (f": {error}" if error is not None else "")
         if self.admission.full:
             return (f"server busy: {self.admission.admitted} requests in flight, limit "
