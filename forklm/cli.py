@@ -75,6 +75,10 @@ def _serve(args: argparse.Namespace) -> int:
     except InvalidArgumentError as e:
         print(f"forklm serve: error: {e}", file=sys.stderr)
         return 2
+    if server_config.dp_size > 1:  # N replicas behind a router (forklm/router/)
+        from forklm.router.launch import serve_dp
+
+        return serve_dp(engine_kwargs(args), server_config, dataclass_kwargs(args, ServerConfig))
     if engine_config.node_rank > 0:  # another machine's tensor-parallel ranks: no server here
         from forklm.runtime.distributed import run_worker_node
 

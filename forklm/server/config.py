@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from forklm.frontend_dsl.ir import ProgramLimits
+from forklm.router.policies import POLICIES
 from forklm.runtime.config import check_field as _check
 from forklm.runtime.config import config_from_kwargs
 from forklm.server.chat_template import is_template_text
@@ -49,6 +50,10 @@ class ServerConfig:
     # Seconds SIGTERM waits for in-flight requests before aborting them.
     graceful_shutdown_s: float = 30.0
     log_level: str = "warning"
+    # Data parallelism (SGLang's --dp-size): N engine replicas, each a `forklm serve` process,
+    # behind this server acting as a router (forklm/router/) with this policy.
+    dp_size: int = 1
+    load_balance_method: str = "cache_aware"
 
     def __post_init__(self) -> None:
         _check(1 <= self.port <= 65535, "port", self.port, "must be in [1, 65535]")
@@ -69,6 +74,9 @@ class ServerConfig:
                    "expected one of " + ", ".join(known))
         _check(self.graceful_shutdown_s >= 0, "graceful_shutdown_s", self.graceful_shutdown_s,
                "must be >= 0")
+        _check(self.dp_size >= 1, "dp_size", self.dp_size, "must be >= 1")
+        _check(self.load_balance_method in POLICIES, "load_balance_method",
+               self.load_balance_method, "expected one of " + ", ".join(POLICIES))
         _check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
                "log_level", self.log_level, "expected critical, error, warning, info or debug")
 

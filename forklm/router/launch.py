@@ -1,0 +1,96 @@
+"""serve_dp(): `forklm serve --dp-size N`: start N replicas, wait until each is healthy, serve
+the router until SIGTERM/SIGINT (watching the replicas meanwhile), then stop the replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+from typing import Any
+
+import httpx
+import uvicorn
+
+from forklm.router.app import create_router_app
+from forklm.router.policies import make_policy
+from forklm.router.replicas import ReplicaSet, replica_threads
+from forklm.router.routing import Router
+from forklm.server.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+_STARTUP_TIMEOUT_S = 900.0  # a replica loads (and may first convert) the model
+_WATCH_INTERVAL_S = 1.0
+# ServerConfig fields the router keeps for itself; the replicas get every other flag given.
+_ROUTER_ONLY = ("host", "port", "dp_size", "load_balance_method")
+
+
+class _Stopped(Exception):
+    pass
+
+
+def replica_flags(engine_kwargs: dict[str, Any], server_kwargs: dict[str, Any],
+                  dp_size: int) -> dict[str, Any]:
+    """The flags each replica is started with: the user's, minus the router's, plus its share
+    of the CPU threads."""
+    flags = {**engine_kwargs, **{k: v for k, v in server_kwargs.items() if k not in _ROUTER_ONLY}}
+    flags["num_threads"] = replica_threads(dp_size, flags.get("num_threads"))
+    return flags
+
+
+def serve_dp(engine_kwargs: dict[str, Any], config: ServerConfig,
+             server_kwargs: dict[str, Any]) -> int:
+    """Run the router and its replicas; the exit status (0 after a requested stop)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health probe
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    replica_set = ReplicaSet(replica_flags(engine_kwargs, server_kwargs, config.dp_size),
+                             config.dp_size, headers)
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        replica_set.start()
+        asyncio.run(_serve(replica_set, config))
+        return 0
+    except _Stopped:
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        logger.error("forklm serve --dp-size %d: %s", config.dp_size, e)
+        return 1
+    finally:
+        replica_set.stop(config.graceful_shutdown_s + 5)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+async def _serve(replica_set: ReplicaSet, config: ServerConfig) -> None:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(None, connect=10.0)  # generation may take long; connecting may not
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        await replica_set.wait_ready(client, _STARTUP_TIMEOUT_S)
+        router = Router(replica_set.replicas, make_policy(config.load_balance_method,
+                                                          config.dp_size))
+        app = create_router_app(replica_set, router, client, config)
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=config.host, port=config.port, lifespan="off", log_level=config.log_level,
+            timeout_graceful_shutdown=int(config.graceful_shutdown_s) + 5))
+        logger.info("routing %s over %d replicas on http://%s:%d", config.load_balance_method,
+                    config.dp_size, config.host, config.port)
+        watcher = asyncio.create_task(_watch(replica_set, app.state.proxy))
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+
+
+async def _watch(replica_set: ReplicaSet, proxy: Any) -> None:
+    """Probe every replica each second; a dead one leaves routing."""
+    while True:
+        await asyncio.sleep(_WATCH_INTERVAL_S)
+        for replica in replica_set.alive():
+            reason = await replica_set.probe(proxy.client, replica)
+            if reason is not None:
+                proxy.remove(replica, reason)
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    logger.info("router stopped on signal %d", signum)
+    raise _Stopped(signum)
