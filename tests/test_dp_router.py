@@ -1,0 +1,329 @@
+"""Data parallelism (forklm/router/): the prefix tree and the policies as pure logic, then one
+`forklm serve --dp-size 2` process (two replicas behind the cache-aware router) end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from forklm.router.launch import replica_flags
+from forklm.router.policies import CacheAware, CacheAwareConfig, RoundRobin, ShortestQueue
+from forklm.router.prefix_tree import PrefixTree
+from forklm.router.prompts import prompt_text
+from forklm.router.replicas import Replica, replica_command
+from forklm.router.routing import Router
+
+# ---------------------------------------------------------------- prefix tree (property tests)
+
+_texts = st.text(alphabet="abc", max_size=12)
+_ops = st.lists(st.tuples(st.sampled_from(["insert", "match", "prune"]), _texts), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_ops, max_chars=st.integers(0, 30))
+def test_prefix_tree_invariants_under_random_operations(ops, max_chars):
+    tree, inserted = PrefixTree(max_chars), set()
+    for op, text in ops:
+        if op == "insert":
+            tree.insert(text)
+            inserted.add(text)
+            assert tree.match(text) == len(text)  # just inserted: matches fully
+        elif op == "match":
+            matched = tree.match(text)
+            assert 0 <= matched <= len(text)
+            # never more than the longest common prefix with something inserted
+            assert matched <= max((_lcp(text, t) for t in inserted), default=0)
+        else:
+            tree.prune()
+            assert tree.size <= max_chars
+        tree.check_invariants()
+
+
+def _lcp(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
+
+
+def test_prefix_tree_prune_evicts_the_least_recently_used_leaf():
+    tree = PrefixTree(max_chars=12)
+    tree.insert("shared-old")
+    tree.insert("shared-new")  # "shared-" + "old" + "new": 13 chars
+    tree.match("shared-new")
+    tree.prune()
+    assert tree.size <= 12 and tree.match("shared-new") == 10 and tree.match("shared-old") == 7
+
+
+# ---------------------------------------------------------------- policies
+
+def test_round_robin_and_shortest_queue():
+    rr = RoundRobin(3)
+    assert [rr.choose("x", [0, 1, 2], [0, 0, 0]).replica for _ in range(4)] == [0, 1, 2, 0]
+    assert {rr.choose("x", [0, 2], [0, 0, 0]).replica for _ in range(4)} == {0, 2}
+    sq = ShortestQueue(3)
+    assert sq.choose("x", [0, 1, 2], [3, 1, 2]).replica == 1
+    assert sq.choose("x", [0, 2], [3, 1, 2]).replica == 2  # 1 is dead
+
+
+def test_cache_aware_follows_the_prefix_while_balanced():
+    policy = CacheAware(2)
+    prefix = "Answer each question in one short sentence. " * 4
+    first = policy.choose(prefix + "Q1", [0, 1], [0, 0])
+    assert not first.cache_hit
+    loads = [0, 0]
+    loads[first.replica] = 5  # busier, but within balance_abs_threshold: locality wins
+    for q in ("Q2", "Q3", "Q4"):
+        choice = policy.choose(prefix + q, [0, 1], loads)
+        assert choice == (first.replica, True)
+    other = policy.choose("something else entirely", [0, 1], loads)
+    assert other == (1 - first.replica, False)  # no match: the least loaded
+
+
+def test_cache_aware_balances_when_loads_drift_apart():
+    policy = CacheAware(2, CacheAwareConfig(balance_abs_threshold=4))
+    policy.choose("shared prefix text", [0, 1], [0, 0])  # lands on 0 (tie: first)
+    assert policy.choose("shared prefix text 2", [0, 1], [4, 0]) == (0, True)  # 4 - 0 not > 4
+    assert policy.choose("shared prefix text 3", [0, 1], [5, 0]) == (1, False)  # 5 - 0 > 4
+
+
+def test_cache_aware_threshold_and_dead_replicas():
+    policy = CacheAware(2, CacheAwareConfig(cache_threshold=0.5))
+    policy.choose("abcdefgh", [0, 1], [0, 0])
+    assert policy.choose("abXXXXXXXXXX", [0, 1], [1, 0]).cache_hit is False  # 2/12 < 0.5
+    assert policy.choose("abcdefXX", [0, 1], [1, 0]) == (0, True)  # 6/8
+    policy.remove(0)
+    assert policy.choose("abcdefgh", [1], [0, 0]) == (1, False)  # 0's tree is gone
+
+
+def test_prompt_text_of_each_endpoint():
+    assert prompt_text("/generate", {"text": ["a", "b"]}) == "a"
+    assert prompt_text("/generate", {"input_ids": [[1, 2], [3]]}) == "\x00ids:1,2"
+    assert prompt_text("/v1/completions", {"prompt": "p"}) == "p"
+    chat = {"messages": [{"role": "system", "content": "s"},
+                         {"role": "user", "content": [{"type": "text", "text": "u"}]}]}
+    assert prompt_text("/v1/chat/completions", chat) == "system:s\nuser:u\n"
+    assert prompt_text("/v1/programs/run", {"program_text": "t"}) == "t"
+    assert prompt_text("/generate", None) == prompt_text("/generate", {"text": 3}) == ""
+
+
+def _fake_replicas(n: int) -> list[Replica]:
+    return [Replica(i, 1000 + i, SimpleNamespace(pid=i, poll=lambda: None)) for i in range(n)]
+
+
+def test_router_keeps_sessions_on_their_replica_and_forgets_dead_ones():
+    replicas = _fake_replicas(2)
+    router = Router(replicas, RoundRobin(2))
+    router.sessions["s"] = replicas[1]
+    body = {"text": "x", "session_params": {"id": "s"}}
+    assert [router.pick("/generate", body).index for _ in range(3)] == [1, 1, 1]
+    replicas[1].alive = False
+    router.remove(replicas[1])
+    assert "s" not in router.sessions and router.pick("/generate", body).index == 0
+
+
+def test_round_robin_spreads_a_shared_prefix_batch_that_cache_aware_keeps_together():
+    prompts = [("Answer each question. " * 10) + f"Q{i}?" for i in range(8)]
+    for policy, expected in ((RoundRobin(2), {0: 4, 1: 4}), (CacheAware(2), {0: 8})):
+        router = Router(_fake_replicas(2), policy)
+        landed: dict[int, int] = {}
+        for p in prompts:
+            index = router.pick("/generate", {"text": p}).index
+            landed[index] = landed.get(index, 0) + 1
+        assert landed == expected, policy
+
+
+def test_replica_flags_share_the_cores_and_drop_the_router_flags():
+    cores = len(os.sched_getaffinity(0))
+    flags = replica_flags({"dtype": "float32", "disable_radix_cache": False},
+                          {"port": 1, "dp_size": 2, "api_key": "k"}, 2)
+    assert flags == {"dtype": "float32", "disable_radix_cache": False, "api_key": "k",
+                     "num_threads": max(1, cores // 2)}
+    cmd = replica_command(5, flags)
+    assert cmd[cmd.index("--port") + 1] == "5" and "--no-disable-radix-cache" in cmd
+    assert replica_flags({"num_threads": 3}, {}, 2)["num_threads"] == 3
+
+
+# ---------------------------------------------------------------- a real dp_size=2 server
+
+def _free_port() -> int:
+    from forklm.router.replicas import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def dp_server():
+    """`forklm serve --dp-size 2` (cache_aware) on the default model in fp32."""
+    port = _free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix="dp-router-", suffix=".log")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "forklm", "serve", "--dp-size", "2", "--port", str(port),
+           "--dtype", "float32", "--max-total-tokens", "4096", "--graceful-shutdown-s", "2"]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, _tail(log.name)
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "router did not come up"
+            time.sleep(0.3)
+        yield SimpleNamespace(base=base, proc=proc, log=log.name)
+    finally:
+        pids = [r["pid"] for r in _replicas(base)] if proc.poll() is None else []
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, _tail(log.name)
+        for pid in pids:  # the router stopped its replicas
+            assert not _running(pid), f"replica {pid} left running"
+        log.close()
+
+
+def _tail(path: str) -> str:
+    with open(path) as f:
+        return f.read()[-3000:]
+
+
+def _replicas(base: str) -> list[dict]:
+    return httpx.get(base + "/get_server_info", timeout=10).json()["replicas"]
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _routed(base: str) -> list[int]:
+    return [r["routed"] for r in _replicas(base)]
+
+
+def _generate(base: str, text: str, **extra) -> dict:
+    body = {"text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0}, **extra}
+    r = httpx.post(base + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.slow
+def test_greedy_through_the_router_equals_a_direct_engine(dp_server, make_engine):
+    engine = make_engine()
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        direct = engine.generate(prompt, {"max_new_tokens": 8, "temperature": 0})
+        assert _generate(dp_server.base, prompt)["output_ids"] == direct["output_ids"]
+
+
+@pytest.mark.slow
+def test_cache_aware_keeps_a_shared_prefix_batch_on_one_replica(dp_server):
+    prefix = "Answer each question in one short sentence.\n\n" + "Q: why? A: because.\n" * 40
+    before = _routed(dp_server.base)
+
+    async def batch() -> list[dict]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            first = await client.post(dp_server.base + "/generate", json={
+                "text": prefix + "Q: 0?", "sampling_params": {"max_new_tokens": 2}})
+            rest = await asyncio.gather(*(client.post(dp_server.base + "/generate", json={
+                "text": prefix + f"Q: {i}?", "sampling_params": {"max_new_tokens": 2}})
+                for i in range(1, 6)))
+        return [r.json() for r in (first, *rest)]
+
+    results = asyncio.run(batch())
+    delta = [a - b for a, b in zip(_routed(dp_server.base), before)]
+    assert sorted(delta) == [0, 6], delta
+    cached = [r["meta_info"]["cached_tokens"] for r in results[1:]]
+    assert min(cached) >= 0.9 * results[0]["meta_info"]["prompt_tokens"] - 10, cached
+    replicas = _replicas(dp_server.base)
+    assert sum(r["cache_hits"] for r in replicas) >= 5
+    metrics = httpx.get(dp_server.base + "/metrics").text
+    assert 'forklm_router_replica_cache_aware_hits{replica="' in metrics
+
+
+@pytest.mark.slow
+def test_sessions_and_programs_stay_on_one_replica(dp_server):
+    import forklm as sgl
+
+    base = dp_server.base
+    sid = httpx.post(base + "/open_session", json={}).json()
+    before = _routed(base)
+    for text in ("apple", "zebra crossing", "42 is", "Lorem ipsum"):
+        _generate(base, text, session_params={"id": sid})
+    delta = [a - b for a, b in zip(_routed(base), before)]
+    assert sorted(delta) == [0, 4], delta
+    assert httpx.post(base + "/close_session", json={"session_id": sid}).status_code == 200
+    gone = httpx.post(base + "/close_session", json={"session_id": sid})
+    assert gone.status_code == 404 and sid in gone.json()["error"]["message"]
+
+    @sgl.function
+    def two_turns(s):
+        s += "Name a colour: " + sgl.gen("a", max_tokens=4, temperature=0)
+        s += "\nName a number: " + sgl.gen("b", max_tokens=4, temperature=0)
+
+    before = _routed(base)
+    backend = sgl.RuntimeEndpoint(base)
+    try:
+        state = two_turns.run(backend=backend)
+        assert state["a"] is not None and state["b"] is not None  # waits for the run
+    finally:
+        backend.close()
+    delta = [a - b for a, b in zip(_routed(base), before)]
+    assert min(delta) == 0 and max(delta) >= 2, delta
+
+
+@pytest.mark.slow
+def test_openai_client_through_the_router(dp_server):
+    import openai
+
+    client = openai.OpenAI(base_url=dp_server.base + "/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, max_tokens=4, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert chat.choices[0].message.content
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=model, prompt="Once upon", max_tokens=4, temperature=0, stream=True) if c.choices]
+    assert len(pieces) >= 2
+    bad = httpx.post(dp_server.base + "/v1/completions", json={"model": model, "prompt": 1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"]  # the replica's own 400
+
+
+@pytest.mark.slow
+def test_a_killed_replica_fails_its_request_clearly_and_the_other_serves(dp_server):
+    """Last in the module: it leaves one replica."""
+    base, answers = dp_server.base, []
+
+    def long_request() -> None:
+        body = {"text": "Tell a long story.", "rid": "doomed",
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        answers.append(httpx.post(base + "/generate", json=body, timeout=60))
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not (busy := [r for r in _replicas(base) if r["in_flight"]]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(busy[0]["pid"], signal.SIGKILL)
+    thread.join(timeout=30)
+    (answer,) = answers
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 502 and f"replica {busy[0]['index']}" in message, answer.text
+    assert httpx.get(base + "/health").json()["replicas_alive"] == 1
+    for text in ("Hi", "Hello there"):
+        assert _generate(base, text)["meta_info"]["finish_reason"]["type"] == "length"
+    dead = next(r for r in _replicas(base) if r["index"] == busy[0]["index"])
+    assert not dead["alive"] and dead["failed"] == 1 and dead["death"]
