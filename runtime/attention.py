@@ -234,9 +234,10 @@ def _shared_prefix_len(batch: ForwardBatch, min_batch: int) -> int:
 
 
 def _all_keys_visible(batch: ForwardBatch) -> bool:
-    """A decode batch whose contexts are equally long has no masked key: SDPA then runs without a
-    mask (the same values; the mask's per-layer conversion is about 40 us at batch 1)."""
-    return batch.is_decode and bool((batch.kv_lens == batch.kv_lens[0]).all())
+    """A decode batch whose contexts all fill the slot table has no masked key: SDPA then runs
+    without a mask (the same values; the mask's per-layer conversion is about 40 us at batch 1).
+    A captured batch's table is wider than its contexts: it keeps the mask."""
+    return batch.is_decode and bool((batch.kv_lens == batch.slot_table.shape[1]).all())
 
 
 def packed_rows(batch: ForwardBatch) -> torch.Tensor:

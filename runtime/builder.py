@@ -4,6 +4,7 @@ grammar backend."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +107,7 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         pool, attn = build_kv_and_attention(config, spec, model, capacity)
         kv = _kv_manager(config, pool, context_len)
         runner = ModelRunner(model, attn, kv, config.device)
+        _capture_decode_graphs(config, runner, context_len)
     logger.info("model %s (%s, %s), KV capacity %d tokens", loaded.source, spec.model_type, dtype,
                 capacity)
     eos_token_ids = frozenset(loaded.eos_token_ids)
@@ -122,6 +124,22 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
                              eos_token_ids, config.random_seed),
     )
+
+
+def _capture_decode_graphs(config: EngineConfig, runner: ModelRunner, context_len: int) -> None:
+    """CUDA graphs for decode on a GPU unless disabled; eager stand-ins when a test asks."""
+    from forklm.runtime.cuda_graphs import CudaGraph, EagerGraph, Graph
+
+    new_graph: Callable[[], Graph]
+    if config.debug_eager_cuda_graph:
+        new_graph = EagerGraph
+    elif torch.device(config.device).type == "cuda" and not config.disable_cuda_graph:
+        memory_pool = torch.cuda.graph_pool_handle()
+        new_graph = lambda: CudaGraph(memory_pool)  # noqa: E731 - one pool for all buckets
+    else:
+        return
+    max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 160)
+    runner.capture_graphs(max_bs, context_len, new_graph)
 
 
 def build_model_for(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec,

@@ -105,7 +105,10 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_layers, capacity, num_kv_heads, head_dim)
+        # One row past the allocatable slots that no request ever owns: the padding rows of a
+        # captured decode batch write their K/V there (runtime/cuda_graphs.py).
+        self.scratch_slot = capacity
+        shape = (num_layers, capacity + 1, num_kv_heads, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.allocator = SlotAllocator(capacity)

@@ -3,16 +3,21 @@ the model, returning the logits rows the engine needs."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from forklm.runtime.attention import AttentionBackend
+from forklm.runtime.cuda_graphs import DecodeGraphRunner, Graph
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.kv_manager import KVCacheManager
 from forklm.runtime.models import CausalLM
 from forklm.runtime.request import Req
 from forklm.runtime.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,14 +37,34 @@ class ModelRunner:
                  device: str = "cpu"):
         self.model, self.attn, self.kv = model, attn, kv
         self.device = torch.device(device)
+        self.graphs: DecodeGraphRunner | None = None  # decode replayed from captured graphs
 
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[LogitsRows]]:
         """-> (logits [num_rows, vocab] fp32, per-request row layout)."""
         fb, layout = self._build(batch)
-        logits = self.model(fb.to(self.device), self.attn)
+        if self.graphs is not None and self.graphs.can_run(fb):
+            logits = self.graphs.run(fb)
+        else:
+            logits = self.model(fb.to(self.device), self.attn)
         # Sampling, grammar masks and logprobs run on the CPU; on a GPU this costs one copy of
         # [rows, vocab] per step (a GPU-side sampler is future work).
         return logits.cpu(), layout
+
+    def capture_graphs(self, max_bs: int, max_context: int, new_graph: Callable[[], Graph]
+                       ) -> None:
+        """Capture decode for every bucket up to max_bs (contexts up to max_context); a capture
+        that fails leaves every step eager, with a warning (a model or attention path that is
+        not capture-safe must not stop the engine)."""
+        runner = DecodeGraphRunner(lambda fb: self.model(fb, self.attn), max_bs, max_context,
+                                   self.kv.pool.scratch_slot, self.device, new_graph)
+        try:
+            with torch.inference_mode():
+                runner.capture()
+        except Exception as e:  # noqa: BLE001 - see above
+            logger.warning("decode graph capture failed (%s); decode runs eagerly", e)
+            return
+        self.graphs = runner
+        logger.info("decode graphs captured for batch sizes %s", runner.sizes)
 
     def check_health(self) -> None:
         """Called by the engine loop between steps; raises WorkerLostError when the forward can

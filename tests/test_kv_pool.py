@@ -79,14 +79,16 @@ def test_reset_frees_everything():
 
 def test_store_writes_the_right_rows():
     pool = KVPool(num_layers=2, capacity=6, num_kv_heads=2, head_dim=3, dtype=torch.float32)
-    assert pool.k_buffer.shape == (2, 6, 2, 3) and pool.v_buffer.shape == (2, 6, 2, 3)
+    # one scratch row past the allocatable slots (padding rows of captured decode batches)
+    assert pool.k_buffer.shape == (2, 7, 2, 3) and pool.v_buffer.shape == (2, 7, 2, 3)
+    assert pool.scratch_slot == 6 and pool.allocator.capacity == 6
     slots = torch.tensor([4, 1])
     k, v = torch.randn(2, 2, 3), torch.randn(2, 2, 3)
     pool.store(1, slots, k, v)
     torch.testing.assert_close(pool.k_buffer[1, 4], k[0])
     torch.testing.assert_close(pool.k_buffer[1, 1], k[1])
     torch.testing.assert_close(pool.v_buffer[1, slots], v)
-    untouched = [0, 2, 3, 5]
+    untouched = [0, 2, 3, 5, 6]
     assert not pool.k_buffer[1, untouched].any() and not pool.k_buffer[0].any()
     assert not pool.v_buffer[0].any()
 
