@@ -101,7 +101,7 @@ def test_cache_aware_threshold_and_dead_replicas():
     policy.choose("abcdefgh", [0, 1], [0, 0])
     assert policy.choose("abXXXXXXXXXX", [0, 1], [1, 0]).cache_hit is False  # 2/12 < 0.5
     assert policy.choose("abcdefXX", [0, 1], [1, 0]) == (0, True)  # 6/8
-    policy.remove(0)
+    policy.forget(0)
     assert policy.choose("abcdefgh", [1], [0, 0]) == (1, False)  # 0's tree is gone
 
 
@@ -210,6 +210,15 @@ def _running(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+def _wait_busy(base: str) -> list[dict]:
+    """The replicas with a request in flight, once there is one."""
+    deadline = time.monotonic() + 20
+    while not (busy := [r for r in _replicas(base) if r["in_flight"]]):
+        assert time.monotonic() < deadline, "no request in flight"
+        time.sleep(0.05)
+    return busy
+
+
 def _routed(base: str) -> list[int]:
     return [r["routed"] for r in _replicas(base)]
 
@@ -299,6 +308,26 @@ def test_openai_client_through_the_router(dp_server):
     assert len(pieces) >= 2
     bad = httpx.post(dp_server.base + "/v1/completions", json={"model": model, "prompt": 1})
     assert bad.status_code == 400 and bad.json()["error"]["param"]  # the replica's own 400
+    huge = httpx.post(dp_server.base + "/generate", content=b" " * (8 * 2**20 + 1),
+                      headers={"content-type": "application/json"})
+    assert huge.status_code == 413 and "max_request_body_bytes" in huge.text  # the router's
+
+
+@pytest.mark.slow
+def test_abort_request_reaches_the_replica_running_the_rid(dp_server):
+    base, answers = dp_server.base, []
+
+    def long_request() -> None:
+        body = {"text": "Count to a thousand:", "rid": "abort-me",
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        answers.append(httpx.post(base + "/generate", json=body, timeout=60))
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    _wait_busy(base)
+    assert httpx.post(base + "/abort_request", json={"rid": "abort-me"}).status_code == 200
+    thread.join(timeout=30)
+    assert answers[0].json()["meta_info"]["finish_reason"]["type"] == "abort", answers[0].text
 
 
 @pytest.mark.slow
@@ -313,10 +342,7 @@ def test_a_killed_replica_fails_its_request_clearly_and_the_other_serves(dp_serv
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not (busy := [r for r in _replicas(base) if r["in_flight"]]):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    busy = _wait_busy(base)
     os.kill(busy[0]["pid"], signal.SIGKILL)
     thread.join(timeout=30)
     (answer,) = answers

@@ -152,7 +152,7 @@ def create_router_app(replica_set: ReplicaSet, router: Router, client: httpx.Asy
         body = await request.body()
         answers = await asyncio.gather(*(proxy.forward(request, r, body) for r in router.alive()))
         for replica in router.alive():
-            router.policy.remove(replica.index)  # its cache is empty: so is its tree
+            router.policy.forget(replica.index)  # its cache is empty: so is its tree
         failed = [a for a in answers if a.status_code != 200]
         if failed:
             return failed[0]

@@ -22,8 +22,8 @@ class Policy(Protocol):
         none); loads[i] is replica i's requests in flight."""
         ...
 
-    def remove(self, replica: int) -> None:
-        """Forget a replica that died."""
+    def forget(self, replica: int) -> None:
+        """Forget what was sent to a replica (it died, or its cache was flushed)."""
         ...
 
 
@@ -34,7 +34,7 @@ class RoundRobin:
     def choose(self, text: str, alive: Sequence[int], loads: Sequence[int]) -> Choice:
         return Choice(alive[next(self._next) % len(alive)])
 
-    def remove(self, replica: int) -> None:
+    def forget(self, replica: int) -> None:
         pass
 
 
@@ -45,7 +45,7 @@ class ShortestQueue:
     def choose(self, text: str, alive: Sequence[int], loads: Sequence[int]) -> Choice:
         return Choice(least_loaded(alive, loads, next(self._ties)))
 
-    def remove(self, replica: int) -> None:
+    def forget(self, replica: int) -> None:
         pass
 
 
@@ -99,7 +99,7 @@ class CacheAware:
         return (high - low > self.config.balance_abs_threshold
                 and high > self.config.balance_rel_threshold * low)
 
-    def remove(self, replica: int) -> None:
+    def forget(self, replica: int) -> None:
         self.trees[replica] = PrefixTree(self.config.max_tree_chars)
 
 

@@ -54,7 +54,7 @@ class Router:
 
     def remove(self, replica: Replica) -> None:
         """Forget a dead replica's sessions, rids and prefix tree."""
-        self.policy.remove(replica.index)
+        self.policy.forget(replica.index)
         for table in (self.sessions, self.rids):
             for key in [k for k, r in table.items() if r is replica]:
                 del table[key]
