@@ -1,6 +1,8 @@
 """GPU check of the Triton attention kernels: correctness at realistic sizes (bf16, batch 64,
-context 4k, 32 heads, GQA 4), the engine's greedy tokens vs transformers on CUDA, and one timing
-table against torch's scaled_dot_product_attention on gathered K/V. About a minute on an H100.
+context 4k, 32 heads, GQA 4), the engine's greedy tokens vs transformers on CUDA, decode from
+CUDA graphs vs eager (same tokens, tokens/s at batch 1/16/64, the KV pool's size), and one
+timing table against torch's scaled_dot_product_attention on gathered K/V. A few minutes on an
+H100.
 
 Run on a CUDA machine, from the repository root (forklm.kernels maps to kernels/ only once the
 project is installed; the engine section also needs the engine's imports, e.g. xgrammar):
@@ -136,12 +138,10 @@ def check_extends(gen: torch.Generator) -> None:
     check_extend("prefill 4k + 2000 after 1000", [CONTEXT, 2000], [CONTEXT, 3000], gen)
 
 
-def check_engine() -> None:
-    """A random Llama shaped like SmolLM2-135M (4 layers, GQA 3, head_dim 64) in fp32 on CUDA:
-    greedy tokens from the engine (Triton backend, chunked prefill, radix cache) == transformers'."""
+def _random_llama():
+    """A random Llama shaped like SmolLM2-135M (4 layers, GQA 3, head_dim 64) on CUDA, with
+    sharpened weights so greedy argmaxes are stable."""
     import transformers
-
-    from forklm.runtime.engine import Engine
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -152,26 +152,79 @@ def check_engine() -> None:
     with torch.no_grad():  # random init gives near-uniform logits; sharpen so argmax is stable
         for p in model.parameters():
             p.mul_(4.0)
-    model = model.eval().cuda()
+    return model.eval().cuda()
+
+
+def check_engine() -> None:
+    """The random Llama in fp32 on CUDA: greedy tokens from the engine (Triton backend, chunked
+    prefill, radix cache, decode from CUDA graphs) == transformers'."""
+    from forklm.runtime.engine import Engine
+
+    model = _random_llama()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 4096, (n,), generator=gen).tolist() for n in (5, 40, 130, 300, 700)]
     prompts.append(prompts[3][:200] + prompts[0])  # shares a cached prefix with prompt 3
     expected = [_hf_greedy(model, ids, 24) for ids in prompts]
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
-        _word_tokenizer(config.vocab_size).save_pretrained(folder)
+        _word_tokenizer(model.config.vocab_size).save_pretrained(folder)
         with Engine(model_path=folder, device="cuda", dtype="float32", max_total_tokens=16384,
                     attention_backend="triton", chunked_prefill_size=256) as engine:
             params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
             results = engine.generate(input_ids=prompts, sampling_params=params)
+            graphs = engine.parts.runner.graphs
     got = [r["output_ids"] for r in results]
     same = sum(g == e for g, e in zip(got, expected))
     print(f"{'PASS' if same == len(prompts) else 'FAIL'}  engine greedy == transformers (fp32, "
-          f"cuda): {same}/{len(prompts)} prompts")
+          f"cuda, decode graphs {'replayed ' + str(graphs.replays) + 'x' if graphs else 'off'}): "
+          f"{same}/{len(prompts)} prompts")
     if same != len(prompts):
         failures.append("engine greedy")
         for g, e in zip(got, expected):
             print(f"      engine {g}\n      hf     {e}")
+
+
+def check_cuda_graphs() -> None:
+    """Decode from captured CUDA graphs vs eager, on the random Llama (fp32, Triton): the same
+    greedy tokens, decode tokens/s at batch 1, 16 and 64 each way, and the KV pool that
+    --mem-fraction-static (default) sized."""
+    import time
+
+    from forklm.runtime.engine import Engine
+
+    model = _random_llama()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 4096, (64,), generator=gen).tolist() for _ in range(64)]
+    params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+    tokens, rows = {}, []
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        _word_tokenizer(model.config.vocab_size).save_pretrained(folder)
+        for graphs in (False, True):
+            with Engine(model_path=folder, device="cuda", dtype="float32",
+                        attention_backend="triton", disable_cuda_graph=not graphs,
+                        cuda_graph_max_bs=64) as engine:
+                captured = engine.parts.runner.graphs is not None
+                if graphs and not captured:
+                    failures.append("cuda graph capture")
+                    print("FAIL  decode graphs were not captured (see the warning above)")
+                tokens[graphs] = [r["output_ids"] for r in engine.generate(
+                    input_ids=prompts[:16], sampling_params=params)]
+                speeds = []
+                for batch in (1, 16, 64):
+                    start = time.perf_counter()
+                    engine.generate(input_ids=prompts[:batch], sampling_params=params)
+                    speeds.append(batch * 64 / (time.perf_counter() - start))
+                rows.append((f"graphs {'on ' if captured else 'off'}", speeds,
+                             engine.stats()["kv_capacity"]))
+    same = tokens[True] == tokens[False]
+    print(f"{'PASS' if same else 'FAIL'}  decode graphs give the eager greedy tokens (16 prompts)")
+    if not same:
+        failures.append("cuda graph tokens")
+    print("decode tok/s (64 new tokens after 64-token prompts, end to end)")
+    print(f"  {'':10s} {'batch 1':>9s} {'batch 16':>9s} {'batch 64':>9s} {'KV tokens':>11s}")
+    for name, speeds, kv in rows:
+        print(f"  {name:10s} " + " ".join(f"{v:9.1f}" for v in speeds) + f" {kv:11d}")
 
 
 @torch.inference_mode()
@@ -325,6 +378,7 @@ def main() -> None:
     run("decode", lambda: check_decode(gen))
     run("extend", lambda: check_extends(gen))
     run("engine greedy", check_engine)
+    run("cuda graphs", check_cuda_graphs)
     run("timings", time_table)
     print(f"\n{len(failures)} failed: {', '.join(failures)}" if failures else "\nall checks passed")
     sys.exit(1 if failures else 0)

@@ -47,7 +47,9 @@ class TritonAttention:
         width = table.shape[1]
         meta = {
             "kv_indices": table.reshape(-1),  # [batch * width]
-            "kv_start": torch.arange(batch.batch_size, dtype=torch.int64) * width,  # [batch]
+            # made where the table is: a captured decode graph must not copy from the host
+            "kv_start": torch.arange(batch.batch_size, dtype=torch.int64,
+                                     device=table.device) * width,  # [batch]
             "kv_lens": batch.kv_lens,  # [batch]
             "q_start": batch.q_index[:, 0].contiguous(),  # [batch]
             "q_lens": batch.q_lens,  # [batch]

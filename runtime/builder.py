@@ -134,6 +134,11 @@ def _capture_decode_graphs(config: EngineConfig, runner: ModelRunner, context_le
     if config.debug_eager_cuda_graph:
         new_graph = EagerGraph
     elif torch.device(config.device).type == "cuda" and not config.disable_cuda_graph:
+        from forklm.runtime.attention_triton import TritonAttention
+
+        if not isinstance(runner.attn, TritonAttention):  # the torch path syncs with the host
+            logger.info("decode runs eagerly: CUDA graphs need --attention-backend triton")
+            return
         memory_pool = torch.cuda.graph_pool_handle()
         new_graph = lambda: CudaGraph(memory_pool)  # noqa: E731 - one pool for all buckets
     else:
