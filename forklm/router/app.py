@@ -73,12 +73,15 @@ class Proxy:
 
     async def _relay(self, resp: httpx.Response, replica: Replica,
                      done: Callable[[], None]) -> AsyncIterator[bytes]:
+        last = b"\n\n"
         try:
             async for chunk in resp.aiter_bytes():
+                last = chunk or last
                 yield chunk
         except httpx.HTTPError as e:  # headers are sent: the error travels in-band
             failure = await self.failed(replica, e)
-            yield sse_event(error_body(failure.status, failure.message)) + SSE_DONE
+            cut = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
+            yield cut + sse_event(error_body(failure.status, failure.message)) + SSE_DONE
         finally:
             await resp.aclose()
             done()
