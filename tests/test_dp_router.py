@@ -126,9 +126,16 @@ def test_router_keeps_sessions_on_their_replica_and_forgets_dead_ones():
     router.sessions["s"] = replicas[1]
     body = {"text": "x", "session_params": {"id": "s"}}
     assert [router.pick("/generate", body).index for _ in range(3)] == [1, 1, 1]
+    router.remember_response(b'{"id": "resp_0af", "object": "response"}', replicas[1])
+    follow_up = {"input": "more", "previous_response_id": "resp_0af"}
+    assert [router.pick("/v1/responses", follow_up).index for _ in range(3)] == [1, 1, 1]
     replicas[1].alive = False
     router.remove(replicas[1])
     assert "s" not in router.sessions and router.pick("/generate", body).index == 0
+    assert not router.responses and router.pick("/v1/responses", follow_up).index == 0
+    for i in range(65537):  # remembered sessions are bounded: the oldest go first
+        router.remember_session(f"s{i}", replicas[0])
+    assert len(router.sessions) == 65536 and "s0" not in router.sessions
 
 
 def test_round_robin_spreads_a_shared_prefix_batch_that_cache_aware_keeps_together():
@@ -306,6 +313,11 @@ def test_openai_client_through_the_router(dp_server):
     pieces = [c.choices[0].text for c in client.completions.create(
         model=model, prompt="Once upon", max_tokens=4, temperature=0, stream=True) if c.choices]
     assert len(pieces) >= 2
+    first = client.responses.create(model=model, input="Hi", max_output_tokens=4)
+    for _ in range(3):  # stored on one replica: follow-ups must find it
+        later = client.responses.create(model=model, input="More", max_output_tokens=2,
+                                        previous_response_id=first.id)
+        assert later.output_text is not None
     bad = httpx.post(dp_server.base + "/v1/completions", json={"model": model, "prompt": 1})
     assert bad.status_code == 400 and bad.json()["error"]["param"]  # the replica's own 400
     huge = httpx.post(dp_server.base + "/generate", content=b" " * (8 * 2**20 + 1),

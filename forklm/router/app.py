@@ -5,6 +5,7 @@ body. A replica that fails mid-request is removed, and its requests get a 502 na
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -41,7 +42,9 @@ class Proxy:
         self.router, self.replica_set, self.client = router, replica_set, client
 
     async def forward(self, request: Request, replica: Replica, body: bytes,
-                      rids: list[str] | None = None) -> Response:
+                      rids: list[str] | None = None,
+                      on_answer: Callable[[bytes], None] | None = None) -> Response:
+        """Relay; on_answer sees a 200 answer's body (a stream's first chunk)."""
         replica.in_flight += 1
         tracked = self.router.track_rids(rids or [], replica)
 
@@ -59,9 +62,10 @@ class Proxy:
         except httpx.HTTPError as e:
             done()
             raise await self.failed(replica, e) from e
+        on_answer = on_answer if resp.status_code == 200 else None
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(self._relay(resp, replica, done), status_code=resp.status_code,
-                                     headers=_passed_headers(resp))
+            return StreamingResponse(self._relay(resp, replica, done, on_answer),
+                                     status_code=resp.status_code, headers=_passed_headers(resp))
         try:
             content = await resp.aread()
         except httpx.HTTPError as e:
@@ -69,13 +73,18 @@ class Proxy:
         finally:
             await resp.aclose()
             done()
+        if on_answer is not None:
+            on_answer(content)
         return Response(content, status_code=resp.status_code, headers=_passed_headers(resp))
 
-    async def _relay(self, resp: httpx.Response, replica: Replica,
-                     done: Callable[[], None]) -> AsyncIterator[bytes]:
+    async def _relay(self, resp: httpx.Response, replica: Replica, done: Callable[[], None],
+                     on_answer: Callable[[bytes], None] | None) -> AsyncIterator[bytes]:
         last = b"\n\n"
         try:
             async for chunk in resp.aiter_bytes():
+                if on_answer is not None:
+                    on_answer(chunk)
+                    on_answer = None
                 last = chunk or last
                 yield chunk
         except httpx.HTTPError as e:  # headers are sent: the error travels in-band
@@ -153,6 +162,8 @@ def create_router_app(replica_set: ReplicaSet, router: Router, client: httpx.Asy
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
         body = await request.body()
+        if not router.alive():
+            raise NoReplicaError("no replica is alive")
         answers = await asyncio.gather(*(proxy.forward(request, r, body) for r in router.alive()))
         for replica in router.alive():
             router.policy.forget(replica.index)  # its cache is empty: so is its tree
@@ -179,7 +190,7 @@ def create_router_app(replica_set: ReplicaSet, router: Router, client: httpx.Asy
         replica = router.pick("/open_session", None)
         answer = await proxy.forward(request, replica, body)
         if answer.status_code == 200:
-            router.sessions[json.loads(bytes(answer.body))] = replica
+            router.remember_session(json.loads(bytes(answer.body)), replica)
         return answer
 
     @app.post("/close_session")
@@ -206,8 +217,11 @@ def create_router_app(replica_set: ReplicaSet, router: Router, client: httpx.Asy
         parsed = await _parse(body)
         for _ in range(len(router.replicas)):
             replica = router.pick(request.url.path, parsed)
+            remember = None
+            if request.url.path == "/v1/responses":
+                remember = functools.partial(router.remember_response, replica=replica)
             try:
-                return await proxy.forward(request, replica, body, request_rids(parsed))
+                return await proxy.forward(request, replica, body, request_rids(parsed), remember)
             except ReplicaFailed as e:
                 if replica.alive or not isinstance(e.__cause__, httpx.ConnectError):
                     raise  # it may have run: only a refused connection is safe to resend

@@ -1,13 +1,21 @@
 """Router: which replica serves a request. Affinity first (a session's requests and
-/close_session go where /open_session went; an abort goes where its rid runs), then the policy."""
+/close_session go where /open_session went, a Responses API follow-up where its previous response
+is stored, an abort where its rid runs), then the policy."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from forklm.router.policies import CacheAware, Policy, least_loaded
 from forklm.router.prompts import prompt_text
 from forklm.router.replicas import Replica
+
+# Sessions and stored responses remembered at most (oldest forgotten first): a client that never
+# closes its sessions must not grow the router without bound. The replicas drop idle sessions
+# after --session-idle-timeout-s anyway; a forgotten one just follows the policy.
+_MAX_REMEMBERED = 65536
+_RESPONSE_ID = re.compile(rb'"id": ?"(resp_[0-9a-f]+)"')
 
 
 class NoReplicaError(Exception):
@@ -19,15 +27,19 @@ class Router:
         self.replicas, self.policy = replicas, policy
         self.sessions: dict[str, Replica] = {}  # session id -> the replica holding its pins
         self.rids: dict[str, Replica] = {}  # rid -> replica, while the request is in flight
+        # Responses API: a stored response lives in its replica's memory (previous_response_id)
+        self.responses: dict[str, Replica] = {}
 
     def alive(self) -> list[Replica]:
         return [r for r in self.replicas if r.alive]
 
     def pick(self, path: str, body: Any) -> Replica:
         """The replica for a request to `path` with JSON `body` (None when not JSON); counts it."""
-        session = _session_id(body)
-        if session is not None and session in self.sessions and self.sessions[session].alive:
-            return self._count(self.sessions[session], None)
+        for key, table in ((_session_id(body), self.sessions),
+                           (_previous_response_id(body), self.responses)):
+            pinned = table.get(key) if key is not None else None
+            if pinned is not None and pinned.alive:
+                return self._count(pinned, None)
         alive = self.alive()
         if not alive:
             raise NoReplicaError("no replica is alive")
@@ -52,10 +64,19 @@ class Router:
                 replica.fallbacks += 1
         return replica
 
+    def remember_session(self, sid: str, replica: Replica) -> None:
+        _remember(self.sessions, sid, replica)
+
+    def remember_response(self, body: bytes, replica: Replica) -> None:
+        """The id of a Responses API answer (or of its stream's first event) -> its replica."""
+        found = _RESPONSE_ID.search(body[:4096])
+        if found:
+            _remember(self.responses, found.group(1).decode(), replica)
+
     def remove(self, replica: Replica) -> None:
-        """Forget a dead replica's sessions, rids and prefix tree."""
+        """Forget a dead replica's sessions, responses, rids and prefix tree."""
         self.policy.forget(replica.index)
-        for table in (self.sessions, self.rids):
+        for table in (self.sessions, self.responses, self.rids):
             for key in [k for k, r in table.items() if r is replica]:
                 del table[key]
 
@@ -68,6 +89,17 @@ class Router:
     def untrack_rids(self, rids: list[str]) -> None:
         for rid in rids:
             self.rids.pop(rid, None)
+
+
+def _remember(table: dict[str, Replica], key: str, replica: Replica) -> None:
+    table[key] = replica
+    if len(table) > _MAX_REMEMBERED:
+        del table[next(iter(table))]  # dicts keep insertion order: the oldest
+
+
+def _previous_response_id(body: Any) -> str | None:
+    value = body.get("previous_response_id") if isinstance(body, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _session_id(body: Any) -> str | None:
