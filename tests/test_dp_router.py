@@ -343,6 +343,18 @@ def test_abort_request_reaches_the_replica_running_the_rid(dp_server):
 
 
 @pytest.mark.slow
+def test_a_client_that_goes_away_frees_the_replica(dp_server):
+    body = {"text": "Write a very long essay.", "sampling_params": {"max_new_tokens": 3000,
+                                                                    "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(dp_server.base + "/generate", json=body, timeout=1.5)
+    deadline = time.monotonic() + 15
+    while any(r["in_flight"] or r["internal_state"]["running"] for r in _replicas(dp_server.base)):
+        assert time.monotonic() < deadline, _replicas(dp_server.base)
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
 def test_a_killed_replica_fails_its_requests_clearly_and_the_other_serves(dp_server):
     """Last in the module: it leaves one replica. Two requests share a prefix, so cache_aware
     puts both on one replica: the plain one gets a 502, the stream an in-band error event."""

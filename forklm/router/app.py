@@ -5,10 +5,11 @@ body. A replica that fails mid-request is removed, and its requests get a 502 na
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -27,6 +28,8 @@ _HOP = frozenset({"host", "content-length", "connection", "keep-alive", "transfe
 # Bodies above this are parsed off the event loop (routing reads only a few fields).
 _PARSE_INLINE_BYTES = 64 * 1024
 _INFO_TIMEOUT_S = 5.0
+_DISCONNECT_POLL_S = 0.5
+T = TypeVar("T")
 
 
 class ReplicaFailed(ApiError):
@@ -58,16 +61,19 @@ class Proxy:
         headers = [(k, v) for k, v in request.headers.raw if k.decode().lower() not in _HOP]
         outgoing = self.client.build_request(request.method, url, headers=headers, content=body)
         try:
-            resp = await self.client.send(outgoing, stream=True)
+            resp = await _unless_disconnected(request, self.client.send(outgoing, stream=True))
         except httpx.HTTPError as e:
             done()
             raise await self.failed(replica, e) from e
+        except ApiError:
+            done()
+            raise
         on_answer = on_answer if resp.status_code == 200 else None
         if resp.headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(self._relay(resp, replica, done, on_answer),
                                      status_code=resp.status_code, headers=_passed_headers(resp))
         try:
-            content = await resp.aread()
+            content = await _unless_disconnected(request, resp.aread())
         except httpx.HTTPError as e:
             raise await self.failed(replica, e) from e
         finally:
@@ -230,6 +236,21 @@ def create_router_app(replica_set: ReplicaSet, router: Router, client: httpx.Asy
     app.add_exception_handler(NoReplicaError, _no_replica)
     app.add_middleware(GuardMiddleware, config=config, metrics=metrics)
     return app
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await work, but cancel it (closing the replica connection, which aborts the replica's
+    requests) when the client goes away: the replica's own server does the same for its
+    clients, and the router must not hide a disconnect from it."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                await task
+            raise ApiError(499, "client disconnected")  # nginx's status; no one reads it
+    return task.result()
 
 
 async def _parse(body: bytes) -> Any:
