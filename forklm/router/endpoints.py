@@ -1,0 +1,170 @@
+"""The router's routes: its own /health, /get_server_info and /metrics; the endpoints whose
+target is not one policy pick (/flush_cache and unknown aborts go to all, session ends to their
+replica); and a catch-all that routes every other request and relays it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from forklm.router.metrics import RouterMetrics
+from forklm.router.proxy import Proxy, ReplicaFailed
+from forklm.router.replicas import Replica
+from forklm.router.routing import NoReplicaError, Router, request_rids
+from forklm.server.config import ServerConfig
+from forklm.server.errors import ApiError, error_body
+
+router = APIRouter()
+# Bodies above this are parsed off the event loop (routing reads only a few fields).
+_PARSE_INLINE_BYTES = 64 * 1024
+
+
+def parts_of(request: Request) -> tuple[Router, Proxy]:
+    return request.app.state.router, request.app.state.proxy
+
+
+@router.api_route("/health", methods=["GET", "HEAD"], response_model=None)
+async def health(request: Request) -> Response:
+    """200 while one replica is alive (HEAD: the status alone)."""
+    routing, _ = parts_of(request)
+    alive = len(routing.alive())
+    status = 200 if alive else 503
+    if request.method == "HEAD":
+        return Response(status_code=status)
+    return JSONResponse({"status": "ok" if alive else "unavailable", "replicas_alive": alive,
+                         "dp_size": len(routing.replicas)}, status_code=status)
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    """A replica's server info, plus every replica's router counters and engine stats."""
+    routing, proxy = parts_of(request)
+    config: ServerConfig = request.app.state.config
+    infos = await _gather(proxy, "/get_server_info")
+    first = next((i for i in infos if i is not None), {})
+    replicas = [{**replica.counters(), "internal_state": _stats(info)}
+                for replica, info in zip(routing.replicas, infos)]
+    return {**first, "dp_size": config.dp_size,
+            "load_balance_method": config.load_balance_method, "replicas": replicas,
+            "internal_states": [r["internal_state"] for r in replicas if r["internal_state"]]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    routing, proxy = parts_of(request)
+    stats = [_stats(info) for info in await _gather(proxy, "/get_server_info")]
+    registry: RouterMetrics = request.app.state.metrics
+    return Response(registry.render(routing.replicas, stats),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> Response:
+    """Every replica flushes; the first refusal (requests in flight) is the answer."""
+    routing, proxy = parts_of(request)
+    body, alive = await request.body(), routing.alive()
+    if not alive:
+        raise NoReplicaError("no replica is alive")
+    answers = await asyncio.gather(*(proxy.forward(request, r, body) for r in alive))
+    for replica, answer in zip(alive, answers):
+        if answer.status_code == 200:
+            routing.policy.forget(replica.index)  # its cache is empty: so is its tree
+    failed = [a for a in answers if a.status_code != 200]
+    return failed[0] if failed else JSONResponse({"success": True, "message": "Cache flushed."})
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """To the replica running the rid; an rid the router does not know goes to all."""
+    routing, proxy = parts_of(request)
+    body = await request.body()
+    parsed = await _parse(body)
+    rid = parsed.get("rid") if isinstance(parsed, dict) else None
+    target = routing.rids.get(rid) if isinstance(rid, str) else None
+    targets = [target] if target is not None else routing.alive()
+    if not targets:
+        raise NoReplicaError("no replica is alive")
+    answers = await asyncio.gather(*(proxy.forward(request, r, body) for r in targets))
+    return next((a for a in answers if a.status_code != 200), answers[0])
+
+
+@router.post("/open_session")
+async def open_session(request: Request) -> Response:
+    routing, proxy = parts_of(request)
+    body = await request.body()
+    replica = routing.pick("/open_session", None)
+    answer = await proxy.forward(request, replica, body)
+    if answer.status_code == 200:
+        routing.remember_session(json.loads(bytes(answer.body)), replica)
+    return answer
+
+
+@router.post("/close_session")
+async def close_session(request: Request) -> Response:
+    routing, proxy = parts_of(request)
+    body = await request.body()
+    parsed = await _parse(body)
+    sid = parsed.get("session_id") if isinstance(parsed, dict) else None
+    if not isinstance(sid, str):
+        return await proxy.forward(request, routing.pick_idle(), body)  # the replica's 400
+    replica = routing.sessions.get(sid)
+    if replica is None:
+        raise ApiError(404, f"no open session {sid!r}")
+    answer = await proxy.forward(request, replica, body)
+    if answer.status_code == 200:
+        routing.sessions.pop(sid, None)
+    return answer
+
+
+@router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+                  response_model=None)
+async def relay(request: Request) -> Response:
+    """Reads go to the least loaded replica; the rest are routed (affinity, then the policy).
+    A replica that refused the connection is out: the request goes to another (it never ran)."""
+    routing, proxy = parts_of(request)
+    if request.method in ("GET", "OPTIONS"):
+        return await proxy.forward(request, routing.pick_idle(), b"")
+    body = await request.body()
+    parsed = await _parse(body)
+    for _ in range(len(routing.replicas)):
+        replica = routing.pick(request.url.path, parsed)
+        remember = None
+        if request.url.path == "/v1/responses":
+            remember = functools.partial(routing.remember_response, replica=replica)
+        try:
+            return await proxy.forward(request, replica, body, request_rids(parsed), remember)
+        except ReplicaFailed as e:
+            if replica.alive or not isinstance(e.__cause__, httpx.ConnectError):
+                raise  # it may have run: only a refused connection is safe to resend
+    raise NoReplicaError("no replica is alive")
+
+
+async def no_replica(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(error_body(503, f"{exc}: every replica has died"), status_code=503)
+
+
+def _stats(info: dict[str, Any] | None) -> dict[str, Any] | None:
+    return ((info or {}).get("internal_states") or [None])[0]
+
+
+async def _parse(body: bytes) -> Any:
+    """The body as JSON for routing, None when it is not JSON (the replica will say why)."""
+    try:
+        if len(body) > _PARSE_INLINE_BYTES:
+            return await asyncio.to_thread(json.loads, body)
+        return json.loads(body) if body else None
+    except ValueError:
+        return None
+
+
+async def _gather(proxy: Proxy, path: str) -> list[dict[str, Any] | None]:
+    async def one(replica: Replica) -> dict[str, Any] | None:
+        return await proxy.info(replica, path) if replica.alive else None
+
+    return list(await asyncio.gather(*(one(r) for r in proxy.router.replicas)))
