@@ -391,3 +391,23 @@ def test_a_killed_replica_fails_its_requests_clearly_and_the_other_serves(dp_ser
         assert _generate(base, text)["meta_info"]["finish_reason"]["type"] == "length"
     dead = next(r for r in _replicas(base) if r["index"] == busy[0]["index"])
     assert not dead["alive"] and dead["failed"] >= 1 and dead["death"]
+
+
+def test_dp_flags_are_validated():
+    from forklm.runtime.errors import InvalidArgumentError
+    from forklm.server.config import ServerConfig
+
+    assert ServerConfig(dp_size=2).load_balance_method == "cache_aware"
+    with pytest.raises(InvalidArgumentError, match="dp_size"):
+        ServerConfig(dp_size=0)
+    with pytest.raises(InvalidArgumentError, match="round_robin, shortest_queue, cache_aware"):
+        ServerConfig(load_balance_method="random")
+
+
+@pytest.mark.slow
+def test_a_replica_that_cannot_start_fails_the_router_with_its_reason(tmp_path):
+    cmd = [sys.executable, "-m", "forklm", "serve", "--dp-size", "2", "--port", str(_free_port()),
+           "--model-path", str(tmp_path / "missing")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "exited with 2 while starting" in done.stderr and "missing" in done.stderr
