@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from forklm.router.launch import replica_flags
 from forklm.router.policies import CacheAware, CacheAwareConfig, RoundRobin, ShortestQueue
 from forklm.router.prefix_tree import PrefixTree
-from forklm.router.prompts import prompt_text
-from forklm.router.replicas import Replica, replica_command
+from forklm.router.prompts import MAX_KEY_CHARS, prompt_text
+from forklm.router.replicas import Replica, ReplicaSet, replica_command
 from forklm.router.routing import Router
 
 # ---------------------------------------------------------------- prefix tree (property tests)
@@ -114,6 +114,28 @@ def test_prompt_text_of_each_endpoint():
     assert prompt_text("/v1/chat/completions", chat) == "system:s\nuser:u\n"
     assert prompt_text("/v1/programs/run", {"program_text": "t"}) == "t"
     assert prompt_text("/generate", None) == prompt_text("/generate", {"text": 3}) == ""
+    assert len(prompt_text("/generate", {"text": "x" * 10**6})) == MAX_KEY_CHARS  # bounded
+
+
+def test_a_replica_that_stops_answering_is_declared_dead_after_three_probes():
+    killed: list[bool] = []
+    proc = SimpleNamespace(pid=7, poll=lambda: None, kill=lambda: killed.append(True))
+    replica = Replica(0, 1, proc)
+    replicas = ReplicaSet(flags={}, dp_size=1, replicas=[replica])
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    async def probes() -> list[str | None]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
+            return [await replicas.probe(client, replica) for _ in range(3)]
+
+    first, second, third = asyncio.run(probes())
+    assert first is None and second is None and "3 health checks" in third
+    assert replicas.mark_dead(replica, third) and killed and not replicas.alive()
+    assert not replicas.mark_dead(replica, third)  # once
+    exited = Replica(1, 2, SimpleNamespace(pid=8, poll=lambda: 3))
+    assert asyncio.run(replicas.probe(httpx.AsyncClient(), exited)) == "process exited with 3"
 
 
 def _fake_replicas(n: int) -> list[Replica]:

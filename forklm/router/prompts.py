@@ -6,9 +6,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# The key is the prompt's first 32k characters (~8k tokens): enough to tell prefixes apart, and
+# it bounds the tree walks the router does on its event loop whatever the prompt's size.
+MAX_KEY_CHARS = 32768
+
 
 def prompt_text(path: str, body: Any) -> str:
-    """The text a replica's radix cache would see first for this request ("" if none)."""
+    """The start of the text a replica's radix cache would see for this request ("" if none)."""
+    return _full_text(path, body)[:MAX_KEY_CHARS]
+
+
+def _full_text(path: str, body: Any) -> str:
     if not isinstance(body, dict):
         return ""
     if path == "/generate":
@@ -50,7 +58,7 @@ def _first_text(value: Any) -> str:
 def _ids_text(ids: list[Any]) -> str:
     """Token ids as text whose prefixes are the ids' prefixes (a marker keeps them apart from
     prompts given as text)."""
-    return "\x00ids:" + ",".join(str(i) for i in ids)
+    return "\x00ids:" + ",".join(str(i) for i in ids[:MAX_KEY_CHARS // 2])
 
 
 def _messages_text(messages: Any) -> str:
