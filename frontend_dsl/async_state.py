@@ -11,8 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Coroutine, Generator, Iter
 from typing import Any
 
 from forklm.frontend_dsl.async_executor import AsyncExecutor
-from forklm.frontend_dsl.ir import SetVar
-from forklm.frontend_dsl.state import BranchGroup, ChatBlocks, PieceFilter, check_fork
+from forklm.frontend_dsl.state import Appending, BranchGroup, PieceFilter, check_fork
 
 
 class Pending(Awaitable[Any]):
@@ -39,28 +38,14 @@ class Pending(Awaitable[Any]):
         return f"<pending read {self._what}: await it>"
 
 
-class AsyncProgramState(ChatBlocks):
-    """The state of an `async def` program, on the event loop that runs it."""
+class AsyncProgramState(Appending):
+    """The state of an `async def` program, on the event loop that runs it (appending as
+    ProgramState)."""
+
+    _ex: AsyncExecutor
 
     def __init__(self, executor: AsyncExecutor):
         self._ex = executor
-
-    # -- appending (as ProgramState) -----------------------------------------------------------
-    def __iadd__(self, expr: Any) -> AsyncProgramState:
-        self._ex.submit(expr)
-        return self
-
-    def _append_node(self, expr: Any) -> None:
-        self._ex.submit(expr)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        self._ex.submit(SetVar(name, value))
-
-    def set_var(self, name: str, value: Any) -> None:
-        self[name] = value
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._ex.variables  # does not wait, like ProgramState
 
     # -- awaited reads -------------------------------------------------------------------------
     def __getitem__(self, name: str) -> Pending:

@@ -47,26 +47,21 @@ class ChatBlocks:
         self._append_node(end)
 
 
-class ProgramState(ChatBlocks):
-    """`s += "text" | gen(...) | select(...)` queues work and returns at once; `s[name]` blocks
-    until that variable is produced. An error in a gen or select is raised (with its original
-    type and message) at the next `s[...]`, `text()`, `messages()` or `sync()`."""
+A = TypeVar("A", bound="Appending")
 
-    def __init__(self, executor: Executor):
-        self._ex = executor
 
-    def __iadd__(self, expr: Any) -> ProgramState:
+class Appending(ChatBlocks):
+    """What a running state (plain or async) does without waiting: append (queue) and set
+    variables, and say whether a variable exists yet."""
+
+    _ex: Executor
+
+    def __iadd__(self: A, expr: Any) -> A:
         self._ex.submit(expr)
         return self
 
     def _append_node(self, expr: Any) -> None:
         self._ex.submit(expr)
-
-    def __getitem__(self, name: str) -> Any:
-        return self._ex.get(name)
-
-    def get_var(self, name: str) -> Any:
-        return self._ex.get(name)
 
     def __setitem__(self, name: str, value: Any) -> None:
         self._ex.submit(SetVar(name, value))
@@ -76,6 +71,21 @@ class ProgramState(ChatBlocks):
 
     def __contains__(self, name: str) -> bool:
         return name in self._ex.variables  # does not wait, like SGLang
+
+
+class ProgramState(Appending):
+    """`s += "text" | gen(...) | select(...)` queues work and returns at once; `s[name]` blocks
+    until that variable is produced. An error in a gen or select is raised (with its original
+    type and message) at the next `s[...]`, `text()`, `messages()` or `sync()`."""
+
+    def __init__(self, executor: Executor):
+        self._ex = executor
+
+    def __getitem__(self, name: str) -> Any:
+        return self._ex.get(name)
+
+    def get_var(self, name: str) -> Any:
+        return self._ex.get(name)
 
     def get_meta_info(self, name: str) -> Any:
         """The backend's meta_info for a gen, or the choices method's for a select."""
