@@ -140,12 +140,7 @@ class AsyncExecutor(Executor):
         while True:
             with self._cond:
                 if not self._queue or self.error is not None:
-                    for node in self._queue:
-                        _cancel_point(node, self.error)
-                    self._queue.clear()
-                    self._pending.clear()
-                    self._opaque = 0
-                    self._running = False
+                    self._drop_queue()
                     break
                 node = self._queue.popleft()
             try:
@@ -153,7 +148,9 @@ class AsyncExecutor(Executor):
             except asyncio.CancelledError as e:
                 self.error = self.error or e
                 _cancel_point(node, self.error)
-                self._finish_cancelled()
+                with self._cond:
+                    self._drop_queue()
+                self._wake()
                 raise
             except BaseException as e:  # raised to the program at its next awaited read
                 self.error = self.error or e
@@ -166,13 +163,12 @@ class AsyncExecutor(Executor):
             self._wake()
         self._wake()
 
-    def _finish_cancelled(self) -> None:
+    def _drop_queue(self) -> None:
+        """As Executor's, and the forks and joins left never run: they fail with the error."""
         for node in self._queue:
             _cancel_point(node, self.error)
-        self._queue.clear()
-        self._pending.clear()
-        self._opaque, self._running = 0, False
-        self._wake()
+        super()._drop_queue()
+        self._opaque = 0
 
     async def _execute_async(self, node: Any) -> None:
         if isinstance(node, ir.Gen):

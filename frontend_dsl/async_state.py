@@ -5,7 +5,6 @@ program (it queues and returns at once); every read is awaited: `await s["x"]`, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Generator, Iterator
 from typing import Any
@@ -104,12 +103,6 @@ class AsyncProgramState(Appending):
         branches = self._ex.fork(size)
         return AsyncProgramStateGroup(
             [AsyncProgramState(b) for b in branches if isinstance(b, AsyncExecutor)], self)
-
-    @contextlib.contextmanager
-    def copy(self) -> Iterator[AsyncProgramState]:
-        group = self.fork(1)
-        yield group[0]
-        group.join()
 
     def __repr__(self) -> str:
         return f"AsyncProgramState({self._ex.text!r}, running={self._ex._running})"

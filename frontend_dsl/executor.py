@@ -204,13 +204,17 @@ class Executor:
         return ir.produced_names(node)
 
     # -- worker thread -------------------------------------------------------------------------
+    def _drop_queue(self) -> None:
+        """The queue is done or the program failed: forget what is left (hold `_cond`)."""
+        self._queue.clear()
+        self._pending.clear()
+        self._running = False
+
     def _work(self) -> None:
         while True:
             with self._cond:
                 if not self._queue or self.error is not None:
-                    self._queue.clear()
-                    self._pending.clear()
-                    self._running = False
+                    self._drop_queue()
                     self.events.notify()
                     due = self._take_on_done()
                     break

@@ -138,13 +138,9 @@ class Program:
             return iter([]) if generator_style else []
         for item in items:  # a bad argument fails the whole call here, before anything runs
             self._split((), {**defaults, **item})
-        graph = self._try_trace() if len(items) > 1 else None
-        if graph is not None:
-            states = backend_obj.run_program_batch(graph, items, defaults)
-            if states is not None:
-                return iter(states) if generator_style else states
-            if global_config.enable_precache_with_tracing:
-                hint_prefix(backend_obj, graph)
+        whole = self._run_whole_batch(backend_obj, items, defaults)
+        if whole is not None:
+            return iter(whole) if generator_style else whole
         if num_threads == "auto":
             num_threads = max(96, (os.cpu_count() or 1) * 16)
         assert isinstance(num_threads, int) and num_threads >= 1, num_threads
@@ -212,13 +208,9 @@ class Program:
         defaults = {**global_config.run_defaults(), **kwargs}
         items = [self._item_kwargs(item) for item in batch_kwargs]
         runs = [self._split((), {**defaults, **item}) for item in items]  # bad args fail here
-        graph = self._try_trace() if len(items) > 1 else None
-        if graph is not None:
-            states = await asyncio.to_thread(backend_obj.run_program_batch, graph, items, defaults)
-            if states is not None:
-                return states
-            if global_config.enable_precache_with_tracing:
-                await asyncio.to_thread(hint_prefix, backend_obj, graph)
+        states = await asyncio.to_thread(self._run_whole_batch, backend_obj, items, defaults)
+        if states is not None:
+            return states
 
         async def run_item(call_args: inspect.BoundArguments, run_defaults: RunDefaults
                            ) -> ProgramState:
@@ -275,6 +267,19 @@ class Program:
         from forklm.frontend_dsl.tracer import trace_program
 
         return trace_program(self, {}, prefix_only=True)
+
+    def _run_whole_batch(self, backend: Backend, items: list[dict[str, Any]],
+                         defaults: dict[str, Any]) -> list[ProgramState] | None:
+        """With several items, the program's graph: the finished states when the backend runs
+        whole batches itself; otherwise its constant prefix prefilled (a hint) and None, and
+        the caller runs the items one by one (also when the program cannot be traced)."""
+        graph = self._try_trace() if len(items) > 1 else None
+        if graph is None:
+            return None
+        states = backend.run_program_batch(graph, items, defaults)
+        if states is None and global_config.enable_precache_with_tracing:
+            hint_prefix(backend, graph)
+        return states
 
     def _try_trace(self) -> Graph | None:
         """The graph for batch-level optimizations, or None when the program cannot be traced

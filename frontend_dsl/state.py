@@ -36,6 +36,16 @@ class ChatBlocks:
     def assistant(self, expr: Any = None) -> contextlib.AbstractContextManager[None] | None:
         return self._role("assistant", expr)
 
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> Any:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def copy(self) -> Iterator[Any]:
+        """`with s.copy() as c:` a single fork, joined on exit."""
+        group = self.fork(1)
+        yield group[0]
+        group.join()
+
     def var_scope(self, name: str) -> contextlib.AbstractContextManager[None]:
         """`with s.var_scope("x"):` makes everything appended inside the block variable `x`."""
         return self._scope(ScopeBegin(name), ScopeEnd(name))
@@ -161,13 +171,6 @@ class ProgramState(Appending):
         (SGLang's) may only be None or zeros: see check_fork."""
         check_fork(size, position_ids_offset)
         return ProgramStateGroup([ProgramState(c) for c in self._ex.fork(size)], self)
-
-    @contextlib.contextmanager
-    def copy(self) -> Iterator[ProgramState]:
-        """`with s.copy() as c:` a single fork, joined on exit."""
-        group = self.fork(1)
-        yield group[0]
-        group.join()
 
     def __repr__(self) -> str:
         self._ex.wait()

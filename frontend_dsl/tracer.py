@@ -9,7 +9,6 @@ what the model generates and no fixed graph describes it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import itertools
@@ -256,11 +255,6 @@ class TracerState(ChatBlocks):
         self.nodes.append(node)
         return TracerGroup(children, self, node.id)
 
-    @contextlib.contextmanager
-    def copy(self) -> Iterator[TracerState]:
-        group = self.fork(1)
-        yield group[0]
-        group.join()
 
 
 class TracerGroup(BranchGroup["TracerState"]):
