@@ -98,6 +98,12 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     debug_eager_cuda_graph: bool = False
+    # SGLang's --enable-torch-compile / --torch-compile-max-bs: the model forward compiled with
+    # torch.compile (inductor) for batches of at most torch_compile_max_bs requests; larger ones,
+    # and any forward the compiler cannot take, run eagerly. Off by default (compiling costs time
+    # at start).
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     # SGLang's --tp-size: the model split Megatron-style over this many ranks (processes; one GPU
     # each on CUDA), see runtime/distributed/. Rank 0 schedules and samples; the others forward
     # their shard only. Token-identical to tp_size=1 in float32 up to the summation order.
@@ -126,6 +132,8 @@ class EngineConfig:
                "must be >= 1")
         check_field(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
                     "cuda_graph_max_bs", self.cuda_graph_max_bs, "must be >= 1")
+        check_field(self.torch_compile_max_bs >= 1, "torch_compile_max_bs",
+                    self.torch_compile_max_bs, "must be >= 1")
         check_field(self.max_prefill_tokens >= 1, "max_prefill_tokens", self.max_prefill_tokens,
                "must be >= 1")
         check_field(self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
