@@ -98,6 +98,9 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     debug_eager_cuda_graph: bool = False
+    # SGLang's --disable-overlap-schedule: by default consecutive decode steps pipeline (the next
+    # forward runs while this step's samples are applied; runtime/overlap.py); same tokens.
+    disable_overlap_schedule: bool = False
     # SGLang's --enable-torch-compile / --torch-compile-max-bs: the model forward compiled with
     # torch.compile (inductor) for batches of at most torch_compile_max_bs requests; larger ones,
     # and any forward the compiler cannot take, run eagerly. Off by default (compiling costs time

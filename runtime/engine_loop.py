@@ -1,5 +1,9 @@
 """EngineLoop: the engine's background thread. Between scheduler steps it runs the calls posted to
-its inbox (submit, abort, flush, stats); a step is schedule -> forward -> sample -> after_step."""
+its inbox (submit, abort, flush, stats); a step is schedule -> forward -> sample -> after_step.
+
+With the overlap scheduler (on unless disable_overlap_schedule), consecutive decode steps
+pipeline: step N+1's forward is launched on the forward worker before step N's samples are
+taken to the host and applied (runtime/overlap.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,16 @@ import torch
 from forklm.runtime.builder import EngineParts
 from forklm.runtime.engine_stats import EngineStats
 from forklm.runtime.errors import EngineShutdownError, WorkerLostError
-from forklm.runtime.output_processor import StepTokens, fail, finish, process_logits
+from forklm.runtime.model_runner import LogitsRows
+from forklm.runtime.output_processor import (
+    StepTokens,
+    apply_step,
+    fail,
+    finish,
+    process_logits,
+    sample_step,
+)
+from forklm.runtime.overlap import ForwardResult, ForwardWorker, InFlight
 from forklm.runtime.request import FinishReason, Req, ReqOutput
 from forklm.runtime.scheduler import ScheduledBatch
 
@@ -35,6 +48,8 @@ class EngineLoop:
         self.stats = EngineStats()
         self.closed = False
         self.last_error: Exception | None = None
+        self._worker: ForwardWorker | None = None  # set on the thread when overlap is on
+        self._in_flight: InFlight | None = None
         self._thread = threading.Thread(target=self._run, name="forklm-engine", daemon=True)
         self._thread.start()
 
@@ -88,9 +103,12 @@ class EngineLoop:
         if threads:
             torch.set_num_threads(threads)
         pins = self.parts.kv.pins
+        if _overlaps(self.parts):
+            self._worker = ForwardWorker(self.parts.runner, torch.get_num_threads())
         try:
             while not self.closed:
-                self._drain_inbox(block=not self.parts.scheduler.has_work)
+                idle = not self.parts.scheduler.has_work and self._in_flight is None
+                self._drain_inbox(block=idle)
                 if not self.closed:
                     self._guarded_step()
                     if pins is not None:
@@ -104,8 +122,12 @@ class EngineLoop:
         """A bug in a step must not hang callers: fail every active request loudly instead. A
         lost tensor-parallel worker ends the loop: no later step could run."""
         try:
-            self.parts.runner.check_health()
-            self._step()
+            if self._in_flight is None:  # a health probe must not interleave with a forward
+                self.parts.runner.check_health()
+            if self._worker is not None:
+                self._step_overlapped(self._worker)
+            else:
+                self._step()
             if self.config.debug_check_invariants:
                 self.parts.kv.check_invariants(self.parts.scheduler.active_reqs())
         except WorkerLostError as e:
@@ -128,6 +150,9 @@ class EngineLoop:
             for rid in list(self._reqs):
                 self._abort_now(rid, "engine shut down")
         finally:
+            if self._worker is not None:
+                self._worker.close()  # the forward in flight ends before its runner does
+            self._in_flight = None
             self.parts.runner.close()
 
     def _drain_inbox(self, block: bool) -> None:
@@ -151,6 +176,66 @@ class EngineLoop:
         tokens, forward_s = self._run_isolated(batch)
         sched.after_step(batch)
         self.stats.record_step(batch, time.perf_counter() - t0, forward_s, tokens)
+
+    def _step_overlapped(self, worker: ForwardWorker) -> None:
+        """One step of the pipeline: take the step in flight (launching one if none), sample it
+        on the device, launch the next decode step when the scheduler can decide it already,
+        then bring the samples to the host and apply them while that forward runs."""
+        sched = self.parts.scheduler
+        if self._in_flight is None:
+            batch = sched.schedule()
+            self._emit_aborted()
+            if batch is None:
+                return
+            self._in_flight = worker.launch(batch, None)
+        current, self._in_flight = self._in_flight, None
+        try:
+            forward: ForwardResult = current.result.result()
+        except WorkerLostError:
+            raise
+        except Exception:  # the plain path reruns it, in halves down to the bad request
+            self._finish_plainly(sched.live_part(current.batch), current.started)
+            return
+        batch = sched.live_part(current.batch)  # without requests aborted meanwhile
+        if not batch.reqs:
+            return
+        layout = _live_layout(current.batch, batch, forward.layout)
+        try:
+            samples = sample_step(batch, forward.logits, layout, self.parts.grammar)
+        except Exception:
+            self._finish_plainly(batch, current.started)
+            return
+        ahead = sched.schedule_ahead(batch) if self._may_schedule_ahead(batch) else None
+        if ahead is not None:
+            ids = samples.next_input_ids()
+            if len(ahead.reqs) < len(batch.reqs):
+                kept = {id(r) for r in ahead.reqs}
+                ids = ids[[i for i, r in enumerate(batch.reqs) if id(r) in kept]]
+            self._in_flight = worker.launch(ahead, ids)
+        tokens = apply_step(batch, layout, samples, self.parts.grammar)
+        if ahead is not None:
+            sched.cancel_ahead(ahead)
+        sched.after_step(batch)
+        self.stats.record_step(batch, time.perf_counter() - current.started, forward.seconds,
+                               tokens)
+
+    def _may_schedule_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether the next step's inputs are known before this step's samples are applied: a
+        plain decode (no drafts to propose from the new tokens, no grammar-forced tokens to
+        append after them)."""
+        if batch.phase != "decode" or self.parts.scheduler.drafter is not None:
+            return False
+        grammar = self.parts.grammar
+        return not (grammar is not None and grammar.jump_forward
+                    and any(r.grammar is not None for r in batch.reqs))
+
+    def _finish_plainly(self, batch: ScheduledBatch, started: float) -> None:
+        """A step whose overlapped forward or sampling failed: rerun through the plain path, which
+        isolates the request at fault."""
+        if batch.reqs:
+            tokens, forward_s = self._run_isolated(batch)
+            self.parts.scheduler.after_step(batch)
+            self.stats.record_step(batch, time.perf_counter() - started, forward_s, tokens)
 
     def _run_isolated(self, batch: ScheduledBatch) -> tuple[StepTokens, float]:
         """Forward and sample `batch`; returns (its tokens, forward seconds). A failing batch is
@@ -232,6 +317,21 @@ class EngineLoop:
 
     def stats_now(self) -> dict[str, Any]:
         return self.stats.snapshot(self.parts.scheduler, self.parts.kv)
+
+
+def _overlaps(parts: EngineParts) -> bool:
+    """The overlap scheduler runs unless disabled, and not with tensor parallelism (rank 0's
+    health probes share the collectives' group with the forward)."""
+    return not parts.config.disable_overlap_schedule and parts.config.tp_size == 1
+
+
+def _live_layout(scheduled: ScheduledBatch, live: ScheduledBatch,
+                 layout: list[LogitsRows]) -> list[LogitsRows]:
+    """The logits layout of `live`, a part of `scheduled` (rows stay where the forward put them)."""
+    if live is scheduled:
+        return layout
+    where = {id(r): i for i, r in enumerate(scheduled.reqs)}
+    return [layout[where[id(r)]] for r in live.reqs]
 
 
 def _halves(batch: ScheduledBatch) -> list[ScheduledBatch]:

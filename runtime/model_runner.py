@@ -39,16 +39,17 @@ class ModelRunner:
         self.device = torch.device(device)
         self.graphs: DecodeGraphRunner | None = None  # decode replayed from captured graphs
 
-    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[LogitsRows]]:
-        """-> (logits [num_rows, vocab] fp32, per-request row layout)."""
-        fb, layout = self._build(batch)
+    def forward(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[LogitsRows]]:
+        """-> (logits [num_rows, vocab] fp32 on the model's device, per-request row layout).
+        Sampling, grammar masks and logprobs run on that device too (output_processor).
+
+        input_ids: a decode batch's tokens where the previous step sampled them (the overlap
+        scheduler runs this step before they reach the host); None = read from the requests."""
+        fb, layout = self._build(batch, input_ids)
         if self.graphs is not None and self.graphs.can_run(fb):
-            logits = self.graphs.run(fb)
-        else:
-            logits = self.model(fb.to(self.device), self.attn)
-        # Sampling, grammar masks and logprobs run on the CPU; on a GPU this costs one copy of
-        # [rows, vocab] per step (a GPU-side sampler is future work).
-        return logits.cpu(), layout
+            return self.graphs.run(fb), layout
+        return self.model(fb.to(self.device), self.attn), layout
 
     def capture_graphs(self, max_bs: int, max_context: int, new_graph: Callable[[], Graph]
                        ) -> None:
@@ -74,7 +75,8 @@ class ModelRunner:
         """Release what the runner started (tensor-parallel workers); the engine loop calls it
         once, when it ends."""
 
-    def _build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[LogitsRows]]:
+    def _build(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+               ) -> tuple[ForwardBatch, list[LogitsRows]]:
         ids: list[int] = []
         positions: list[int] = []
         logit_rows: list[int] = []
@@ -86,8 +88,9 @@ class ModelRunner:
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.num_computed - n  # KV for [start, start + n) is computed now
             draft = batch.drafts(i)  # computed after req's own tokens, not yet part of fill_ids
-            ids.extend(req.fill_slice(start, start + n - len(draft)))
-            ids.extend(draft)
+            if input_ids is None:
+                ids.extend(req.fill_slice(start, start + n - len(draft)))
+                ids.extend(draft)
             positions.extend(range(start, start + n))
             rows = _input_logprob_positions(req, start, n)
             layout.append(LogitsRows(len(logit_rows), rows, None))
@@ -109,7 +112,7 @@ class ModelRunner:
         positions_t = torch.tensor(positions)
         # Built on the CPU (the slot rows live there); forward moves it to the model's device.
         fb = ForwardBatch(
-            input_ids=torch.tensor(ids),
+            input_ids=torch.tensor(ids) if input_ids is None else input_ids,
             positions=positions_t,
             out_slots=self.kv.req_to_token[torch.repeat_interleave(rows_t, q_lens_t), positions_t],
             q_lens=q_lens_t,

@@ -12,7 +12,7 @@ import torch
 from forklm.runtime.constrained import GrammarBackend
 from forklm.runtime.model_runner import LogitsRows
 from forklm.runtime.request import FinishReason, Req, ReqOutput
-from forklm.runtime.sampler import SampleResult, SamplingRow, sample
+from forklm.runtime.sampler import DeviceSamples, SampleResult, SamplingRow, sample_on_device
 from forklm.runtime.sampling_params import SamplingParams
 from forklm.runtime.scheduler import ScheduledBatch
 
@@ -26,27 +26,60 @@ class StepTokens(NamedTuple):
     accepted: int  # of those, the ones the target model's samples agreed with
 
 
+@dataclass
+class StepSamples:
+    """A step's batched results, computed before any request changes: prompt logprobs, the
+    samples (still on the logits' device), and the RNG states drafts replay from."""
+
+    prompt_logprobs: list[_PromptLogprobs | None]
+    sampled: list[bool]  # per request: whether it drew a token this step
+    on_device: DeviceSamples | None  # rows in batch order: 1 + len(draft) per sampled request
+    states: list[torch.Tensor | None]
+
+    def next_input_ids(self) -> torch.Tensor:
+        """The sampled requests' tokens, in batch order, where the model reads them (a decode
+        batch without drafts: one row each)."""
+        assert self.on_device is not None and all(self.sampled), "a decode step samples all"
+        return self.on_device.token_ids
+
+
 def process_logits(batch: ScheduledBatch, logits: torch.Tensor, layout: list[LogitsRows],
                    grammar: GrammarBackend | None = None) -> StepTokens:
     """Consume one step's logits for every request in the batch. Constrained requests need
     `grammar`, which masks their rows before sampling.
 
-    In two phases, so that one request cannot fail the others: the batched work (prompt
-    logprobs, grammar masks, sampling) changes no request, and if it raises, seeded generators
-    are rewound and the caller may rerun the step on part of the batch; then each request takes
-    its results, and one whose own update raises is aborted alone (`fail`)."""
+    In two phases, so that one request cannot fail the others: the batched work (sample_step:
+    prompt logprobs, grammar masks, sampling) changes no request, and if it raises, seeded
+    generators are rewound and the caller may rerun the step on part of the batch; then each
+    request takes its results (apply_step), and one whose own update raises is aborted alone
+    (`fail`)."""
+    return apply_step(batch, layout, sample_step(batch, logits, layout, grammar), grammar)
+
+
+def sample_step(batch: ScheduledBatch, logits: torch.Tensor, layout: list[LogitsRows],
+                grammar: GrammarBackend | None = None) -> StepSamples:
+    """The batched phase: changes no request, and leaves the samples on the device (the overlap
+    scheduler feeds them to the next forward before they reach the host)."""
     prompt_logprobs = [_prompt_logprobs(req, logits, rows) for req, rows in zip(batch.reqs, layout)]
     sampled = [rows.sample_row is not None and req.sampling_params.max_new_tokens > 0
                for req, rows in zip(batch.reqs, layout)]
     to_sample = [(req, rows.sample_row, batch.drafts(i))
                  for i, (req, rows) in enumerate(zip(batch.reqs, layout)) if sampled[i]]
-    result, states = _sample(to_sample, logits, grammar)
-    next_state = iter(states)
+    on_device, states = _sample(to_sample, logits, grammar)
+    return StepSamples(prompt_logprobs, sampled, on_device, states)
+
+
+def apply_step(batch: ScheduledBatch, layout: list[LogitsRows], samples: StepSamples,
+               grammar: GrammarBackend | None = None) -> StepTokens:
+    """The per-request phase: the samples cross to the host (the step's one sync), and each
+    request appends its tokens, runs its finish checks and sends its events."""
+    result = samples.on_device.to_host() if samples.on_device is not None else None
+    sampled, next_state = samples.sampled, iter(samples.states)
     total, first = StepTokens(0, 0, 0, 0), 0  # first: the request's first row in result
     for i, (req, rows) in enumerate(zip(batch.reqs, layout)):
         draft, state = batch.drafts(i), next(next_state) if sampled[i] else None
         try:
-            _record_prompt_logprobs(req, prompt_logprobs[i])
+            _record_prompt_logprobs(req, samples.prompt_logprobs[i])
             if rows.sample_row is not None:
                 req.input_logprobs_done = req.input_logprobs_done or req.wants_input_logprobs
                 if not sampled[i]:  # max_new_tokens == 0 asks for prefill/scoring only
@@ -63,13 +96,15 @@ def process_logits(batch: ScheduledBatch, logits: torch.Tensor, layout: list[Log
 
 
 def _sample(to_sample: list[tuple[Req, int, list[int]]], logits: torch.Tensor,
-            grammar: GrammarBackend | None) -> tuple[SampleResult | None, list[torch.Tensor | None]]:
+            grammar: GrammarBackend | None
+            ) -> tuple[DeviceSamples | None, list[torch.Tensor | None]]:
     """(the samples of to_sample's rows, each request's RNG state for replaying a draft). Changes
     no request: if it raises, the seeded generators it drew from are rewound first."""
     if not to_sample:
         return None, []
     # One logits row per request, or 1 + len(draft) consecutive rows for a verified draft.
-    rows_t = torch.tensor([r for _, row, d in to_sample for r in range(row, row + len(d) + 1)])
+    rows_t = torch.tensor([r for _, row, d in to_sample for r in range(row, row + len(d) + 1)],
+                          device=logits.device)
     sampling_rows = [v for req, _, d in to_sample for v in _verify_rows(req, d)]
     states = [_generator_state(req, d) for req, _, d in to_sample]
     # Unseeded requests need no rewind: a rerun just draws other random numbers.
@@ -82,7 +117,7 @@ def _sample(to_sample: list[tuple[Req, int, list[int]]], logits: torch.Tensor,
             assert grammar is not None, "constrained requests need the grammar backend"
             grammar.mask_logits(rows_logits, [req.grammar for req, _, d in to_sample
                                               for _ in range(len(d) + 1)])
-        return sample(rows_logits, sampling_rows), states
+        return sample_on_device(rows_logits, sampling_rows), states
     except Exception:
         for generator, state in seeded:
             generator.set_state(state)
@@ -176,7 +211,8 @@ def _prompt_logprobs(req: Req, logits: torch.Tensor, rows: LogitsRows) -> _Promp
     if rows.input_positions:
         n = len(rows.input_positions)
         logprobs = torch.log_softmax(logits[rows.input_start : rows.input_start + n], dim=-1)
-        token_ids = torch.tensor([req.origin_input_ids[t] for t in rows.input_positions])
+        token_ids = torch.tensor([req.origin_input_ids[t] for t in rows.input_positions],
+                                 device=logits.device)
         chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
         token_logprobs.extend([lp, tid] for lp, tid in zip(chosen, token_ids.tolist()))
         if req.top_logprobs_num:

@@ -14,7 +14,12 @@ Pipeline per step, vectorized over the rows of `logits` [B, V]:
      top token is always kept), then min-p (drop p < min_p * p_max), and draw by inverse CDF with
      one uniform from the row's own generator, so a row's sample depends only on its own seed.
 Rows with top-k/top-p work on the top candidates (torch.topk, widened until every row's top-p set
-fits) instead of sorting the whole vocabulary, which costs ~30x more on CPU.
+fits) instead of sorting the whole vocabulary, which costs ~30x more on CPU; on a GPU the whole
+vocabulary is sorted at once, so that no host sync decides the width.
+
+Everything stays on the logits' device (`sample_on_device`): the chosen ids and their logprobs
+cross to the host in one copy (`DeviceSamples.to_host`), the engine's one sync per step; top
+logprobs, asked for by few requests, cost a second one.
 """
 
 from __future__ import annotations
@@ -49,9 +54,29 @@ class SampleResult(NamedTuple):
     top_logprobs: list[list[tuple[float, int]]]  # per row (logprob, token_id), sorted desc
 
 
+class DeviceSamples(NamedTuple):
+    """A step's samples before they cross to the host: the next step may feed token_ids to the
+    model straight from the device (the overlap scheduler)."""
+
+    token_ids: torch.Tensor  # [B] int64, on the logits' device
+    logprobs: torch.Tensor  # [B] float32, the chosen tokens' logprobs
+    top_logprobs: list[list[tuple[float, int]]]
+
+    def to_host(self) -> SampleResult:
+        """Ids and logprobs in one device-to-host copy (float64 holds every token id exactly)."""
+        ids, logprobs = torch.stack([self.token_ids.double(), self.logprobs.double()]).tolist()
+        return SampleResult([int(t) for t in ids], logprobs, self.top_logprobs)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
     """Pick one token per row of `logits` [B, V] (float32, modified in place; another dtype is
     first copied to float32, since bf16 log-probabilities are too coarse to report)."""
+    return sample_on_device(logits, rows).to_host()
+
+
+def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSamples:
+    """`sample` without the copy to the host: no host sync unless a row asks for top logprobs
+    (or, on the CPU, a top-p row's candidates must widen)."""
     assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
     logits = logits.float()
     params = [r.sampling_params for r in rows]
@@ -62,7 +87,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleResult:
     logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     token_ids = _choose_tokens(logprobs, rows, params)  # [B]
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-    return SampleResult(token_ids.tolist(), chosen.tolist(), _top_logprobs(logprobs, rows))
+    return DeviceSamples(token_ids, chosen, _top_logprobs(logprobs, rows))
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -131,9 +156,8 @@ def _mask_min_new_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> N
     saved = logits[row_idx, tok_idx]  # [P], a copy
     logits[row_idx, tok_idx] = float("-inf")
     dead = ~torch.isfinite(logits).any(dim=-1)  # [B]
-    if bool(dead.any()):
-        restore = dead[row_idx]
-        logits[row_idx[restore], tok_idx[restore]] = saved[restore]
+    # Written back unconditionally (no host sync to ask whether any row died).
+    logits[row_idx, tok_idx] = torch.where(dead[row_idx], saved, logits[row_idx, tok_idx])
 
 
 def _scale_by_temperature(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -189,6 +213,8 @@ def _sample_candidates(logprobs: torch.Tensor, params: Sequence[SamplingParams],
     top_p = _column([p.top_p for p in params], logprobs)
     min_p = _column([p.min_p for p in params], logprobs)
     k = min(vocab, max([_MIN_CANDIDATES] + [p.top_k for p in params]))
+    if not _host_reads_are_free(logprobs):
+        k = vocab  # a GPU sorts the vocabulary fast; widening would cost a host sync per step
     while True:
         cand_logprobs, cand_ids = logprobs.topk(k, dim=-1)  # [R, k], sorted desc
         probs = cand_logprobs.exp()
@@ -213,12 +239,24 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = weights.cumsum(-1)  # [R, N]
     target = u[:, None].to(cdf.dtype) * cdf[:, -1:]
     pos = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=weights.shape[-1] - 1)
-    # u * total can round up to total, running past the last positive weight: take that one.
+    # u * total can round up to total, running past the last positive weight: take that one. On
+    # the CPU only for the rows that need it; on a GPU for every row, since asking costs a sync.
     bad = weights.gather(1, pos[:, None]).squeeze(1) <= 0
-    if bool(bad.any()):
-        last = (weights[bad] > 0).flip(-1).to(torch.int8).argmax(-1)
-        pos[bad] = weights.shape[-1] - 1 - last
-    return pos
+    if _host_reads_are_free(weights):
+        if bool(bad.any()):
+            pos[bad] = weights.shape[-1] - 1 - _last_positive(weights[bad])
+        return pos
+    return torch.where(bad, weights.shape[-1] - 1 - _last_positive(weights), pos)
+
+
+def _host_reads_are_free(t: torch.Tensor) -> bool:
+    """On the CPU, reading a tensor's value from Python costs no sync (a GPU waits for its queue)."""
+    return t.device.type == "cpu"
+
+
+def _last_positive(weights: torch.Tensor) -> torch.Tensor:
+    """Per row, how far from the end the last positive weight is."""
+    return (weights > 0).flip(-1).to(torch.int8).argmax(-1)
 
 
 def _top_logprobs(logprobs: torch.Tensor, rows: Sequence[SamplingRow]):

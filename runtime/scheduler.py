@@ -202,12 +202,42 @@ class Scheduler:
             lens = [n + len(d) for n, d in zip(lens, drafts)]
         for req, n in zip(self.running, lens):
             self.kv.extend(req, n)
+        self._decay_new_token_ratio()
+        phase: Phase = "decode" if all(n == 1 for n in lens) else "catch_up"
+        return ScheduledBatch(list(self.running), lens, phase, [True] * len(lens), drafts)
+
+    def _decay_new_token_ratio(self) -> None:
         self.new_token_ratio = max(
             self.new_token_ratio - NEW_TOKEN_RATIO_DECAY,
             MIN_NEW_TOKEN_RATIO * self.config.schedule_conservativeness,
         )
-        phase: Phase = "decode" if all(n == 1 for n in lens) else "catch_up"
-        return ScheduledBatch(list(self.running), lens, phase, [True] * len(lens), drafts)
+
+    # -- overlap (the next decode step, before this one's tokens reach the host) ---------------
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch` (a decode step whose samples are still on the device),
+        scheduled before those samples reach the host: every request of it that may go on
+        computes the token it is sampling now. None when the plain order must decide instead:
+        requests wait to be prefilled (they have priority), or KV is short (retraction needs
+        the outputs). A request whose token now ends it by length is left out; one that stops
+        on its token (EOS, a stop string) is found out after this step was launched, and
+        `cancel_ahead` returns its slot."""
+        if self.waiting or self.chunked_req is not None or batch.draft_ids:
+            return None
+        reqs = [r for r in batch.reqs if not _last_by_length(r)]
+        if not reqs or self.kv.available_tokens < len(reqs):
+            return None
+        for req in reqs:
+            self.kv.extend(req, 1)  # the slot of the token being sampled now
+        self._decay_new_token_ratio()
+        return ScheduledBatch(reqs, [1] * len(reqs), "decode", [True] * len(reqs))
+
+    def cancel_ahead(self, ahead: ScheduledBatch) -> None:
+        """The requests of `ahead` that finished on the previous step's token give back the slot
+        `schedule_ahead` gave them: its KV is never part of their cached sequence (as without
+        overlap)."""
+        for req in ahead.reqs:
+            if req.finished and req.row is not None and req.num_computed > req.prefix_len:
+                self.kv.trim(req, req.num_computed - 1)
 
     def _propose_drafts(self, spare_slots: int) -> list[list[int]]:
         """Each running request's draft ([] for none) within the spare KV slots: a draft never
@@ -258,6 +288,16 @@ class Scheduler:
                 if batch.samples[i]:
                     self.running.append(req)
 
+    def live_part(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """`batch` without the requests that finished after it was scheduled (aborted while its
+        forward ran, or stopped on the token the step before it sampled)."""
+        keep = [i for i, r in enumerate(batch.reqs) if not r.finished]
+        if len(keep) == len(batch.reqs):
+            return batch
+        return ScheduledBatch([batch.reqs[i] for i in keep], [batch.extend_lens[i] for i in keep],
+                              batch.phase, [batch.samples[i] for i in keep],
+                              [batch.draft_ids[i] for i in keep] if batch.draft_ids else [])
+
     def abort(self, req: Req) -> None:
         """Remove req wherever it is and release its KV (the caller sets its finish reason)."""
         for queue in (self.waiting, self.running):
@@ -266,3 +306,9 @@ class Scheduler:
         if req is self.chunked_req:
             self.chunked_req = None
         self.kv.release(req)
+
+
+def _last_by_length(req: Req) -> bool:
+    """Whether the token req is sampling now is its last: max_new_tokens or the context length."""
+    return (len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens
+            or req.fill_len + 1 >= req.max_total_len)

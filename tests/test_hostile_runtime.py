@@ -200,7 +200,7 @@ def test_sampling_fault_aborts_only_its_request(make_engine, monkeypatch, params
     outputs equal their runs alone."""
     engine = make_engine()
     refs = references(engine, params)
-    real_sample = output_processor.sample
+    real_sample = output_processor.sample_on_device
 
     def faulty(logits, rows):
         result = real_sample(logits, rows)  # draws from every row's generator, then fails
@@ -208,7 +208,7 @@ def test_sampling_fault_aborts_only_its_request(make_engine, monkeypatch, params
             raise RuntimeError("injected sampling fault")
         return result
 
-    monkeypatch.setattr(output_processor, "sample", faulty)
+    monkeypatch.setattr(output_processor, "sample_on_device", faulty)
     assert_only_bad_aborted(run_batch(engine, params), refs)
     assert_idle_and_clean(engine)
 
@@ -242,10 +242,13 @@ def test_forward_fault_aborts_only_its_request_and_caches_no_unwritten_kv(make_e
     runner = engine.parts.runner
     real_forward = runner.forward
 
-    def faulty(batch):
-        if any(r.rid == "bad" and len(r.output_ids) >= 2 for r in batch.reqs):
+    def faulty(batch, input_ids=None):
+        # The step computing the bad request's second output token (read from its KV position:
+        # with the overlap scheduler, output_ids grows while the forward runs).
+        if any(r.rid == "bad" and r.num_computed - len(r.origin_input_ids) >= 2
+               for r in batch.reqs):
             raise RuntimeError("injected forward fault")
-        return real_forward(batch)
+        return real_forward(batch, input_ids)
 
     monkeypatch.setattr(runner, "forward", faulty)
     results = run_batch(engine, GREEDY)
@@ -278,7 +281,7 @@ def test_every_request_failing_aborts_all_and_the_engine_keeps_serving(make_engi
     runner = engine.parts.runner
     real_forward = runner.forward
 
-    def broken(batch):
+    def broken(batch, input_ids=None):
         raise RuntimeError("injected fault for everyone")
 
     monkeypatch.setattr(runner, "forward", broken)

@@ -36,8 +36,9 @@ class TensorParallelRunner(ModelRunner):
         self.broken: Exception | None = None
         self._last_contact = time.monotonic()
 
-    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[LogitsRows]]:
-        fb, layout = self._build(batch)  # a bad request fails here, before any collective
+    def forward(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[LogitsRows]]:
+        fb, layout = self._build(batch, input_ids)  # a bad request fails here, before any collective
         self._check_usable()
         try:
             send_step(self.group, Command.FORWARD, fb)
@@ -47,7 +48,7 @@ class TensorParallelRunner(ModelRunner):
             raise self._lost(e) from e
         self._last_contact = time.monotonic()
         assert logits is not None
-        return logits[:, : self.vocab_size].cpu(), layout
+        return logits[:, : self.vocab_size], layout
 
     def check_health(self) -> None:
         """Raises WorkerLostError when a local worker process has exited, or (every
