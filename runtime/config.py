@@ -98,9 +98,12 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     debug_eager_cuda_graph: bool = False
-    # SGLang's --disable-overlap-schedule: by default consecutive decode steps pipeline (the next
-    # forward runs while this step's samples are applied; runtime/overlap.py); same tokens.
-    disable_overlap_schedule: bool = False
+    # SGLang's --disable-overlap-schedule: with the overlap scheduler consecutive decode steps
+    # pipeline (the next forward runs while this step's samples are applied; runtime/overlap.py;
+    # same tokens). None = on with a GPU, off on the CPU, where the forward thread competes with
+    # the engine thread for the same cores (measured 10-17% slower, benchmarks/NOTES.md);
+    # False (--no-disable-overlap-schedule) turns it on anywhere.
+    disable_overlap_schedule: bool | None = None
     # SGLang's --enable-torch-compile / --torch-compile-max-bs: the model forward compiled with
     # torch.compile (inductor) for batches of at most torch_compile_max_bs requests; larger ones,
     # and any forward the compiler cannot take, run eagerly. Off by default (compiling costs time

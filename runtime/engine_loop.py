@@ -1,7 +1,7 @@
 """EngineLoop: the engine's background thread. Between scheduler steps it runs the calls posted to
 its inbox (submit, abort, flush, stats); a step is schedule -> forward -> sample -> after_step.
 
-With the overlap scheduler (on unless disable_overlap_schedule), consecutive decode steps
+With the overlap scheduler (see EngineConfig.disable_overlap_schedule), consecutive decode steps
 pipeline: step N+1's forward is launched on the forward worker before step N's samples are
 taken to the host and applied (runtime/overlap.py)."""
 
@@ -320,9 +320,12 @@ class EngineLoop:
 
 
 def _overlaps(parts: EngineParts) -> bool:
-    """The overlap scheduler runs unless disabled, and not with tensor parallelism (rank 0's
-    health probes share the collectives' group with the forward)."""
-    return not parts.config.disable_overlap_schedule and parts.config.tp_size == 1
+    """Whether the overlap scheduler runs: as configured (unset: on a GPU only), and not with
+    tensor parallelism (rank 0's health probes share the collectives' group with the forward)."""
+    config = parts.config
+    setting = config.disable_overlap_schedule
+    wanted = torch.device(config.device).type == "cuda" if setting is None else not setting
+    return wanted and config.tp_size == 1
 
 
 def _live_layout(scheduled: ScheduledBatch, live: ScheduledBatch,
