@@ -1,8 +1,8 @@
 """GPU check of the Triton attention kernels: correctness at realistic sizes (bf16, batch 64,
 context 4k, 32 heads, GQA 4), the engine's greedy tokens vs transformers on CUDA, decode from
-CUDA graphs vs eager (same tokens, tokens/s at batch 1/16/64, the KV pool's size), and one
-timing table against torch's scaled_dot_product_attention on gathered K/V. A few minutes on an
-H100.
+CUDA graphs and the overlap scheduler on/off (same tokens, tokens/s at batch 1/16/64, the KV
+pool's size), W1-W3 on the default model (overlap on/off), and one timing table against torch's
+scaled_dot_product_attention on gathered K/V. A few minutes on an H100.
 
 Run on a CUDA machine, from the repository root (forklm.kernels maps to kernels/ only once the
 project is installed; the engine section also needs the engine's imports, e.g. xgrammar):
@@ -185,9 +185,9 @@ def check_engine() -> None:
 
 
 def check_cuda_graphs() -> None:
-    """Decode from captured CUDA graphs vs eager, on the random Llama (fp32, Triton): the same
-    greedy tokens, decode tokens/s at batch 1, 16 and 64 each way, and the KV pool that
-    --mem-fraction-static (default) sized."""
+    """Decode with CUDA graphs on/off and the overlap scheduler on/off, on the random Llama (fp32,
+    Triton): the same greedy tokens in all four, decode tokens/s at batch 1, 16 and 64 each way,
+    and the KV pool that --mem-fraction-static (default) sized."""
     import time
 
     from forklm.runtime.engine import Engine
@@ -201,30 +201,54 @@ def check_cuda_graphs() -> None:
         model.save_pretrained(folder)
         _word_tokenizer(model.config.vocab_size).save_pretrained(folder)
         for graphs in (False, True):
-            with Engine(model_path=folder, device="cuda", dtype="float32",
-                        attention_backend="triton", disable_cuda_graph=not graphs,
-                        cuda_graph_max_bs=64) as engine:
-                captured = engine.parts.runner.graphs is not None
-                if graphs and not captured:
-                    failures.append("cuda graph capture")
-                    print("FAIL  decode graphs were not captured (see the warning above)")
-                tokens[graphs] = [r["output_ids"] for r in engine.generate(
-                    input_ids=prompts[:16], sampling_params=params)]
-                speeds = []
-                for batch in (1, 16, 64):
-                    start = time.perf_counter()
-                    engine.generate(input_ids=prompts[:batch], sampling_params=params)
-                    speeds.append(batch * 64 / (time.perf_counter() - start))
-                rows.append((f"graphs {'on ' if captured else 'off'}", speeds,
-                             engine.stats()["kv_capacity"]))
-    same = tokens[True] == tokens[False]
-    print(f"{'PASS' if same else 'FAIL'}  decode graphs give the eager greedy tokens (16 prompts)")
+            for overlap in (False, True):
+                with Engine(model_path=folder, device="cuda", dtype="float32",
+                            attention_backend="triton", disable_cuda_graph=not graphs,
+                            cuda_graph_max_bs=64, disable_overlap_schedule=not overlap) as engine:
+                    captured = engine.parts.runner.graphs is not None
+                    if graphs and not captured:
+                        failures.append("cuda graph capture")
+                        print("FAIL  decode graphs were not captured (see the warning above)")
+                    tokens[graphs, overlap] = [r["output_ids"] for r in engine.generate(
+                        input_ids=prompts[:16], sampling_params=params)]
+                    speeds = []
+                    for batch in (1, 16, 64):
+                        start = time.perf_counter()
+                        engine.generate(input_ids=prompts[:batch], sampling_params=params)
+                        speeds.append(batch * 64 / (time.perf_counter() - start))
+                    rows.append((f"graphs {'on ' if captured else 'off'} overlap "
+                                 f"{'on ' if overlap else 'off'}", speeds,
+                                 engine.stats()["kv_capacity"]))
+    same = all(t == tokens[False, False] for t in tokens.values())
+    print(f"{'PASS' if same else 'FAIL'}  graphs and overlap on/off give the same greedy tokens "
+          "(16 prompts)")
     if not same:
-        failures.append("cuda graph tokens")
+        failures.append("graphs/overlap tokens")
     print("decode tok/s (64 new tokens after 64-token prompts, end to end)")
-    print(f"  {'':10s} {'batch 1':>9s} {'batch 16':>9s} {'batch 64':>9s} {'KV tokens':>11s}")
+    print(f"  {'':22s} {'batch 1':>9s} {'batch 16':>9s} {'batch 64':>9s} {'KV tokens':>11s}")
     for name, speeds, kv in rows:
-        print(f"  {name:10s} " + " ".join(f"{v:9.1f}" for v in speeds) + f" {kv:11d}")
+        print(f"  {name:22s} " + " ".join(f"{v:9.1f}" for v in speeds) + f" {kv:11d}")
+
+
+def check_workloads() -> None:
+    """W1-W3 (shared/workloads.md) on the default model on CUDA, dtype auto (bf16), in process,
+    overlap on and off: output tokens/s, median TTFT and the prompt tokens computed."""
+    from benchmarks import workloads
+    from benchmarks.runners import EngineRunner
+    from forklm.runtime.engine import Engine
+
+    print("W1-W3, default model, cuda, bf16 (in process)")
+    print(f"  {'':12s} {'workload':18s} {'tok/s':>8s} {'TTFT s':>7s} {'computed/sent':>15s}")
+    for overlap in (True, False):
+        with Engine(device="cuda", disable_overlap_schedule=not overlap) as engine:
+            runner = EngineRunner(engine)
+            for wl in (workloads.shared_prefix(), workloads.no_sharing(),
+                       workloads.multi_turn()):
+                engine.flush_cache()
+                m = runner.run(wl)
+                print(f"  overlap {'on ' if overlap else 'off'}  {wl.name:18s} "
+                      f"{m.output_tokens_per_s:8.1f} {m.median_ttft_s:7.2f} "
+                      f"{m.prompt_tokens_computed:>7d}/{m.prompt_tokens_sent:<7d}")
 
 
 @torch.inference_mode()
@@ -378,7 +402,8 @@ def main() -> None:
     run("decode", lambda: check_decode(gen))
     run("extend", lambda: check_extends(gen))
     run("engine greedy", check_engine)
-    run("cuda graphs", check_cuda_graphs)
+    run("cuda graphs and overlap", check_cuda_graphs)
+    run("workloads", check_workloads)
     run("timings", time_table)
     print(f"\n{len(failures)} failed: {', '.join(failures)}" if failures else "\nall checks passed")
     sys.exit(1 if failures else 0)
