@@ -53,6 +53,18 @@ def hf_model(default_model: LoadedModel) -> transformers.PreTrainedModel:
 
 
 _engines: dict[tuple, Engine] = {}
+# Engines with a non-default config kept alive besides the default one (each holds its own copy
+# of the weights and a KV pool, ~1 GB in fp32): the least recently used beyond this are shut
+# down, which keeps the suite's memory flat as configs accumulate. No test uses more at once.
+MAX_OTHER_ENGINES = 3
+_DEFAULT_KEY = (("debug_check_invariants", True), ("dtype", "float32"), ("max_total_tokens", 8192))
+
+
+def _shut_down_least_used(keep: tuple) -> None:
+    others = [k for k in _engines if k != _DEFAULT_KEY]
+    for key in others[: max(len(others) - MAX_OTHER_ENGINES, 0)]:
+        if key != keep:
+            _engines.pop(key).shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -61,13 +73,18 @@ def make_engine():
     config. Every engine checks its KV invariants after every step."""
 
     def make(**config) -> Engine:
+        default = not config
         config.setdefault("dtype", "float32")
         config.setdefault("max_total_tokens", 8192)
         config.setdefault("debug_check_invariants", True)
         key = tuple(sorted(config.items()))
         if key not in _engines:
             _engines[key] = Engine(**config)
-        return _engines[key]
+        engine = _engines.pop(key)
+        _engines[key] = engine  # most recently used last
+        if not default:
+            _shut_down_least_used(keep=key)
+        return engine
 
     yield make
     for engine in _engines.values():
