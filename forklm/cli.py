@@ -75,6 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
     except InvalidArgumentError as e:
         print(f"forklm serve: error: {e}", file=sys.stderr)
         return 2
+    if args.ray:  # replicas as a Ray Serve deployment (forklm/ray_serve/); Ray is optional
+        return _serve_ray(args, server_config)
     if server_config.dp_size > 1:  # N replicas behind a router (forklm/router/)
         from forklm.router.launch import serve_dp
 
@@ -86,12 +88,28 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(engine_config, server_config)
 
 
+def _serve_ray(args: argparse.Namespace, server_config: Any) -> int:
+    from forklm.ray_serve import require_ray
+
+    try:
+        require_ray()
+    except ImportError as e:
+        print(f"forklm serve: error: {e}", file=sys.stderr)
+        return 2
+    from forklm.ray_serve.launch import serve_ray
+
+    return serve_ray(engine_kwargs(args), server_config)
+
+
 def _add_serve(sub: Any) -> None:
     from forklm.server.config import ServerConfig
 
     serve = sub.add_parser("serve", help="run the HTTP server (native /generate and OpenAI API)")
     serve.add_argument("--model", dest="model_path", default=None,
                        help="model name or path (same as --model-path)")
+    serve.add_argument("--ray", action="store_true",
+                       help="run --dp-size engine replicas as a Ray Serve deployment (joins "
+                       "RAY_ADDRESS if set); needs pip install 'forklm[ray]'")
     add_dataclass_flags(serve, ServerConfig)
     add_engine_flags(serve)
     serve.set_defaults(func=_serve)

@@ -84,7 +84,7 @@ async def abort_request(request: Request) -> Response:
     """To the replica running the rid; an rid the router does not know goes to all."""
     routing, proxy = parts_of(request)
     body = await request.body()
-    parsed = await _parse(body)
+    parsed = await parse_body(body)
     rid = parsed.get("rid") if isinstance(parsed, dict) else None
     target = routing.rids.get(rid) if isinstance(rid, str) else None
     targets = [target] if target is not None else routing.alive()
@@ -109,7 +109,7 @@ async def open_session(request: Request) -> Response:
 async def close_session(request: Request) -> Response:
     routing, proxy = parts_of(request)
     body = await request.body()
-    parsed = await _parse(body)
+    parsed = await parse_body(body)
     sid = parsed.get("session_id") if isinstance(parsed, dict) else None
     if not isinstance(sid, str):
         return await proxy.forward(request, routing.pick_idle(), body)  # the replica's 400
@@ -131,7 +131,7 @@ async def relay(request: Request) -> Response:
     if request.method in ("GET", "OPTIONS"):
         return await proxy.forward(request, routing.pick_idle(), b"")
     body = await request.body()
-    parsed = await _parse(body)
+    parsed = await parse_body(body)
     for _ in range(len(routing.replicas)):
         replica = routing.pick(request.url.path, parsed)
         remember = None
@@ -153,7 +153,7 @@ def _stats(info: dict[str, Any] | None) -> dict[str, Any] | None:
     return ((info or {}).get("internal_states") or [None])[0]
 
 
-async def _parse(body: bytes) -> Any:
+async def parse_body(body: bytes) -> Any:
     """The body as JSON for routing, None when it is not JSON (the replica will say why)."""
     try:
         if len(body) > _PARSE_INLINE_BYTES:

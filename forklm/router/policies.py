@@ -79,11 +79,16 @@ class CacheAware:
 
     def choose(self, text: str, alive: Sequence[int], loads: Sequence[int]) -> Choice:
         choice = self._pick(text, alive, loads)
+        self.remember(text, choice.replica)
+        return choice
+
+    def remember(self, text: str, replica: int) -> None:
+        """Record that `text` went to `replica` (choose does; a caller whose request ended up
+        elsewhere than chosen, e.g. Ray Serve spilling over a full replica, says where)."""
         if text:
-            tree = self.trees[choice.replica]
+            tree = self.trees[replica]
             tree.insert(text)
             tree.prune()
-        return choice
 
     def _pick(self, text: str, alive: Sequence[int], loads: Sequence[int]) -> Choice:
         if not text or self.imbalanced([loads[i] for i in alive]):

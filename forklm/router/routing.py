@@ -5,7 +5,7 @@ is stored, an abort where its rid runs), then the policy."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 from forklm.router.policies import CacheAware, Policy, least_loaded
 from forklm.router.prompts import prompt_text
@@ -16,6 +16,7 @@ from forklm.router.replicas import Replica
 # after --session-idle-timeout-s anyway; a forgotten one just follows the policy.
 _MAX_REMEMBERED = 65536
 _RESPONSE_ID = re.compile(rb'"id": ?"(resp_[0-9a-f]+)"')
+T = TypeVar("T")
 
 
 class NoReplicaError(Exception):
@@ -35,8 +36,8 @@ class Router:
 
     def pick(self, path: str, body: Any) -> Replica:
         """The replica for a request to `path` with JSON `body` (None when not JSON); counts it."""
-        for key, table in ((_session_id(body), self.sessions),
-                           (_previous_response_id(body), self.responses)):
+        for key, table in ((session_id(body), self.sessions),
+                           (previous_response_id(body), self.responses)):
             pinned = table.get(key) if key is not None else None
             if pinned is not None and pinned.alive:
                 return self._count(pinned, None)
@@ -65,13 +66,13 @@ class Router:
         return replica
 
     def remember_session(self, sid: str, replica: Replica) -> None:
-        _remember(self.sessions, sid, replica)
+        remember_bounded(self.sessions, sid, replica)
 
     def remember_response(self, body: bytes, replica: Replica) -> None:
         """The id of a Responses API answer (or of its stream's first event) -> its replica."""
-        found = _RESPONSE_ID.search(body[:4096])
+        found = response_id(body)
         if found:
-            _remember(self.responses, found.group(1).decode(), replica)
+            remember_bounded(self.responses, found, replica)
 
     def remove(self, replica: Replica) -> None:
         """Forget a dead replica's sessions, responses, rids and prefix tree."""
@@ -91,18 +92,25 @@ class Router:
             self.rids.pop(rid, None)
 
 
-def _remember(table: dict[str, Replica], key: str, replica: Replica) -> None:
-    table[key] = replica
+def remember_bounded(table: dict[str, T], key: str, value: T) -> None:
+    """table[key] = value, forgetting the oldest key beyond _MAX_REMEMBERED."""
+    table[key] = value
     if len(table) > _MAX_REMEMBERED:
         del table[next(iter(table))]  # dicts keep insertion order: the oldest
 
 
-def _previous_response_id(body: Any) -> str | None:
+def response_id(body: bytes) -> str | None:
+    """The id of a Responses API answer, or of its stream's first event, in its first bytes."""
+    found = _RESPONSE_ID.search(body[:4096])
+    return found.group(1).decode() if found else None
+
+
+def previous_response_id(body: Any) -> str | None:
     value = body.get("previous_response_id") if isinstance(body, dict) else None
     return value if isinstance(value, str) else None
 
 
-def _session_id(body: Any) -> str | None:
+def session_id(body: Any) -> str | None:
     params = body.get("session_params") if isinstance(body, dict) else None
     sid = params.get("id") if isinstance(params, dict) else None
     return sid if isinstance(sid, str) else None

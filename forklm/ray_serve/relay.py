@@ -1,0 +1,105 @@
+"""Relay: sends a ReplicaRequest over the engine deployment's handle (the request router picks
+the replica) and turns the replica's answer into the ingress's HTTP response, streaming SSE
+answers event by event. A replica that dies mid-request fails that request with a 502."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi.responses import Response, StreamingResponse
+from ray.exceptions import RayError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from forklm.ray_serve.messages import ReplicaRequest, ResponseHead
+from forklm.server.errors import SSE_DONE, ApiError, error_body, sse_event
+
+logger = logging.getLogger(__name__)
+OnAnswer = Callable[[ResponseHead, bytes], None]
+REPLICA_HEADER = "x-forklm-replica"  # which replica answered (its Ray replica id)
+# Headers the ingress's own response recomputes.
+_RECOMPUTED = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+
+
+class Relay:
+    """The ingress's side of the engine deployment: one handle, streaming calls to `handle`."""
+
+    def __init__(self, engine: DeploymentHandle, num_replicas: int):
+        self.engine = engine.options(stream=True, method_name="handle")
+        self.num_replicas = num_replicas
+
+    async def open(self, request: ReplicaRequest) -> tuple[ResponseHead, AsyncIterator[bytes]]:
+        """Send the request; its head, and the body chunks still to come."""
+        stream = self.engine.remote(request)
+        assert isinstance(stream, DeploymentResponseGenerator), type(stream)  # stream=True
+        try:
+            head = await stream.__anext__()
+        except (RayError, StopAsyncIteration) as e:
+            raise ApiError(502, f"the engine replica failed before answering ({e!r})") from e
+        assert isinstance(head, ResponseHead), type(head)
+        return head, _chunks(stream)
+
+    async def answer(self, request: ReplicaRequest, on_answer: OnAnswer | None = None) -> Response:
+        """The replica's answer as the ingress's response (SSE streams stay streams);
+        on_answer(head, body or a stream's first chunk) sees it first."""
+        head, chunks = await self.open(request)
+        headers = {**_passed(head), REPLICA_HEADER: head.replica}
+        if head.is_stream:
+            return StreamingResponse(_in_band_errors(chunks, head, on_answer),
+                                     status_code=head.status, headers=headers)
+        try:
+            body = b"".join([chunk async for chunk in chunks])
+        except RayError as e:
+            raise ApiError(502, f"replica {head.replica} failed during the request ({e!r})") from e
+        if on_answer is not None:
+            on_answer(head, body)
+        return Response(body, status_code=head.status, headers=headers)
+
+    async def fan_out(self, request: ReplicaRequest) -> list[tuple[ResponseHead, bytes]]:
+        """The request to every replica (one per target index; a replica answering twice, as
+        while Ray replaces one, is kept once). Replicas that fail are left out.
+
+        One after another: Ray Serve hands a routed replica to the pending call with the same
+        internal request id, and the calls one ingress request makes all share that id."""
+        unique: dict[str, tuple[ResponseHead, bytes]] = {}
+        for target in range(self.num_replicas):
+            try:
+                head, chunks = await self.open(_targeted(request, target))
+                body = b"".join([chunk async for chunk in chunks])
+            except (ApiError, RayError) as e:
+                logger.warning("fan-out %s to replica #%d failed: %r", request.path, target, e)
+                continue
+            unique.setdefault(head.replica, (head, body))
+        return list(unique.values())
+
+
+def _targeted(request: ReplicaRequest, target: int) -> ReplicaRequest:
+    return ReplicaRequest(request.method, request.path, request.query, request.headers,
+                          request.body, target=target)
+
+
+async def _chunks(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    async for chunk in stream:
+        yield chunk
+
+
+async def _in_band_errors(chunks: AsyncIterator[bytes], head: ResponseHead,
+                          on_answer: OnAnswer | None) -> AsyncIterator[bytes]:
+    """Relay an SSE stream; once headers are sent, a replica failure travels as an error event."""
+    last = b"\n\n"
+    try:
+        async for chunk in chunks:
+            if on_answer is not None:
+                on_answer(head, chunk)
+                on_answer = None
+            last = chunk or last
+            yield chunk
+    except RayError as e:
+        cut = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
+        yield cut + sse_event(error_body(502, f"the engine replica failed ({e!r})")) + SSE_DONE
+
+
+def _passed(head: ResponseHead) -> dict[str, Any]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers
+            if k.lower() not in _RECOMPUTED}
