@@ -39,7 +39,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     walls: dict[tuple[str, int], list[float]] = {}
     same = True
-    for name, engine in engines.items():  # warm-up: first-step costs and the radix cache
+    for engine in engines.values():  # warm-up: first-step costs and the radix cache
         _run(engine, _prompts(1, 99), 4)
     for rep in range(args.repeats):
         for batch in batches:
