@@ -33,6 +33,8 @@ def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                rows: int = TILE_ROWS) -> torch.Tensor:
     """fn applied to x [M, in] in calls of exactly `rows` rows -> [M, out]."""
     m = x.shape[0]
+    if m == 0:  # no rows to tile (a prefill chunk that needs no logits)
+        return fn(x)
     pad = -m % rows
     if pad:
         x = torch.cat((x, x.new_zeros(pad, *x.shape[1:])))
