@@ -2,9 +2,12 @@
 tokens, or a prefill of B prompts of L tokens, on the default model over the paged KV pool.
 
   python -m benchmarks.profile_step --batch 16 --ctx 450 [--prefill] [--profile] [--repeats 20]
-      [--quantized [--int4-only] | --fp16-weights] [--deterministic]
+      [--quantized [--int4-only] | --fp16-weights] [--deterministic] [--torch-compile]
 
 Prints the median forward time; with --profile, torch.profiler's top operators by self CPU time.
+With --torch-compile: the compile time, then eager and compiled layer steps timed in alternating
+rounds in this one process (an A/B that a busy machine's drift hits equally), and how far the
+compiled logits are from the eager ones.
 """
 
 from __future__ import annotations
@@ -73,6 +76,41 @@ def prefill_batch(batch: int, length: int) -> ForwardBatch:
         is_decode=False)
 
 
+def time_forwards(model: CausalLM, attn: object, fb: ForwardBatch, repeats: int,
+                  warm_up: int = 3) -> list[float]:
+    """ms of each of `repeats` forwards, after `warm_up` untimed ones."""
+    for _ in range(warm_up):
+        model(fb, attn)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model(fb, attn)
+        times.append(1000 * (time.perf_counter() - t0))
+    return times
+
+
+def compare_compiled(model: CausalLM, attn: object, fb: ForwardBatch, kind: str, repeats: int,
+                     rounds: int = 10) -> None:
+    """Eager vs torch.compile'd layer steps on the same batch, alternating rounds."""
+    from forklm.runtime.torch_compile import enable_torch_compile
+
+    eager_logits = model(fb, attn)
+    t0 = time.perf_counter()
+    compiled = enable_torch_compile(model, max_bs=max(fb.batch_size, 1))
+    print(f"compile (warm-up of every layer at 1, 2, 8, 128 tokens): "
+          f"{time.perf_counter() - t0:.1f} s{' FAILED: eager' if compiled.failed else ''}")
+    diff = (model(fb, attn) - eager_logits).abs().max().item()
+    times: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for _ in range(rounds):
+        for name in times:
+            model.compiled_steps = compiled if name == "compiled" else None
+            times[name] += time_forwards(model, attn, fb, max(1, repeats // rounds), warm_up=1)
+    eager, comp = (statistics.median(times[name]) for name in ("eager", "compiled"))
+    print(f"{kind}: eager {eager:.1f} ms, compiled {comp:.1f} ms (x{comp / eager:.2f}), "
+          f"medians of {len(times['eager'])} each (min {min(times['eager']):.1f} / "
+          f"{min(times['compiled']):.1f}); logits max abs diff {diff:.3g}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=16)
@@ -87,6 +125,8 @@ def main() -> None:
                    help="float32 model with FBGEMM float16 weights (dtype auto on an AVX2 CPU)")
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant matmuls and attention (--enable-deterministic-inference)")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="A/B: eager vs compiled layer steps (--enable-torch-compile)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
@@ -97,16 +137,13 @@ def main() -> None:
         fb = prefill_batch(args.batch, args.ctx)
     else:
         fb = decode_batch(args.batch, args.ctx, args.shared)
-    for _ in range(3):
-        model(fb, attn)
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        model(fb, attn)
-        times.append(1000 * (time.perf_counter() - t0))
-    kind = "prefill" if args.prefill else "decode"
-    print(f"{kind} batch {args.batch} ctx {args.ctx}: median {statistics.median(times):.1f} ms "
-          f"(min {min(times):.1f}) over {args.repeats}")
+    kind = f"{'prefill' if args.prefill else 'decode'} batch {args.batch} ctx {args.ctx}"
+    if args.torch_compile:
+        compare_compiled(model, attn, fb, kind, args.repeats)
+        return
+    times = time_forwards(model, attn, fb, args.repeats)
+    print(f"{kind}: median {statistics.median(times):.1f} ms (min {min(times):.1f}) "
+          f"over {args.repeats}")
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(5):

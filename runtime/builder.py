@@ -97,6 +97,8 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
     if workers is not None:
         from forklm.runtime.distributed import start_tensor_parallel
 
+        if config.enable_torch_compile:
+            logger.info("torch.compile off: it compiles single-process models only")
         tp = start_tensor_parallel(config, loaded, spec, workers)
         pool, capacity = tp.shard.pool, tp.shard.pool.capacity
         kv = _kv_manager(config, pool, context_len)
@@ -107,6 +109,7 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         pool, attn = build_kv_and_attention(config, spec, model, capacity)
         kv = _kv_manager(config, pool, context_len)
         runner = ModelRunner(model, attn, kv, config.device)
+        _compile_layers(config, model)
         _capture_decode_graphs(config, runner, context_len)
     logger.info("model %s (%s, %s), KV capacity %d tokens", loaded.source, spec.model_type, dtype,
                 capacity)
@@ -124,6 +127,20 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
                              eos_token_ids, config.random_seed),
     )
+
+
+def _compile_layers(config: EngineConfig, model: CausalLM) -> None:
+    """--enable-torch-compile: compile the layers' dense steps (runtime/torch_compile.py), at
+    start. Not under deterministic inference, whose fixed matmul tiles a compiled graph would
+    not keep."""
+    if not config.enable_torch_compile:
+        return
+    if config.enable_deterministic_inference:
+        logger.info("torch.compile off: deterministic inference runs its own tiled matmuls")
+        return
+    from forklm.runtime.torch_compile import enable_torch_compile
+
+    enable_torch_compile(model, config.torch_compile_max_bs)
 
 
 def _capture_decode_graphs(config: EngineConfig, runner: ModelRunner, context_len: int) -> None:

@@ -104,10 +104,11 @@ class EngineConfig:
     # the engine thread for the same cores (measured 10-17% slower, benchmarks/NOTES.md);
     # False (--no-disable-overlap-schedule) turns it on anywhere.
     disable_overlap_schedule: bool | None = None
-    # SGLang's --enable-torch-compile / --torch-compile-max-bs: the model forward compiled with
-    # torch.compile (inductor) for batches of at most torch_compile_max_bs requests; larger ones,
-    # and any forward the compiler cannot take, run eagerly. Off by default (compiling costs time
-    # at start).
+    # SGLang's --enable-torch-compile / --torch-compile-max-bs: each layer's dense work (not
+    # attention) compiled with torch.compile (inductor, runtime/torch_compile.py) for batches of
+    # at most torch_compile_max_bs requests; larger ones, and any model the compiler cannot
+    # take, run eagerly. Off by default (20-50 s of compiling at start with a cold cache, about
+    # 5-7% off batch-1 decode on a 2-core CPU).
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     # SGLang's --tp-size: the model split Megatron-style over this many ranks (processes; one GPU

@@ -6,7 +6,9 @@ the Hugging Face checkpoints, except that q/k/v and gate/up are fused into one m
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,9 @@ from forklm.runtime.models.layers import ACTIVATIONS, RMSNorm, RotaryEmbedding, 
 from forklm.runtime.models.moe import SparseMoE
 from forklm.runtime.models.spec import ModelSpec
 from forklm.runtime.models.weights import FusedLinear
+
+if TYPE_CHECKING:
+    from forklm.runtime.torch_compile import CompiledLayerSteps
 
 
 class Attention(nn.Module):
@@ -36,15 +41,18 @@ class Attention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> rotated q [T, heads, d], k and v [T, kv_heads, d]; cos/sin are this
+        forward's rows of the rotary tables (RotaryEmbedding.tables_for)."""
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, d]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, d]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, batch.positions)
-        return self.o_proj(attn.forward(self.layer_id, q, k, v, batch))
+        q, k = self.rotary.rotate(q, k, cos, sin)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -79,13 +87,39 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(spec, spec.intermediate_size)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), batch, attn)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+                steps: LayerSteps | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. The dense work before and after attention runs through
+        `steps` (eager by default; torch_compile.py passes compiled ones), attention outside."""
+        steps = steps or EAGER_STEPS
+        cos, sin = self.self_attn.rotary.tables_for(batch.positions, x.dtype)
+        q, k, v = steps.before_attention(self, x, cos, sin)
+        return steps.after_attention(self, x, attn.forward(self.self_attn.layer_id, q, k, v, batch))
+
+    def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm, q/k/v projection and rotary: x [T, hidden] -> q, k, v."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residuals, norms and MLP: attn_out [T, heads * d] -> [T, hidden]."""
+        h = self.self_attn.o_proj(attn_out)
         if self.sandwich:
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LayerSteps(NamedTuple):
+    """How a DecoderLayer runs its dense work, as functions of (layer, tensors...): the unbound
+    methods, or compiled versions of them that one graph serves for every layer."""
+
+    before_attention: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    after_attention: Callable[..., torch.Tensor]
+
+
+EAGER_STEPS = LayerSteps(DecoderLayer.before_attention, DecoderLayer.after_attention)
 
 
 class DecoderModel(nn.Module):
@@ -117,6 +151,8 @@ class CausalLM(nn.Module):
         self.tied_head: nn.Module | None = None
         # Rows per LM-head matmul call under deterministic inference (batch_invariant.py).
         self.head_tile_rows: int | None = None
+        # Compiled layer steps for the batches they serve (torch_compile.py); None: all eager.
+        self.compiled_steps: CompiledLayerSteps | None = None
 
     @property
     def attention_layers(self) -> list[AttentionLayerSpec]:
@@ -128,10 +164,16 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         batch = attn.prepare(batch)
         x = self._embed(batch.input_ids)  # [T, hidden]
-        for layer in self.model.layers:
-            x = layer(x, batch, attn)
+        with self._layer_steps(batch) as steps:
+            for layer in self.model.layers:
+                x = layer(x, batch, attn, steps)
         x = self.model.norm(x[batch.logits_indices])  # norm is per-row: only the rows we need
         return soft_cap(self._head(x), self.spec.final_softcap).float()  # [num_logits, vocab]
+
+    def _layer_steps(self, batch: ForwardBatch) -> contextlib.AbstractContextManager[LayerSteps]:
+        if self.compiled_steps is None:
+            return contextlib.nullcontext(EAGER_STEPS)
+        return self.compiled_steps.session(batch)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         table: Any = self.model.embed_tokens

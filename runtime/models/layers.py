@@ -64,7 +64,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q [T, heads, d], k [T, kv_heads, d] -> rotated copies (the first rotary_dim dims)."""
-        cos, sin = self._tables_for(positions, q.dtype)
+        cos, sin = self.tables_for(positions, q.dtype)
+        return self.rotate(q, k, cos, sin)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """forward() with the table rows given: a pure function of its tensors, which is what
+        lets torch.compile trace it (tables_for keeps per-forward state)."""
         if self.rotary_dim == q.shape[-1]:
             # q and k rotated as one tensor: half the small ops of a layer's rotary (same values)
             qk = _rotate(torch.cat((q, k), dim=1), cos, sin)
@@ -73,7 +78,7 @@ class RotaryEmbedding(nn.Module):
         return (torch.cat((_rotate(q[..., :r], cos, sin), q[..., r:]), dim=-1),
                 torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
 
-    def _tables_for(self, positions: torch.Tensor, dtype: torch.dtype):
+    def tables_for(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin rows [T, 1, d] for this forward's positions, looked up once for all layers."""
         if self._rows is None or self._rows[0] is not positions:
             if self.cos.device != positions.device:  # the tables follow the model's device
