@@ -101,8 +101,8 @@ class EngineConfig:
     # SGLang's --disable-overlap-schedule: with the overlap scheduler consecutive decode steps
     # pipeline (the next forward runs while this step's samples are applied; runtime/overlap.py;
     # same tokens). None = on with a GPU, off on the CPU, where the forward thread competes with
-    # the engine thread for the same cores (measured 10-17% slower, benchmarks/NOTES.md);
-    # False (--no-disable-overlap-schedule) turns it on anywhere.
+    # the engine thread for the same cores (a tie when quiet, up to 17% slower when busy or at
+    # batch 64: benchmarks/NOTES.md); False (--no-disable-overlap-schedule) turns it on anywhere.
     disable_overlap_schedule: bool | None = None
     # SGLang's --enable-torch-compile / --torch-compile-max-bs: each layer's dense work (not
     # attention) compiled with torch.compile (inductor, runtime/torch_compile.py) for batches of
