@@ -7,7 +7,8 @@
 
 Systems: forklm, forklm-nocache, forklm-fcfs, forklm-ngram (NGRAM speculative decoding), forklm-int4
 (quantization="gguf": no dense copy), forklm-dense (quantization="none": weights in the run dtype),
-forklm-deterministic (enable_deterministic_inference) (in-process Engine and its ablations), hf1, hf8
+forklm-deterministic (enable_deterministic_inference), forklm-compile (enable_torch_compile)
+(in-process Engine and its ablations), hf1, hf8
 (transformers one at a time / static batches of 8), http (any OpenAI-compatible server at
 --base-url), forklm-http (starts `forklm serve`), llama-server-np8 and llama-server-np16
 (llama.cpp's C++ server with 8 / 16 parallel slots on the same GGUF; build it with
@@ -41,6 +42,8 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the abl
     "forklm-dense": {"quantization": "none"},
     # Batch-invariant matmuls and attention: what determinism costs
     "forklm-deterministic": {"enable_deterministic_inference": True},
+    # Each layer's dense steps compiled by inductor (runtime/torch_compile.py)
+    "forklm-compile": {"enable_torch_compile": True},
 }
 LLAMA_SERVER_SLOTS = {"llama-server-np8": 8, "llama-server-np16": 16}
 HTTP_SYSTEMS = ("http", "forklm-http", "llamacpp", *LLAMA_SERVER_SLOTS)
