@@ -16,6 +16,7 @@ import argparse
 import httpx
 
 from benchmarks.http_runner import HTTPRunner
+from benchmarks.runners import Metrics
 from benchmarks.servers import forklm_server
 from benchmarks.tensor_parallel import cpu_name
 from benchmarks.workloads import Workload, multi_turn, shared_prefix
@@ -49,13 +50,29 @@ def run_config(dp_size: int, method: str | None, args: argparse.Namespace) -> li
             before = routed(server.base_url)
             m = HTTPRunner(server.base_url, system=f"dp={dp_size} {method or '-'}",
                            server_pid=server.pid).run(wl)
-            after = routed(server.base_url)
-            hit = 1 - m.prompt_tokens_computed / max(m.prompt_tokens_sent, 1)
-            rows.append({"config": m.system, "workload": wl.name.split()[0],
-                         "tok_s": m.output_tokens_per_s, "hit": hit,
-                         "median_ttft_s": m.median_ttft_s,
-                         "spread": "/".join(str(a - b) for a, b in zip(after, before)) or "-"})
+            rows.append(policy_row(m, before, routed(server.base_url)))
     return rows
+
+
+def policy_row(m: Metrics, before: list[int], after: list[int]) -> dict:
+    """One table row: throughput, TTFT, the prompt-token cache hit rate, and how a per-replica
+    counter grew during the run (its spread over the replicas)."""
+    return {"config": m.system, "workload": m.workload.split()[0],
+            "tok_s": m.output_tokens_per_s, "median_ttft_s": m.median_ttft_s,
+            "hit": 1 - m.prompt_tokens_computed / max(m.prompt_tokens_sent, 1),
+            "spread": "/".join(str(a - b) for a, b in zip(after, before)) or "-"}
+
+
+def print_policy_table(rows: list[dict], spread_header: str) -> None:
+    """The rows by workload, each hit rate also as a share of its workload's dp=1 row."""
+    reference = {r["workload"]: r["hit"] for r in rows if "dp=1" in r["config"].split()}
+    print("| workload | config | output tok/s | median TTFT s | cache hit rate | vs dp=1 hit "
+          f"| {spread_header} |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in sorted(rows, key=lambda r: r["workload"]):
+        share = r["hit"] / reference[r["workload"]] if reference[r["workload"]] else float("nan")
+        print(f"| {r['workload']} | {r['config']} | {r['tok_s']:.1f} | {r['median_ttft_s']:.2f} "
+              f"| {r['hit']:.1%} | {share:.0%} | {r['spread']} |")
 
 
 def main() -> None:
@@ -69,15 +86,8 @@ def main() -> None:
     args = p.parse_args()
     isa = "AVX-512-bf16" if "avx512_bf16" in cpu_flags() else "AVX2"
     print(f"{cpu_name()} ({isa}); {vars(args)}")
-    rows = [row for dp, method in CONFIGS for row in run_config(dp, method, args)]
-    reference = {r["workload"]: r["hit"] for r in rows if r["config"].startswith("dp=1")}
-    print("| workload | config | output tok/s | median TTFT s | cache hit rate | vs dp=1 hit "
-          "| requests per replica |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in sorted(rows, key=lambda r: r["workload"]):
-        share = r["hit"] / reference[r["workload"]] if reference[r["workload"]] else float("nan")
-        print(f"| {r['workload']} | {r['config']} | {r['tok_s']:.1f} | {r['median_ttft_s']:.2f} "
-              f"| {r['hit']:.1%} | {share:.0%} | {r['spread']} |")
+    print_policy_table([row for dp, method in CONFIGS for row in run_config(dp, method, args)],
+                       "requests per replica")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import load_model
 from forklm.runtime.models import CausalLM, spec_from_config
 from forklm.runtime.models.batch_invariant import make_batch_invariant
+from forklm.sim.profile import prefill_step
 
 
 def build(dtype: torch.dtype, capacity: int, quantized: bool = False, dense_copies: bool = True,
@@ -66,14 +67,8 @@ def decode_batch(batch: int, ctx: int, shared: int = 0) -> ForwardBatch:
 
 
 def prefill_batch(batch: int, length: int) -> ForwardBatch:
-    table = torch.arange(batch * length).view(batch, length)
-    return ForwardBatch(
-        input_ids=torch.randint(0, 49152, (batch * length,)),
-        positions=torch.arange(length).repeat(batch), out_slots=table.flatten(),
-        q_lens=torch.full((batch,), length), kv_lens=torch.full((batch,), length),
-        slot_table=table, q_index=table.clone(),
-        logits_indices=torch.arange(batch) * length + length - 1, max_q_len=length,
-        is_decode=False)
+    """`batch` prompts of `length` tokens each, nothing cached, each in a contiguous run of slots."""
+    return prefill_step(batch, length, 0)[1]
 
 
 def time_forwards(model: CausalLM, attn: object, fb: ForwardBatch, repeats: int,

@@ -15,7 +15,7 @@ import argparse
 
 import httpx
 
-from benchmarks.dp_routing import workloads
+from benchmarks.dp_routing import policy_row, print_policy_table, workloads
 from benchmarks.http_runner import HTTPRunner
 from benchmarks.tensor_parallel import cpu_name
 from forklm.router.replicas import free_port
@@ -44,12 +44,7 @@ def run_config(base_url: str, dp_size: int, method: str, args: argparse.Namespac
         for wl in workloads(args):
             before = prompt_tokens_per_replica(base_url)
             m = HTTPRunner(base_url, system=f"ray dp={dp_size} {method}").run(wl)
-            after = prompt_tokens_per_replica(base_url)
-            rows.append({"config": m.system, "workload": wl.name.split()[0],
-                         "tok_s": m.output_tokens_per_s,
-                         "hit": 1 - m.prompt_tokens_computed / max(m.prompt_tokens_sent, 1),
-                         "median_ttft_s": m.median_ttft_s,
-                         "split": "/".join(str(a - b) for a, b in zip(after, before))})
+            rows.append(policy_row(m, before, prompt_tokens_per_replica(base_url)))
     finally:
         serve.delete(APP)
     return rows
@@ -78,14 +73,7 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    reference = {r["workload"]: r["hit"] for r in rows if r["config"].startswith("ray dp=1")}
-    print("| workload | config | output tok/s | median TTFT s | cache hit rate | vs dp=1 hit "
-          "| prompt tokens per replica |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in sorted(rows, key=lambda r: r["workload"]):
-        share = r["hit"] / reference[r["workload"]] if reference[r["workload"]] else float("nan")
-        print(f"| {r['workload']} | {r['config']} | {r['tok_s']:.1f} | {r['median_ttft_s']:.2f} "
-              f"| {r['hit']:.1%} | {share:.0%} | {r['split']} |")
+    print_policy_table(rows, "prompt tokens per replica")
 
 
 if __name__ == "__main__":

@@ -101,13 +101,13 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
             logger.info("torch.compile off: it compiles single-process models only")
         tp = start_tensor_parallel(config, loaded, spec, workers)
         pool, capacity = tp.shard.pool, tp.shard.pool.capacity
-        kv = _kv_manager(config, pool, context_len)
+        kv = build_kv_manager(config, pool, context_len)
         runner = tp.runner(kv, spec.vocab_size)
     else:
         model = build_model_for(config, loaded, spec, context_len)
         capacity = kv_capacity(config, spec, dtype, context_len)
         pool, attn = build_kv_and_attention(config, spec, model, capacity)
-        kv = _kv_manager(config, pool, context_len)
+        kv = build_kv_manager(config, pool, context_len)
         runner = ModelRunner(model, attn, kv, config.device)
         _compile_layers(config, model)
         _capture_decode_graphs(config, runner, context_len)
@@ -189,7 +189,8 @@ def build_kv_and_attention(config: EngineConfig, spec: ModelSpec, model: CausalL
                                           model.attention_layers)
 
 
-def _kv_manager(config: EngineConfig, pool: KVPool, context_len: int) -> KVCacheManager:
+def build_kv_manager(config: EngineConfig, pool: KVPool, context_len: int) -> KVCacheManager:
+    """The request rows, radix cache and session pins over `pool`, as `config` asks."""
     cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
     return KVCacheManager(pool, cache, max_rows=config.max_running_requests + 1,
                           max_context=min(context_len, pool.capacity),

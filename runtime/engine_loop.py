@@ -21,7 +21,6 @@ import torch
 from forklm.runtime.builder import EngineParts
 from forklm.runtime.engine_stats import EngineStats
 from forklm.runtime.errors import EngineShutdownError, WorkerLostError
-from forklm.runtime.model_runner import LogitsRows
 from forklm.runtime.output_processor import (
     StepTokens,
     apply_step,
@@ -189,17 +188,20 @@ class EngineLoop:
                 return
             self._in_flight = worker.launch(batch, None)
         current, self._in_flight = self._in_flight, None
+        # Requests that finished after the step was scheduled (aborted while its forward ran, or
+        # stopped on the token the step before it sampled) take nothing from it.
+        live = [i for i, r in enumerate(current.batch.reqs) if not r.finished]
+        batch = current.batch.part(live)
         try:
             forward: ForwardResult = current.result.result()
         except WorkerLostError:
             raise
         except Exception:  # the plain path reruns it, in halves down to the bad request
-            self._finish_plainly(sched.live_part(current.batch), current.started)
+            self._finish_plainly(batch, current.started)
             return
-        batch = sched.live_part(current.batch)  # without requests aborted meanwhile
         if not batch.reqs:
             return
-        layout = _live_layout(current.batch, batch, forward.layout)
+        layout = [forward.layout[i] for i in live]
         try:
             samples = sample_step(batch, forward.logits, layout, self.parts.grammar)
         except Exception:
@@ -328,18 +330,7 @@ def _overlaps(parts: EngineParts) -> bool:
     return wanted and config.tp_size == 1
 
 
-def _live_layout(scheduled: ScheduledBatch, live: ScheduledBatch,
-                 layout: list[LogitsRows]) -> list[LogitsRows]:
-    """The logits layout of `live`, a part of `scheduled` (rows stay where the forward put them)."""
-    if live is scheduled:
-        return layout
-    where = {id(r): i for i, r in enumerate(scheduled.reqs)}
-    return [layout[where[id(r)]] for r in live.reqs]
-
-
 def _halves(batch: ScheduledBatch) -> list[ScheduledBatch]:
     """The batch's requests split in two, each half with its own lengths, samples and drafts."""
-    cut = len(batch.reqs) // 2
-    return [ScheduledBatch(batch.reqs[part], batch.extend_lens[part], batch.phase,
-                           batch.samples[part], batch.draft_ids[part])
-            for part in (slice(0, cut), slice(cut, None))]
+    cut, n = len(batch.reqs) // 2, len(batch.reqs)
+    return [batch.part(range(0, cut)), batch.part(range(cut, n))]

@@ -4,6 +4,7 @@ within the token budgets, or one decode step for every running request, retracti
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,6 +57,13 @@ class ScheduledBatch:
 
     def drafts(self, i: int) -> list[int]:
         return self.draft_ids[i] if self.draft_ids else []
+
+    def part(self, indices: Sequence[int]) -> ScheduledBatch:
+        """The requests at `indices`, each with its own length, sample flag and draft."""
+        return ScheduledBatch([self.reqs[i] for i in indices],
+                              [self.extend_lens[i] for i in indices], self.phase,
+                              [self.samples[i] for i in indices],
+                              [self.draft_ids[i] for i in indices] if self.draft_ids else [])
 
 
 class Scheduler:
@@ -287,16 +295,6 @@ class Scheduler:
                 self.kv.cache_unfinished(req)
                 if batch.samples[i]:
                     self.running.append(req)
-
-    def live_part(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """`batch` without the requests that finished after it was scheduled (aborted while its
-        forward ran, or stopped on the token the step before it sampled)."""
-        keep = [i for i, r in enumerate(batch.reqs) if not r.finished]
-        if len(keep) == len(batch.reqs):
-            return batch
-        return ScheduledBatch([batch.reqs[i] for i in keep], [batch.extend_lens[i] for i in keep],
-                              batch.phase, [batch.samples[i] for i in keep],
-                              [batch.draft_ids[i] for i in keep] if batch.draft_ids else [])
 
     def abort(self, req: Req) -> None:
         """Remove req wherever it is and release its KV (the caller sets its finish reason)."""

@@ -4,6 +4,7 @@ answers event by event. A replica that dies mid-request fails that request with 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -13,7 +14,8 @@ from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from forklm.ray_serve.messages import ReplicaRequest, ResponseHead
-from forklm.server.errors import SSE_DONE, ApiError, error_body, sse_event
+from forklm.router.proxy import relay_sse
+from forklm.server.errors import ApiError
 
 logger = logging.getLogger(__name__)
 OnAnswer = Callable[[ResponseHead, bytes], None]
@@ -84,20 +86,14 @@ async def _chunks(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _in_band_errors(chunks: AsyncIterator[bytes], head: ResponseHead,
-                          on_answer: OnAnswer | None) -> AsyncIterator[bytes]:
+def _in_band_errors(chunks: AsyncIterator[bytes], head: ResponseHead,
+                    on_answer: OnAnswer | None) -> AsyncIterator[bytes]:
     """Relay an SSE stream; once headers are sent, a replica failure travels as an error event."""
-    last = b"\n\n"
-    try:
-        async for chunk in chunks:
-            if on_answer is not None:
-                on_answer(head, chunk)
-                on_answer = None
-            last = chunk or last
-            yield chunk
-    except RayError as e:
-        cut = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
-        yield cut + sse_event(error_body(502, f"the engine replica failed ({e!r})")) + SSE_DONE
+    async def failure(e: Exception) -> ApiError:
+        return ApiError(502, f"the engine replica failed ({e!r})")
+
+    on_first = None if on_answer is None else functools.partial(on_answer, head)
+    return relay_sse(chunks, on_first, RayError, failure)
 
 
 def _passed(head: ResponseHead) -> dict[str, Any]:

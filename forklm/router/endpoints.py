@@ -68,10 +68,8 @@ async def metrics(request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     """Every replica flushes; the first refusal (requests in flight) is the answer."""
     routing, proxy = parts_of(request)
-    body, alive = await request.body(), routing.alive()
-    if not alive:
-        raise NoReplicaError("no replica is alive")
-    answers = await asyncio.gather(*(proxy.forward(request, r, body) for r in alive))
+    alive = routing.alive()
+    answers = await _forward_to_all(request, proxy, alive, await request.body())
     for replica, answer in zip(alive, answers):
         if answer.status_code == 200:
             routing.policy.forget(replica.index)  # its cache is empty: so is its tree
@@ -83,15 +81,27 @@ async def flush_cache(request: Request) -> Response:
 async def abort_request(request: Request) -> Response:
     """To the replica running the rid; an rid the router does not know goes to all."""
     routing, proxy = parts_of(request)
+    body, rid = await _body_and_field(request, "rid")
+    target = routing.rids.get(rid) if rid is not None else None
+    targets = [target] if target is not None else routing.alive()
+    answers = await _forward_to_all(request, proxy, targets, body)
+    return next((a for a in answers if a.status_code != 200), answers[0])
+
+
+async def _body_and_field(request: Request, field: str) -> tuple[bytes, str | None]:
+    """The raw body (relayed as it is) and its JSON string `field`, when it has one."""
     body = await request.body()
     parsed = await parse_body(body)
-    rid = parsed.get("rid") if isinstance(parsed, dict) else None
-    target = routing.rids.get(rid) if isinstance(rid, str) else None
-    targets = [target] if target is not None else routing.alive()
+    value = parsed.get(field) if isinstance(parsed, dict) else None
+    return body, value if isinstance(value, str) else None
+
+
+async def _forward_to_all(request: Request, proxy: Proxy, targets: list[Replica],
+                          body: bytes) -> list[Response]:
+    """`request` relayed to every target at once; refused when there is none."""
     if not targets:
         raise NoReplicaError("no replica is alive")
-    answers = await asyncio.gather(*(proxy.forward(request, r, body) for r in targets))
-    return next((a for a in answers if a.status_code != 200), answers[0])
+    return list(await asyncio.gather(*(proxy.forward(request, r, body) for r in targets)))
 
 
 @router.post("/open_session")
@@ -108,10 +118,8 @@ async def open_session(request: Request) -> Response:
 @router.post("/close_session")
 async def close_session(request: Request) -> Response:
     routing, proxy = parts_of(request)
-    body = await request.body()
-    parsed = await parse_body(body)
-    sid = parsed.get("session_id") if isinstance(parsed, dict) else None
-    if not isinstance(sid, str):
+    body, sid = await _body_and_field(request, "session_id")
+    if sid is None:
         return await proxy.forward(request, routing.pick_idle(), body)  # the replica's 400
     replica = routing.sessions.get(sid)
     if replica is None:

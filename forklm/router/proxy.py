@@ -78,18 +78,12 @@ class Proxy:
 
     async def _relay(self, resp: httpx.Response, replica: Replica, done: Callable[[], None],
                      on_answer: Callable[[bytes], None] | None) -> AsyncIterator[bytes]:
-        last = b"\n\n"
+        async def failure(e: Exception) -> ApiError:
+            return await self.failed(replica, e)
+
         try:
-            async for chunk in resp.aiter_bytes():
-                if on_answer is not None:
-                    on_answer(chunk)
-                    on_answer = None
-                last = chunk or last
+            async for chunk in relay_sse(resp.aiter_bytes(), on_answer, httpx.HTTPError, failure):
                 yield chunk
-        except httpx.HTTPError as e:  # headers are sent: the error travels in-band
-            failure = await self.failed(replica, e)
-            cut = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
-            yield cut + sse_event(error_body(failure.status, failure.message)) + SSE_DONE
         finally:
             await resp.aclose()
             done()
@@ -119,6 +113,26 @@ class Proxy:
             return r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
+
+
+async def relay_sse(chunks: AsyncIterator[bytes], on_first: Callable[[bytes], None] | None,
+                    failures: type[Exception] | tuple[type[Exception], ...],
+                    failure: Callable[[Exception], Awaitable[ApiError]]) -> AsyncIterator[bytes]:
+    """An SSE stream relayed chunk by chunk (on_first sees the first). Its headers are sent, so
+    an upstream failure (one of `failures`) travels in-band: a half-sent event is ended, then
+    failure(e)'s error event and the stream's end."""
+    last = b"\n\n"
+    try:
+        async for chunk in chunks:
+            if on_first is not None:
+                on_first(chunk)
+                on_first = None
+            last = chunk or last
+            yield chunk
+    except failures as e:
+        error = await failure(e)
+        cut = b"" if last.endswith(b"\n\n") else b"\n\n"  # end a half-sent event first
+        yield cut + sse_event(error_body(error.status, error.message)) + SSE_DONE
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -54,7 +54,7 @@ def profile_forward(config: ProfileConfig) -> list[TimedStep]:
     try:
         with torch.inference_mode():
             shapes = [_decode(b, c) for b, c in DECODE_GRID] + [
-                _prefill(b, n, p) for b, n, p in PREFILL_GRID]
+                prefill_step(b, n, p) for b, n, p in PREFILL_GRID]
             return [TimedStep(shape, _median_time(lambda fb=fb: model(fb, attn), config.repeats))
                     for shape, fb in shapes]
     finally:
@@ -83,7 +83,7 @@ def _decode(batch: int, ctx: int) -> tuple[StepShape, ForwardBatch]:
     return StepShape(True, batch, batch, batch * ctx, batch * ctx), fb
 
 
-def _prefill(batch: int, new: int, prefix: int) -> tuple[StepShape, ForwardBatch]:
+def prefill_step(batch: int, new: int, prefix: int) -> tuple[StepShape, ForwardBatch]:
     """`new` tokens per request after a cached prefix of `prefix` (a radix hit or a chunk)."""
     kv = prefix + new
     table = torch.arange(batch * kv).view(batch, kv)  # [batch, kv]

@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from forklm.runtime.builder import build_kv_manager
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.kv_manager import KVCacheManager
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_runner import LogitsRows
 from forklm.runtime.output_processor import finish, process_logits
-from forklm.runtime.radix_cache import RadixCache
 from forklm.runtime.request import FinishReason, Req
 from forklm.runtime.scheduler import ScheduledBatch, Scheduler
 from forklm.sim.cost_model import CostModel, StepShape
@@ -42,15 +41,9 @@ class SimReplica:
         assert config.max_total_tokens is not None, "a simulated replica needs max_total_tokens"
         self.index, self.config, self.cost = index, config, cost
         self.check_invariants = check_invariants
-        capacity = config.max_total_tokens
         # One layer, one head, head_dim 1: the slot accounting is real, the K/V values never read.
-        pool = KVPool(1, capacity, 1, 1, torch.float16)
-        cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
-        # As the engine builds it (runtime/builder.py _kv_manager).
-        self.kv = KVCacheManager(pool, cache, max_rows=config.max_running_requests + 1,
-                                 max_context=min(context_len, capacity),
-                                 pinned_fraction=config.session_pinned_fraction,
-                                 pin_idle_s=config.session_idle_timeout_s)
+        pool = KVPool(1, config.max_total_tokens, 1, 1, torch.float16)
+        self.kv = build_kv_manager(config, pool, context_len)  # as the engine builds it
         self.scheduler = Scheduler(config, self.kv)
         self.stats = ReplicaStats()
         self._batch: ScheduledBatch | None = None

@@ -62,14 +62,10 @@ class RotaryEmbedding(nn.Module):
             self.sin = emb.sin() * scaling
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q [T, heads, d], k [T, kv_heads, d] -> rotated copies (the first rotary_dim dims)."""
-        cos, sin = self.tables_for(positions, q.dtype)
-        return self.rotate(q, k, cos, sin)
-
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """forward() with the table rows given: a pure function of its tensors, which is what
-        lets torch.compile trace it (tables_for keeps per-forward state)."""
+        """q [T, heads, d], k [T, kv_heads, d] -> rotated copies (the first rotary_dim dims), with
+        cos/sin this forward's table rows (tables_for): a pure function of its tensors, which is
+        what lets torch.compile trace it (tables_for keeps per-forward state)."""
         if self.rotary_dim == q.shape[-1]:
             # q and k rotated as one tensor: half the small ops of a layer's rotary (same values)
             qk = _rotate(torch.cat((q, k), dim=1), cos, sin)
