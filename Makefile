@@ -32,7 +32,7 @@ setup-cuda:
 	touch $(STAMP)
 
 demo: setup
-	OMP_WAIT_POLICY=PASSIVE $(PY) examples/tips_fork.py
+	$(PY) examples/tips_fork.py
 
 test: setup lint
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q

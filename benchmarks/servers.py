@@ -26,8 +26,10 @@ def free_port() -> int:
 class ServerProcess:
     """`with ServerProcess(cmd, port) as server:` runs cmd until the block ends. Waits for
     GET health_path to answer 200; raises RuntimeError with the log's tail if the process exits
-    or the wait times out. The child gets OMP_WAIT_POLICY=PASSIVE (shared cores, see NOTES.md)
-    unless env says otherwise; an env value of None removes that variable."""
+    or the wait times out. The child starts without this process's OpenMP wait settings
+    (OMP_WAIT_POLICY, GOMP_SPINCOUNT): each server runs with its own default (forklm: a bounded
+    spin and its thread governor; llama.cpp: libgomp's default) unless env says otherwise; an env
+    value of None removes that variable."""
 
     command: list[str]
     port: int
@@ -48,7 +50,9 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         self._log = tempfile.NamedTemporaryFile("w+", prefix="bench-server-", suffix=".log",
                                                 delete=False)
-        merged = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **self.env}
+        inherited = {k: v for k, v in os.environ.items()
+                     if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        merged = {**inherited, **self.env}
         env = {k: v for k, v in merged.items() if v is not None}
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env)

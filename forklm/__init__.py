@@ -10,9 +10,11 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
-# OpenMP threads that spin while idle make the engine ~15x slower when another process (or the
-# HTTP server's threads) share the cores; this must be set before torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from forklm.runtime.cpu_threads import default_wait_policy
+
+# OpenMP threads that spin a bounded while between ops (runtime/cpu_threads.py): set before
+# torch is imported, unless the user chose a wait policy.
+default_wait_policy(os.environ)
 
 # name -> the module that defines it; every other public name is the language's (frontend_dsl).
 _RUNTIME_NAMES = {

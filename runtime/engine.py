@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from forklm.runtime.builder import EngineParts, ModelInfo, build_engine_parts
 from forklm.runtime.config import EngineConfig
+from forklm.runtime.cpu_threads import release_openmp_threads
 from forklm.runtime.engine_client import EngineClient
 from forklm.runtime.engine_loop import EngineLoop
 from forklm.runtime.errors import InvalidArgumentError
@@ -32,6 +33,8 @@ class Engine:
             config["model_path"] = model_path
         self.config = EngineConfig.from_kwargs(**config)
         self.parts: EngineParts = build_engine_parts(self.config)
+        if self.config.device == "cpu":  # the forwards run on the engine thread's own team
+            release_openmp_threads()
         self.tokenizer = self.parts.tokenizer
         self.model_info: ModelInfo = self.parts.model_info()
         self._loop = EngineLoop(self.parts)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from forklm.runtime.builder import EngineParts
+from forklm.runtime.cpu_threads import ThreadGovernor, thread_governor
 from forklm.runtime.engine_stats import EngineStats
 from forklm.runtime.errors import EngineShutdownError, WorkerLostError
 from forklm.runtime.output_processor import (
@@ -49,6 +50,7 @@ class EngineLoop:
         self.last_error: Exception | None = None
         self._worker: ForwardWorker | None = None  # set on the thread when overlap is on
         self._in_flight: InFlight | None = None
+        self._governor: ThreadGovernor | None = None  # set on the thread: see _run
         self._thread = threading.Thread(target=self._run, name="forklm-engine", daemon=True)
         self._thread.start()
 
@@ -104,6 +106,9 @@ class EngineLoop:
         pins = self.parts.kv.pins
         if _overlaps(self.parts):
             self._worker = ForwardWorker(self.parts.runner, torch.get_num_threads())
+        else:  # the forwards run on this thread, which can then tell whether it has its core
+            self._governor = thread_governor(
+                torch.get_num_threads(), self.config.device == "cpu" and self.config.tp_size == 1)
         try:
             while not self.closed:
                 idle = not self.parts.scheduler.has_work and self._in_flight is None
@@ -167,7 +172,9 @@ class EngineLoop:
                 return
 
     def _step(self) -> None:
-        sched, t0 = self.parts.scheduler, time.perf_counter()
+        sched, t0, governor = self.parts.scheduler, time.perf_counter(), self._governor
+        if governor is not None:
+            governor.step_started()
         batch = sched.schedule()
         self._emit_aborted()
         if batch is None:
@@ -175,6 +182,9 @@ class EngineLoop:
         tokens, forward_s = self._run_isolated(batch)
         sched.after_step(batch)
         self.stats.record_step(batch, time.perf_counter() - t0, forward_s, tokens)
+        if governor is not None:
+            governor.step_finished()
+            self.stats.cpu_threads = governor.threads
 
     def _step_overlapped(self, worker: ForwardWorker) -> None:
         """One step of the pipeline: take the step in flight (launching one if none), sample it

@@ -28,6 +28,7 @@ class EngineStats:
     spec_verified: int = 0  # drafts verified (one per drafted request and step)
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # of those, accepted (appended without a step of their own)
+    cpu_threads: int | None = None  # threads the forwards use now, when a ThreadGovernor picks
 
     def record_step(self, batch: ScheduledBatch, step_s: float, forward_s: float,
                     tokens: StepTokens) -> None:
@@ -75,6 +76,7 @@ class EngineStats:
             "steps": self.steps,
             "overhead_ms_per_step": 1000 * (self.step_s - self.forward_s) / max(self.steps, 1),
             "forward_ms_per_step": 1000 * self.forward_s / max(self.steps, 1),
+            "cpu_threads": self.cpu_threads,
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
             "spec_accept_rate": self.spec_accepted_tokens / max(self.spec_draft_tokens, 1),

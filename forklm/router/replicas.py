@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from forklm.runtime.cpu_threads import sleeping_threads_env
+
 logger = logging.getLogger(__name__)
 # Consecutive failed health probes (no answer at all; a 503 "busy" is an answer) before a replica
 # that still runs is declared dead and killed, so its in-flight requests fail instead of hanging.
@@ -96,8 +98,7 @@ class ReplicaSet:
     replicas: list[Replica] = field(default_factory=list)
 
     def start(self) -> None:
-        env = {**os.environ}
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # replicas share cores: no spinning
+        env = sleeping_threads_env()  # replicas share cores: no spinning
         for index in range(self.dp_size):
             port = free_port()
             proc = subprocess.Popen(replica_command(port, self.flags), env=env,

@@ -17,6 +17,7 @@ import httpx
 from forklm.frontend_dsl.backends.base import BackendError
 from forklm.frontend_dsl.backends.runtime_endpoint import RuntimeEndpoint
 from forklm.runtime.config import EngineConfig
+from forklm.runtime.cpu_threads import sleeping_threads_env
 from forklm.runtime.errors import InvalidArgumentError
 
 _POLL_S = 0.2
@@ -40,7 +41,7 @@ class Runtime(RuntimeEndpoint):
         # the server's output, read back when it fails to start
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in shutdown()
             prefix="forklm-runtime-", suffix=".log", delete=False)
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+        env = sleeping_threads_env()  # the server shares the cores with this program
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env)
         atexit.register(self.shutdown)

@@ -1,0 +1,147 @@
+"""How the engine's CPU threads wait, and how many it uses.
+
+torch's OpenMP threads meet at a barrier after every parallel op, a few hundred times per decode
+step. With libgomp's PASSIVE policy each barrier puts the other thread to sleep and wakes it for
+the next op, which on a 2-vCPU VM costs more than the op: the batch-1 forward takes 2-2.5x as long
+as with threads that spin briefly (benchmarks/NOTES.md, session 11). But spinning threads that
+share their cores with another busy process wait out whole time slices at every barrier (up to
+10x slower). So forklm spins a bounded while by default, and the engine thread watches whether it
+gets its core (`ThreadGovernor`): when it does not, it drops to one thread, which has no barriers
+to wait at, and tries again later.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import time
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
+
+# libgomp spins this many pause loops (libgomp reckons 100 per microsecond: about 0.3 ms) before a
+# waiting thread sleeps: longer than the gap between two ops of a forward, shorter than a
+# scheduler tick. (This module imports no torch: forklm's __init__ uses it before torch loads.)
+DEFAULT_SPIN_COUNT = "30000"
+
+
+def default_wait_policy(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Choose the bounded spin unless the user chose a policy; must run before torch is
+    imported (libgomp reads its environment once, when it loads)."""
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["GOMP_SPINCOUNT"] = DEFAULT_SPIN_COUNT
+
+
+def sleeping_threads_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A child process's environment for processes that share their cores (replicas on one
+    host, a server beside its client's work): OpenMP threads that sleep at once. A spin count
+    overrides the policy in libgomp, so the one forklm set for this process is dropped."""
+    env = dict(environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if env.get("GOMP_SPINCOUNT") == DEFAULT_SPIN_COUNT:
+        del env["GOMP_SPINCOUNT"]
+    return env
+
+
+def threads_spin(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether OpenMP threads started with `environ` spin while they wait, as libgomp reads it:
+    GOMP_SPINCOUNT decides when set, else PASSIVE means sleep at once, else they spin."""
+    count = environ.get("GOMP_SPINCOUNT", "").strip()
+    if count:
+        return count != "0"
+    return environ.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE"
+
+
+@dataclass
+class ThreadGovernor:
+    """Runs on the thread that runs the forwards, around each step, and counts how often the
+    kernel took that thread off its core mid-step (involuntary context switches): next to
+    nothing while the spinning threads have their cores, hundreds a second when another process
+    (or another busy thread of ours) wants them. Past `max_preemptions_per_s` over a window of
+    step time the steps continue on one thread; after `backoff_s` it tries all threads again,
+    doubling the back-off each time the cores turn out still busy."""
+
+    max_threads: int
+    window_s: float = 0.2
+    max_preemptions_per_s: float = 50.0
+    first_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    threads: int = field(init=False)
+    switches: int = field(default=0, init=False)  # thread-count changes, for stats and tests
+    _backoff_s: float = field(init=False)
+    _retry_at: float = field(default=0.0, init=False)
+    _wall: float = field(default=0.0, init=False)
+    _preemptions: int = field(default=0, init=False)
+    _step_t0: float = field(default=0.0, init=False)
+    _step_preemptions0: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.threads = self.max_threads
+        self._backoff_s = self.first_backoff_s
+
+    def step_started(self) -> None:
+        self._step_t0, self._step_preemptions0 = time.perf_counter(), _preemptions()
+
+    def step_finished(self) -> None:
+        now = time.perf_counter()
+        self._wall += now - self._step_t0
+        self._preemptions += _preemptions() - self._step_preemptions0
+        if self.threads == 1:
+            if now >= self._retry_at:
+                self._use(self.max_threads)  # probe: are the cores free again?
+            return
+        if self._wall < self.window_s:
+            return
+        rate = self._preemptions / self._wall
+        self._wall, self._preemptions = 0.0, 0
+        if rate > self.max_preemptions_per_s:
+            self._retry_at = now + self._backoff_s
+            self._backoff_s = min(2 * self._backoff_s, self.max_backoff_s)
+            self._use(1)
+        else:
+            self._backoff_s = self.first_backoff_s
+
+    def _use(self, threads: int) -> None:
+        import torch
+
+        self.threads = threads
+        self._wall, self._preemptions = 0.0, 0
+        self.switches += 1
+        torch.set_num_threads(threads)
+
+
+def _preemptions() -> int:
+    """Involuntary context switches of the calling thread so far."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+
+
+def release_openmp_threads() -> bool:
+    """Let the calling thread's OpenMP workers go (OpenMP 5's omp_pause_resource_all). libgomp
+    keeps a team of workers per thread that ever ran a parallel op, and once it manages more
+    threads than there are cores it cuts every spin to ~100 loops, which is PASSIVE again. A
+    thread that built an engine (loading weights runs parallel ops) and now only waits, while the
+    engine thread runs the forwards, should not keep its team. True when released."""
+    lib = _loaded_libgomp()
+    if lib is None or not hasattr(lib, "omp_pause_resource_all"):
+        return False
+    return lib.omp_pause_resource_all(1) == 0  # omp_pause_soft
+
+
+def _loaded_libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process already loaded (torch's own copy), never a second one."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
+    except OSError:
+        return None
+    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+
+
+def thread_governor(max_threads: int, on_cpu: bool,
+                    environ: Mapping[str, str] = os.environ) -> ThreadGovernor | None:
+    """A governor where it can help: forwards on this CPU with spinning threads, more than one."""
+    if not on_cpu or max_threads < 2 or not threads_spin(environ):
+        return None
+    if not hasattr(resource, "RUSAGE_THREAD"):  # Linux only
+        return None
+    return ThreadGovernor(max_threads)

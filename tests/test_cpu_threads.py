@@ -1,0 +1,149 @@
+"""The OpenMP wait policy forklm picks, and the ThreadGovernor that drops to one thread while the
+cores are contended (runtime/cpu_threads.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from forklm.runtime import cpu_threads
+from forklm.runtime.cpu_threads import (
+    DEFAULT_SPIN_COUNT,
+    ThreadGovernor,
+    default_wait_policy,
+    sleeping_threads_env,
+    thread_governor,
+    threads_spin,
+)
+
+
+def test_default_policy_spins_briefly_unless_the_user_chose_one() -> None:
+    env: dict[str, str] = {}
+    default_wait_policy(env)
+    assert env == {"GOMP_SPINCOUNT": DEFAULT_SPIN_COUNT} and threads_spin(env)
+    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "active"},
+                   {"GOMP_SPINCOUNT": "0"}):
+        env = dict(chosen)
+        default_wait_policy(env)
+        assert env == chosen
+
+
+@pytest.mark.parametrize(("env", "spins"), [
+    ({}, True),  # libgomp's own default spins
+    ({"OMP_WAIT_POLICY": "passive"}, False),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, True),
+    ({"GOMP_SPINCOUNT": "0"}, False),
+    # libgomp: a spin count overrides the policy
+    ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}, True),
+])
+def test_threads_spin_reads_the_environment_as_libgomp_does(env: dict[str, str], spins: bool) -> None:
+    assert threads_spin(env) is spins
+
+
+def test_children_that_share_the_cores_get_sleeping_threads() -> None:
+    env = sleeping_threads_env({"GOMP_SPINCOUNT": DEFAULT_SPIN_COUNT, "PATH": "/bin"})
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/bin"} and not threads_spin(env)
+    # a user's own choice stays
+    assert sleeping_threads_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert sleeping_threads_env({"GOMP_SPINCOUNT": "5"})["GOMP_SPINCOUNT"] == "5"
+
+
+def test_importing_forklm_sets_the_spin_before_torch_loads() -> None:
+    code = ("import os, sys; import forklm; assert 'torch' not in sys.modules; "
+            "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in sleeping_threads_env().items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    assert out == [DEFAULT_SPIN_COUNT, "None"]
+
+
+def test_no_governor_where_threads_sleep_or_there_is_one() -> None:
+    assert thread_governor(2, True, {"OMP_WAIT_POLICY": "PASSIVE"}) is None
+    assert thread_governor(1, True, {}) is None
+    assert thread_governor(2, False, {}) is None  # forwards on a GPU
+    assert isinstance(thread_governor(2, True, {}), ThreadGovernor)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.preemptions = 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch):
+    fake = _Clock()
+    monkeypatch.setattr(cpu_threads.time, "perf_counter", fake.perf_counter)
+    monkeypatch.setattr(cpu_threads, "_preemptions", lambda: fake.preemptions)
+    threads = torch.get_num_threads()
+    yield fake
+    torch.set_num_threads(threads)
+
+
+def _steps(gov: ThreadGovernor, clock: _Clock, n: int, step_s: float, preemptions: int) -> None:
+    for _ in range(n):
+        gov.step_started()
+        clock.now += step_s
+        clock.preemptions += preemptions
+        gov.step_finished()
+
+
+def test_governor_keeps_all_threads_while_the_cores_are_free(clock: _Clock) -> None:
+    gov = ThreadGovernor(2)
+    _steps(gov, clock, 100, 0.01, 0)  # 1 s of steps, never preempted
+    assert gov.threads == 2 and gov.switches == 0
+
+
+def test_governor_drops_to_one_thread_under_contention_and_probes_back(clock: _Clock) -> None:
+    gov = ThreadGovernor(2, window_s=0.2, max_preemptions_per_s=50, first_backoff_s=1.0)
+    _steps(gov, clock, 20, 0.01, 2)  # 200 preemptions a second
+    assert gov.threads == 1 and torch.get_num_threads() == 1
+    _steps(gov, clock, 50, 0.01, 0)  # 0.5 s: still within the back-off
+    assert gov.threads == 1
+    _steps(gov, clock, 60, 0.01, 0)  # past 1 s: tries both threads again
+    assert gov.threads == 2 and torch.get_num_threads() == 2
+    # still contended: back to one thread, and the next probe waits twice as long
+    _steps(gov, clock, 20, 0.01, 2)
+    assert gov.threads == 1
+    _steps(gov, clock, 150, 0.01, 0)
+    assert gov.threads == 1
+    _steps(gov, clock, 60, 0.01, 0)
+    assert gov.threads == 2
+    # a clean window resets the back-off to its first value
+    _steps(gov, clock, 20, 0.01, 0)
+    _steps(gov, clock, 20, 0.01, 2)
+    assert gov.threads == 1
+    _steps(gov, clock, 110, 0.01, 0)
+    assert gov.threads == 2 and gov.switches == 6
+
+
+def test_a_few_preemptions_do_not_count_as_contention(clock: _Clock) -> None:
+    gov = ThreadGovernor(2, window_s=0.2, max_preemptions_per_s=50)
+    for i in range(200):  # one preemption every 10 steps: 10 a second
+        _steps(gov, clock, 1, 0.01, 1 if i % 10 == 0 else 0)
+    assert gov.threads == 2 and gov.switches == 0
+
+
+def test_release_lets_the_calling_threads_openmp_workers_go() -> None:
+    # In a child: this process's pytest threads and torch state must not count.
+    code = """
+import os, torch
+from forklm.runtime.cpu_threads import release_openmp_threads
+torch.set_num_threads(2)
+x = torch.randn(512, 512)
+(x @ x).sum()  # a parallel op: libgomp starts this thread's team
+before = len(os.listdir('/proc/self/task'))
+released = release_openmp_threads()
+print(released, before, len(os.listdir('/proc/self/task')))
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=sleeping_threads_env(),
+                         capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    assert out[0] == "True", out
+    assert int(out[2]) == int(out[1]) - 1  # the one worker of a 2-thread team is gone
