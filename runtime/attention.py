@@ -255,7 +255,15 @@ def _triton_attention(pool: KVPool, num_heads: int, num_kv_heads: int, head_dim:
     return TritonAttention(pool, num_heads, num_kv_heads, head_dim, layers)
 
 
-_BACKENDS = {"torch": TorchAttention, "triton": _triton_attention}
+def _native_attention(pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                      layers: Sequence[AttentionLayerSpec] | None = None) -> AttentionBackend:
+    # Imported only when chosen: its first use compiles the C kernel.
+    from forklm.runtime.attention_native import NativeAttention
+
+    return NativeAttention(pool, num_heads, num_kv_heads, head_dim, layers)
+
+
+_BACKENDS = {"torch": TorchAttention, "triton": _triton_attention, "native": _native_attention}
 
 
 def create_attention_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int,

@@ -149,9 +149,11 @@ class EngineConfig:
                "expected 'lpm' or 'fcfs'")
         check_field(self.page_size == 1, "page_size", self.page_size,
                "only page_size=1 is implemented so far")
-        check_field(self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
-               self.attention_backend, "expected auto, torch or triton")
-        check_field(not (self.enable_deterministic_inference and self.attention_backend == "triton"),
+        check_field(self.attention_backend in ("auto", "torch", "triton", "native"),
+                    "attention_backend", self.attention_backend,
+                    "expected auto, torch, triton or native")
+        check_field(not (self.enable_deterministic_inference
+                         and self.attention_backend in ("triton", "native")),
                     "attention_backend", self.attention_backend,
                     "enable_deterministic_inference runs its own batch-invariant attention; "
                     "leave attention_backend at auto or torch")
@@ -235,7 +237,12 @@ class EngineConfig:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.device.startswith("cuda") else "torch"
+        if self.device.startswith("cuda"):
+            return "triton"
+        # The C kernel for decode when this machine compiles it (runtime/native_kernels.py).
+        from forklm.runtime import native_kernels
+
+        return "native" if native_kernels.available() else "torch"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

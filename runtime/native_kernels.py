@@ -1,0 +1,202 @@
+"""Native CPU kernels (runtime/paged_attention.c), compiled on first use with the system C
+compiler into a cache keyed by the source, the compiler and the CPU, and loaded with ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+# -march=native: the cache key holds the CPU flags. No -ffast-math: results stay IEEE (gnu11,
+# not c11, keeps GCC's default contraction of a * b + c into FMAs; __builtin_shufflevector
+# needs GCC 12 or clang: an older compiler fails and the engine falls back to TorchAttention).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# Multiply-adds above which a call uses all of torch's threads (2 cores, default model). With
+# sleeping OpenMP workers (OMP_WAIT_POLICY=PASSIVE) a parallel call pays ~45 us to wake them:
+# batch 1 at 2000 keys (1.2M) is still faster on one thread, and a whole batch-1 decode step at
+# 450 keys 1 ms faster (26.1 vs 27.2 ms). Spinning workers join at once: two threads win from
+# batch 1 at ~450 keys (0.26M: 17 vs 23 us a layer; 100 keys: even).
+PARALLEL_WORK = {"PASSIVE": 2_000_000}.get(os.environ.get("OMP_WAIT_POLICY", "").upper(), 200_000)
+
+_p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+@dataclass
+class _Loaded:
+    """The compiled library, or why there is none."""
+
+    lib: ctypes.CDLL | None
+    reason: str = ""
+    dtypes: frozenset[torch.dtype] = frozenset()
+
+
+_state: _Loaded | None = None
+_lock = threading.Lock()
+
+
+def available(dtype: torch.dtype | None = None) -> bool:
+    """True when the kernels compiled and loaded (and handle `dtype`, if given)."""
+    state = _load()
+    return state.lib is not None and (dtype is None or dtype in state.dtypes)
+
+
+def unavailable_reason() -> str:
+    """Why available() is False ('' when it is True)."""
+    return _load().reason
+
+
+def num_threads() -> int:
+    """The threads the kernels' OpenMP would use from this thread: torch.get_num_threads() when
+    they share torch's OpenMP runtime."""
+    return int(_load_function("paged_attention_threads")())
+
+
+class _Batch(ctypes.Structure):
+    """pa_batch in paged_attention.c."""
+
+    _fields_ = [("slot_table", _p), ("tok_req", _p), ("tok_end", _p), ("table_stride", _i64),
+                ("num_tokens", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64), ("row_stride", _i64), ("parallel_work", _i64)]
+
+
+@dataclass
+class AttentionPlan:
+    """One batch's token -> request map in the kernel's form, built once per forward and run
+    for every layer (each run is one ctypes call of 9 plain arguments, ~1.5 us)."""
+
+    index: tuple[torch.Tensor, ...]  # what `batch` points into, kept alive with it
+    batch: _Batch
+    address: int  # of `batch`
+    fn: Callable[..., int]  # paged_attention_batch
+
+    def run(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+            out: torch.Tensor, scale: float, softcap: float, window: int, dtype: int) -> None:
+        """out = attention of q over the plan's keys in (k_layer, v_layer). Shapes and dtypes as
+        plan() was told, unchecked here: q, out [num_tokens, num_heads, head_dim] contiguous
+        (out may be [num_tokens, num_heads * head_dim]); k_layer, v_layer [num_slots,
+        num_kv_heads, head_dim] contiguous; all of DTYPES[dtype]. softcap 0 / window 0: none."""
+        rc = self.fn(self.address, q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(),
+                     out.data_ptr(), scale, softcap, window, dtype)
+        assert rc == 0, f"paged_attention rejected dtype {dtype}, head_dim {self.batch.head_dim}"
+
+
+def plan(slot_table: torch.Tensor, tok_req: torch.Tensor, tok_end: torch.Tensor,
+         num_heads: int, num_kv_heads: int, head_dim: int,
+         parallel_work: int | None = None) -> AttentionPlan:
+    """The plan for tokens t that see keys [start, tok_end[t]) of request tok_req[t], key j in
+    slot slot_table[tok_req[t], j]. slot_table [batch, width], tok_req and tok_end [num_tokens]:
+    contiguous int64 CPU tensors with tok_end <= width and slots inside the pool (the kernel
+    trusts both: the caller checks them once per batch). parallel_work: see PARALLEL_WORK."""
+    assert head_dim % 16 == 0, f"head_dim {head_dim} is not a multiple of 16"
+    index = (slot_table, tok_req, tok_end)
+    for x in index:
+        assert x.dtype == torch.int64 and x.is_contiguous() and x.device.type == "cpu"
+    batch = _Batch(slot_table.data_ptr(), tok_req.data_ptr(), tok_end.data_ptr(),
+                   slot_table.shape[1], tok_req.numel(), num_heads, num_kv_heads, head_dim,
+                   num_kv_heads * head_dim,
+                   PARALLEL_WORK if parallel_work is None else parallel_work)
+    return AttentionPlan(index, batch, ctypes.addressof(batch),
+                         _load_function("paged_attention_batch"))
+
+
+def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                    out: torch.Tensor, slot_table: torch.Tensor, tok_req: torch.Tensor,
+                    tok_end: torch.Tensor, scale: float, softcap: float | None,
+                    window: int | None) -> None:
+    """One call of plan(...).run(...): out[t] = attention of q[t] over keys [start, tok_end[t])
+    of request tok_req[t] (start = tok_end - window with a sliding window, else 0).
+
+    q, out [num_tokens, num_heads, head_dim], k_layer, v_layer [num_slots, num_kv_heads,
+    head_dim]: contiguous CPU tensors of one dtype; index tensors as plan() takes them."""
+    num_tokens, num_heads, head_dim = q.shape
+    for x in (q, out, k_layer, v_layer):
+        assert x.is_contiguous() and x.device.type == "cpu" and x.dtype == q.dtype
+    assert out.shape == q.shape and k_layer.shape == v_layer.shape
+    p = plan(slot_table, tok_req, tok_end, num_heads, k_layer.shape[1], head_dim)
+    p.run(q, k_layer, v_layer, out, scale, softcap or 0.0, window or 0, DTYPES[q.dtype])
+
+
+def _load_function(name: str) -> Callable[..., int]:
+    state = _load()
+    if state.lib is None:
+        raise RuntimeError(f"native kernels unavailable: {state.reason}")
+    return getattr(state.lib, name)
+
+
+def _load() -> _Loaded:
+    global _state
+    if _state is None:
+        with _lock:
+            if _state is None:
+                _state = _build_and_load()
+                if _state.lib is None:
+                    logger.info("native CPU kernels off: %s", _state.reason)
+    return _state
+
+
+def _build_and_load() -> _Loaded:
+    if os.environ.get("FORKLM_NATIVE_KERNELS", "1") == "0":
+        return _Loaded(None, "disabled by FORKLM_NATIVE_KERNELS=0")
+    try:
+        path = _compiled_library()
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return _Loaded(None, str(e))
+    lib.paged_attention_batch.restype = _int
+    lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int]
+    lib.paged_attention_threads.restype = _int
+    lib.paged_attention_supports.restype = _int
+    lib.paged_attention_supports.argtypes = [_int]
+    dtypes = frozenset(dt for dt, code in DTYPES.items() if lib.paged_attention_supports(code))
+    return _Loaded(lib, "", dtypes)
+
+
+def _compiled_library() -> Path:
+    """The cached .so for this source, compiler and CPU, compiling it if missing."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not on PATH)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = SOURCE.read_text()
+    key = hashlib.sha256("\0".join([source, version, " ".join(CFLAGS), _cpu_flags()]).encode())
+    cache = Path(os.environ.get("FORKLM_CACHE_DIR") or Path.home() / ".cache/forklm/native")
+    target = cache / f"paged_attention-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # A private temp name, then an atomic rename: concurrent compilers never see a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""

@@ -1,0 +1,242 @@
+"""The native paged-attention kernel (runtime/paged_attention.c) against a float64 reference on
+scattered pools, NativeAttention against TorchAttention, and the engine's greedy tokens with
+attention_backend="native" against "torch"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forklm.runtime import native_kernels
+from forklm.runtime.attention import AttentionLayerSpec, TorchAttention, create_attention_backend
+from forklm.runtime.attention_native import NativeAttention, NativeAttentionMeta, _token_map
+from forklm.runtime.config import EngineConfig
+from forklm.runtime.kv_pool import KVPool
+from tests.conftest import assert_idle_and_clean
+from tests.test_triton_backend import make_forward_batch
+
+if not native_kernels.available():
+    pytest.skip(f"native kernels unavailable: {native_kernels.unavailable_reason()}",
+                allow_module_level=True)
+
+TOLERANCES = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
+              # the output's rounding to bf16 (half an ulp: 2**-8 relative) plus fp32 math
+              torch.bfloat16: {"rtol": 2**-8 + 1e-5, "atol": 1e-5},
+              torch.float16: {"rtol": 2**-11 + 1e-5, "atol": 1e-5}}
+FP16 = pytest.param(torch.float16, marks=pytest.mark.skipif(
+    not native_kernels.available(torch.float16), reason="this compiler has no _Float16"))
+
+
+def attention_ref(q, k_pool, v_pool, table, tok_req, tok_end, scale, softcap=None, window=None):
+    """float64, one token at a time: q [T, H, d] over keys [start, tok_end[t]) of row tok_req[t]."""
+    group = q.shape[1] // k_pool.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        end = int(tok_end[t])
+        start = max(0, end - window) if window else 0
+        slots = table[int(tok_req[t]), start:end]
+        k = k_pool[slots].double().repeat_interleave(group, dim=1)  # [n, H, d]
+        v = v_pool[slots].double().repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[t].double(), k) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        out[t] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+    return out
+
+
+def random_case(gen, dtype, kv_lens, q_lens, num_heads, num_kv_heads, head_dim, shared=0):
+    """A pool much larger than the batch's contexts, their slots scattered over it."""
+    capacity = 4 * sum(kv_lens) + 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity, shared)
+    shape = (capacity + 1, num_kv_heads, head_dim)
+    k_pool, v_pool = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    return batch, q, k_pool, v_pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64), (4, 4, 32), (8, 4, 80), (6, 2, 128)])
+@pytest.mark.parametrize(("kv_lens", "q_lens"),
+                         [([450], [1]), ([3, 1, 130, 700], [1, 1, 1, 1]),
+                          ([5, 9, 60], [5, 1, 3]), ([2, 40], [2, 4])],
+                         ids=["decode1", "decode4", "extend", "extend-short"])
+def test_kernel_matches_float64_reference(dtype, num_heads, num_kv_heads, head_dim, kv_lens,
+                                          q_lens):
+    gen = torch.Generator().manual_seed(sum(kv_lens) + head_dim)
+    batch, q, k_pool, v_pool = random_case(gen, dtype, kv_lens, q_lens, num_heads, num_kv_heads,
+                                           head_dim)
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    native_kernels.paged_attention(q, k_pool, v_pool, out, batch.slot_table, tok_req, tok_end,
+                                   scale, None, None)
+    ref = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, scale)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("softcap", "window"), [(30.0, None), (None, 7), (5.0, 50)])
+def test_kernel_softcap_and_sliding_window(dtype, softcap, window):
+    gen = torch.Generator().manual_seed(3)
+    batch, q, k_pool, v_pool = random_case(gen, dtype, [3, 300, 60, 9], [1, 4, 2, 5], 8, 2, 64)
+    q = (q.float() * 4).to(dtype)  # large scores, so that the cap matters
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_pool, v_pool, out, batch.slot_table, tok_req, tok_end,
+                                   0.125, softcap, window)
+    ref = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125, softcap,
+                        window)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+
+
+def test_token_map_of_packed_extends():
+    """Request b's i-th new token sees keys [0, kv_len_b - q_len_b + i + 1)."""
+    batch = make_forward_batch(torch.Generator().manual_seed(0), [4, 6, 2], [2, 1, 2], 64)
+    tok_req, tok_end = _token_map(batch)
+    assert tok_req.tolist() == [0, 0, 1, 2, 2]
+    assert tok_end.tolist() == [3, 4, 6, 1, 2]
+
+
+def test_bf16_output_rounds_like_torch():
+    """Two keys scored alike average their V rows in fp32; the result's rounding to bf16
+    (nearest even, NaN kept) must be torch's, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    n = 64
+    v_pool = torch.randn(2 * n, 1, 32, generator=gen).to(torch.bfloat16)
+    v_pool[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    k_pool = torch.zeros_like(v_pool)
+    q = torch.randn(n, 1, 32, generator=gen).to(torch.bfloat16)
+    table = torch.arange(2 * n).view(n, 2)  # token t averages slots 2t, 2t + 1
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_pool, v_pool, out, table, torch.arange(n),
+                                   torch.full((n,), 2), 1.0, None, None)
+    want = ((v_pool[0::2].float() + v_pool[1::2].float()) / 2).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+def layer_pools(gen, dtype, num_layers, capacity, num_kv_heads, head_dim):
+    """Two pools holding the same random K/V."""
+    pools = [KVPool(num_layers, capacity, num_kv_heads, head_dim, dtype) for _ in range(2)]
+    for buf in ("k_buffer", "v_buffer"):
+        fill = torch.randn(pools[0].k_buffer.shape, generator=gen).to(dtype)
+        for pool in pools:
+            getattr(pool, buf).copy_(fill)
+    return pools
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_lens", "q_lens", "shared"),
+                         [([7, 1, 130], [1, 1, 1], 0), ([5, 1, 90, 40], [2, 1, 5, 3], 0),
+                          ([130 + i for i in range(16)], [1] * 16, 100)],
+                         ids=["decode", "extend", "shared-prefix"])
+def test_native_backend_matches_torch_backend(dtype, kv_lens, q_lens, shared):
+    """The same layers (plain, windowed, soft-capped) and batch through both backends: the same
+    outputs and the same pool writes. The shared-prefix batch takes TorchAttention's split."""
+    gen = torch.Generator().manual_seed(len(kv_lens))
+    capacity, num_heads, num_kv_heads, head_dim = 2 * sum(kv_lens), 9, 3, 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity, shared)
+    pools = layer_pools(gen, dtype, 3, capacity, num_kv_heads, head_dim)
+    layers = [AttentionLayerSpec(), AttentionLayerSpec(sliding_window=20),
+              AttentionLayerSpec(softcap=20.0, scale=0.1)]
+    if shared:  # TorchAttention's split batch gathers no prefix for windowed / capped layers
+        layers = [AttentionLayerSpec(), AttentionLayerSpec(scale=0.1), AttentionLayerSpec()]
+    backends = [TorchAttention(pools[0], num_heads, num_kv_heads, head_dim, layers),
+                create_attention_backend("native", pools[1], num_heads, num_kv_heads, head_dim,
+                                         layers)]
+    prepared = [backend.prepare(batch) for backend in backends]
+    assert isinstance(prepared[1].attn_meta, NativeAttentionMeta)
+    if shared:
+        assert prepared[0].attn_meta.shared_slots is not None
+    n = batch.num_tokens
+    for layer_id in range(3):
+        q = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
+        outs = [b.forward(layer_id, q, k, v, p).float() for b, p in zip(backends, prepared)]
+        atol = 1e-5 if dtype == torch.float32 else 2e-2  # torch's bf16 path rounds in between
+        torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
+    assert torch.equal(pools[1].k_buffer, pools[0].k_buffer)
+    assert torch.equal(pools[1].v_buffer, pools[0].v_buffer)
+
+
+def test_native_backend_defers_long_extends_and_odd_heads():
+    gen = torch.Generator().manual_seed(0)
+    pool = layer_pools(gen, torch.float32, 1, 200, 2, 64)[0]
+    backend = NativeAttention(pool, 4, 2, 64)
+    prefill = make_forward_batch(gen, [50, 60], [50, 20], 200)
+    assert not isinstance(backend.prepare(prefill).attn_meta, NativeAttentionMeta)
+    odd = NativeAttention(layer_pools(gen, torch.float32, 1, 200, 2, 24)[0], 4, 2, 24)
+    decode = make_forward_batch(gen, [5, 6], [1, 1], 200)
+    assert not isinstance(odd.prepare(decode).attn_meta, NativeAttentionMeta)
+
+
+def test_auto_resolves_to_native_on_the_cpu():
+    assert EngineConfig(device="cpu").resolved_attention_backend == "native"
+    assert EngineConfig(device="cuda").resolved_attention_backend == "triton"
+    assert EngineConfig(attention_backend="torch").resolved_attention_backend == "torch"
+
+
+PROMPTS = ["What is the capital of France?", "def fibonacci(n):",
+           "Once upon a time, in a village by the mountains,", "2 + 2 * 3 = ? Show your steps."]
+
+
+def test_engine_greedy_tokens_equal_torch_backend(make_engine):
+    """fp32 on the default model: token-for-token the same greedy continuations, alone and
+    batched. The native engine is the session's default one (auto resolves to native here)."""
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    engines = [make_engine(attention_backend="torch"), make_engine()]
+    assert isinstance(engines[1].parts.runner.attn, NativeAttention)
+    outs = [[r["output_ids"] for r in e.generate(PROMPTS, sampling_params=params)]
+            for e in engines]
+    assert outs[1] == outs[0]
+    alone = engines[1].generate(PROMPTS[1], sampling_params=params)["output_ids"]
+    assert alone == outs[0][1]
+    assert_idle_and_clean(engines[1])
+
+
+def test_kernel_is_batch_invariant():
+    """A query's output does not depend on the rest of the batch, nor on whether the batch ran
+    on one thread or several (this one is large enough to go parallel; each alone is not)."""
+    gen = torch.Generator().manual_seed(5)
+    batch, q, k_pool, v_pool = random_case(gen, torch.float32, [700, 690, 3, 710], [1] * 4, 8, 2,
+                                           64)
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_pool, v_pool, out, batch.slot_table, tok_req, tok_end,
+                                   0.125, None, None)
+    for t in range(4):
+        alone = torch.empty_like(q[t : t + 1])
+        native_kernels.paged_attention(q[t : t + 1], k_pool, v_pool, alone, batch.slot_table,
+                                       tok_req[t : t + 1], tok_end[t : t + 1], 0.125, None, None)
+        assert torch.equal(alone, out[t : t + 1])
+
+
+def test_kernel_shares_torchs_openmp_runtime():
+    """One libgomp in the process, so the kernel's team follows torch.set_num_threads."""
+    with open("/proc/self/maps") as f:
+        gomps = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomps) <= 1, gomps
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert native_kernels.num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert native_kernels.num_threads() == threads
+
+
+def test_unavailable_reasons(monkeypatch, tmp_path):
+    """Disabled, no compiler, or a failed compile: no library and a reason, never an exception."""
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FORKLM_NATIVE_KERNELS", "0")
+    assert "FORKLM_NATIVE_KERNELS=0" in native_kernels._build_and_load().reason
+    monkeypatch.delenv("FORKLM_NATIVE_KERNELS")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert "no C compiler" in native_kernels._build_and_load().reason
+    monkeypatch.delenv("CC")
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(native_kernels, "SOURCE", broken)
+    state = native_kernels._build_and_load()
+    assert state.lib is None and "failed" in state.reason
+    assert not list(tmp_path.glob("*.so"))  # no partial file left in the cache
