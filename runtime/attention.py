@@ -83,6 +83,7 @@ class TorchAttention:
         self.layers = layer_specs(layers, pool.num_layers)
         self.scales = [spec.scale or head_dim**-0.5 for spec in self.layers]
         self.windows = sorted({spec.sliding_window for spec in self.layers if spec.sliding_window})
+        self.softcapped = any(spec.softcap is not None for spec in self.layers)
         self.min_split_batch = MIN_SPLIT_BATCH.get(pool.k_buffer.dtype, MIN_SPLIT_BATCH_DEFAULT)
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
@@ -100,7 +101,10 @@ class TorchAttention:
             window_masks = {
                 w: ((mask & (k_pos > q_pos - w)) | (padded & (k_pos == 0))).repeat(1, self.group, 1)[:, None]
                 for w in self.windows}
-        shared = _shared_prefix_len(batch, self.min_split_batch)
+        # The split gathers only each request's suffix for every layer, so a model with a
+        # windowed or soft-capped layer (which reads the whole context) never splits.
+        shared = 0 if self.windows or self.softcapped else _shared_prefix_len(
+            batch, self.min_split_batch)
         table = batch.slot_table
         # Additive mask for the own-suffix part of a split (the flash op takes q's dtype).
         suffix_bias = None

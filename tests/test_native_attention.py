@@ -126,20 +126,24 @@ def layer_pools(gen, dtype, num_layers, capacity, num_kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("kv_lens", "q_lens", "shared"),
-                         [([7, 1, 130], [1, 1, 1], 0), ([5, 1, 90, 40], [2, 1, 5, 3], 0),
-                          ([130 + i for i in range(16)], [1] * 16, 100)],
-                         ids=["decode", "extend", "shared-prefix"])
-def test_native_backend_matches_torch_backend(dtype, kv_lens, q_lens, shared):
+@pytest.mark.parametrize(("kv_lens", "q_lens", "shared", "plain"),
+                         [([7, 1, 130], [1, 1, 1], 0, False),
+                          ([5, 1, 90, 40], [2, 1, 5, 3], 0, False),
+                          ([130 + i for i in range(16)], [1] * 16, 100, True),
+                          ([130 + i for i in range(16)], [1] * 16, 100, False)],
+                         ids=["decode", "extend", "shared-prefix", "shared-prefix-windowed"])
+def test_native_backend_matches_torch_backend(dtype, kv_lens, q_lens, shared, plain):
     """The same layers (plain, windowed, soft-capped) and batch through both backends: the same
-    outputs and the same pool writes. The shared-prefix batch takes TorchAttention's split."""
+    outputs and the same pool writes. The shared-prefix batch of plain layers takes
+    TorchAttention's split; a model with a windowed or capped layer never splits (the split
+    gathers no prefix for any layer)."""
     gen = torch.Generator().manual_seed(len(kv_lens))
     capacity, num_heads, num_kv_heads, head_dim = 2 * sum(kv_lens), 9, 3, 64
     batch = make_forward_batch(gen, kv_lens, q_lens, capacity, shared)
     pools = layer_pools(gen, dtype, 3, capacity, num_kv_heads, head_dim)
     layers = [AttentionLayerSpec(), AttentionLayerSpec(sliding_window=20),
               AttentionLayerSpec(softcap=20.0, scale=0.1)]
-    if shared:  # TorchAttention's split batch gathers no prefix for windowed / capped layers
+    if plain:
         layers = [AttentionLayerSpec(), AttentionLayerSpec(scale=0.1), AttentionLayerSpec()]
     backends = [TorchAttention(pools[0], num_heads, num_kv_heads, head_dim, layers),
                 create_attention_backend("native", pools[1], num_heads, num_kv_heads, head_dim,
@@ -147,7 +151,7 @@ def test_native_backend_matches_torch_backend(dtype, kv_lens, q_lens, shared):
     prepared = [backend.prepare(batch) for backend in backends]
     assert isinstance(prepared[1].attn_meta, NativeAttentionMeta)
     if shared:
-        assert prepared[0].attn_meta.shared_slots is not None
+        assert (prepared[0].attn_meta.shared_slots is not None) == plain
     n = batch.num_tokens
     for layer_id in range(3):
         q = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
