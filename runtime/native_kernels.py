@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from forklm.runtime.cpu_threads import threads_spin
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
@@ -31,7 +33,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # batch 1 at 2000 keys (1.2M) is still faster on one thread, and a whole batch-1 decode step at
 # 450 keys 1 ms faster (26.1 vs 27.2 ms). Spinning workers join at once: two threads win from
 # batch 1 at ~450 keys (0.26M: 17 vs 23 us a layer; 100 keys: even).
-PARALLEL_WORK = {"PASSIVE": 2_000_000}.get(os.environ.get("OMP_WAIT_POLICY", "").upper(), 200_000)
+PARALLEL_WORK = 200_000 if threads_spin() else 2_000_000
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
