@@ -21,7 +21,7 @@ import torch
 from forklm.runtime.attention import create_attention_backend
 from forklm.runtime.attention_invariant import BatchInvariantAttention
 from forklm.runtime.builder import build_model
-from forklm.runtime.config import resolved_dtype_name
+from forklm.runtime.config import EngineConfig, resolved_dtype_name
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import load_model
@@ -31,7 +31,8 @@ from forklm.sim.profile import prefill_step
 
 
 def build(dtype: torch.dtype, capacity: int, quantized: bool = False, dense_copies: bool = True,
-          fp16_weights: bool = False, deterministic: bool = False) -> tuple[CausalLM, KVPool, object]:
+          fp16_weights: bool = False, deterministic: bool = False,
+          attention: str = "torch") -> tuple[CausalLM, KVPool, object]:
     loaded = load_model("SmolLM2-135M-Instruct")
     spec = spec_from_config(loaded.config)
     model = build_model(loaded, spec, dtype, "cpu", max_positions=4096, keep_quantized=quantized,
@@ -43,9 +44,14 @@ def build(dtype: torch.dtype, capacity: int, quantized: bool = False, dense_copi
         attn = BatchInvariantAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                        model.attention_layers)
     else:
-        attn = create_attention_backend("torch", pool, spec.num_heads, spec.num_kv_heads,
+        attn = create_attention_backend(attention, pool, spec.num_heads, spec.num_kv_heads,
                                         spec.head_dim, model.attention_layers)
     return model, pool, attn
+
+
+def attention_name(name: str) -> str:
+    """The backend the engine would run for attention_backend=`name` on this machine."""
+    return EngineConfig(attention_backend=name).resolved_attention_backend
 
 
 def decode_batch(batch: int, ctx: int, shared: int = 0) -> ForwardBatch:
@@ -122,12 +128,14 @@ def main() -> None:
                    help="batch-invariant matmuls and attention (--enable-deterministic-inference)")
     p.add_argument("--torch-compile", action="store_true",
                    help="A/B: eager vs compiled layer steps (--enable-torch-compile)")
+    p.add_argument("--attention", default="auto",
+                   help="attention backend: auto (as the engine picks on this machine), torch, native")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     model, pool, attn = build(getattr(torch, resolved_dtype_name(args.dtype)), args.batch * args.ctx + 64,
                                args.quantized, not args.int4_only, args.fp16_weights,
-                               args.deterministic)
+                               args.deterministic, attention_name(args.attention))
     if args.prefill:
         fb = prefill_batch(args.batch, args.ctx)
     else:

@@ -14,6 +14,7 @@ import torch
 from forklm.runtime import kv_sizing
 from forklm.runtime.attention import AttentionBackend, create_attention_backend
 from forklm.runtime.attention_invariant import BatchInvariantAttention
+from forklm.runtime.attention_native import NativeAttention
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.constrained import GrammarBackend
 from forklm.runtime.intake import RequestIntake
@@ -109,6 +110,7 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         pool, attn = build_kv_and_attention(config, spec, model, capacity)
         kv = build_kv_manager(config, pool, context_len)
         runner = ModelRunner(model, attn, kv, config.device)
+        _fuse_layers(config, model, attn)
         _compile_layers(config, model)
         _capture_decode_graphs(config, runner, context_len)
     logger.info("model %s (%s, %s), KV capacity %d tokens", loaded.source, spec.model_type, dtype,
@@ -127,6 +129,22 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
                              eos_token_ids, config.random_seed),
     )
+
+
+def _fuse_layers(config: EngineConfig, model: CausalLM, attn: AttentionBackend) -> None:
+    """Fused C steps between the matmuls for decode-like CPU batches, where the model and the
+    attention backend allow (runtime/models/fused_layers.py); torch.compile's graphs instead
+    when the user asked for those."""
+    if config.disable_fused_layers or config.enable_torch_compile:
+        return
+    from forklm.runtime.models.fused_layers import FusedDecodeLayers, unsupported_reason
+
+    reason = unsupported_reason(model.spec, attn)
+    if reason:
+        logger.info("fused decode layers off: %s", reason)
+        return
+    assert isinstance(attn, NativeAttention)
+    model.fused_layers = FusedDecodeLayers(model, attn)
 
 
 def _compile_layers(config: EngineConfig, model: CausalLM) -> None:

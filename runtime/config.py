@@ -111,6 +111,11 @@ class EngineConfig:
     # 5-7% off batch-1 decode on a 2-core CPU).
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
+    # Decode-like batches on the CPU run each layer's small steps (residual add + RMSNorm, rotary
+    # + K/V write, SiLU * up) as fused C calls between the matmuls (runtime/models/
+    # fused_layers.py) where the native attention kernel runs and the model is Llama-shaped;
+    # this turns that off (the eager torch ops, for A/B runs).
+    disable_fused_layers: bool = False
     # SGLang's --tp-size: the model split Megatron-style over this many ranks (processes; one GPU
     # each on CUDA), see runtime/distributed/. Rank 0 schedules and samples; the others forward
     # their shard only. Token-identical to tp_size=1 in float32 up to the summation order.

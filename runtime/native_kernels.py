@@ -1,5 +1,7 @@
-"""Native CPU kernels (runtime/paged_attention.c), compiled on first use with the system C
-compiler into a cache keyed by the source, the compiler and the CPU, and loaded with ctypes."""
+"""Native CPU kernels, compiled on first use with the system C compiler into a cache keyed by
+the source, the compiler and the CPU, and loaded with ctypes: paged decode attention
+(runtime/paged_attention.c) and the fused steps between a layer's matmuls
+(runtime/fused_layer_ops.c, used by runtime/models/fused_layers.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ SOURCE = Path(__file__).with_name("paged_attention.c")
 # not c11, keeps GCC's default contraction of a * b + c into FMAs; __builtin_shufflevector
 # needs GCC 12 or clang: an older compiler fails and the engine falls back to TorchAttention).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FUSED_SOURCE = Path(__file__).with_name("fused_layer_ops.c")
+# No contraction into FMAs: each multiply and add rounds where torch's eager ops round.
+FUSED_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # Multiply-adds above which a call uses all of torch's threads (2 cores, default model). With
@@ -48,6 +53,7 @@ class _Loaded:
 
 
 _state: _Loaded | None = None
+_fused_state: _Loaded | None = None
 _lock = threading.Lock()
 
 
@@ -151,14 +157,53 @@ def _load() -> _Loaded:
     return _state
 
 
-def _build_and_load() -> _Loaded:
+def fused_ops() -> ctypes.CDLL | None:
+    """The fused layer steps' library (fused_layer_ops.c), or None when it did not build; its
+    functions take fp32 (0) or bf16 (1) tensors."""
+    global _fused_state
+    if _fused_state is None:
+        with _lock:
+            if _fused_state is None:
+                _fused_state = _build_and_load_fused()
+                if _fused_state.lib is None:
+                    logger.info("fused native layer steps off: %s", _fused_state.reason)
+    return _fused_state.lib
+
+
+def fused_unavailable_reason() -> str:
+    """Why fused_ops() is None ('' when it is not)."""
+    fused_ops()
+    return _fused_state.reason if _fused_state is not None else ""
+
+
+def _build_and_load_fused() -> _Loaded:
+    lib, reason = _open(FUSED_SOURCE, FUSED_CFLAGS)
+    if lib is None:
+        return _Loaded(None, reason)
+    lib.fused_add_rms_norm.restype = None
+    lib.fused_add_rms_norm.argtypes = [_i64, _i64, _p, _p, _p, _p, _f32, _f32, _int]
+    lib.fused_rope_store.restype = None
+    lib.fused_rope_store.argtypes = [_i64, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p,
+                                     _int]
+    lib.fused_silu_mul.restype = None
+    lib.fused_silu_mul.argtypes = [_i64, _i64, _p, _p, _int]
+    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)))
+
+
+def _open(source: Path, cflags: list[str]) -> tuple[ctypes.CDLL | None, str]:
+    """The compiled and loaded library of `source`, or None and why not."""
     if os.environ.get("FORKLM_NATIVE_KERNELS", "1") == "0":
-        return _Loaded(None, "disabled by FORKLM_NATIVE_KERNELS=0")
+        return None, "disabled by FORKLM_NATIVE_KERNELS=0"
     try:
-        path = _compiled_library()
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(_compiled_library(source, cflags))), ""
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return _Loaded(None, str(e))
+        return None, str(e)
+
+
+def _build_and_load() -> _Loaded:
+    lib, reason = _open(SOURCE, CFLAGS)
+    if lib is None:
+        return _Loaded(None, reason)
     lib.paged_attention_batch.restype = _int
     lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int]
     lib.paged_attention_threads.restype = _int
@@ -168,16 +213,16 @@ def _build_and_load() -> _Loaded:
     return _Loaded(lib, "", dtypes)
 
 
-def _compiled_library() -> Path:
-    """The cached .so for this source, compiler and CPU, compiling it if missing."""
+def _compiled_library(source_path: Path, cflags: list[str]) -> Path:
+    """The cached .so for this source, flags, compiler and CPU, compiling it if missing."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not on PATH)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    source = SOURCE.read_text()
-    key = hashlib.sha256("\0".join([source, version, " ".join(CFLAGS), _cpu_flags()]).encode())
+    source = source_path.read_text()
+    key = hashlib.sha256("\0".join([source, version, " ".join(cflags), _cpu_flags()]).encode())
     cache = Path(os.environ.get("FORKLM_CACHE_DIR") or Path.home() / ".cache/forklm/native")
-    target = cache / f"paged_attention-{key.hexdigest()[:16]}.so"
+    target = cache / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -185,7 +230,7 @@ def _compiled_library() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+        done = subprocess.run([cc, *cflags, str(source_path), "-o", tmp, "-lm"], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")

@@ -23,6 +23,7 @@ from forklm.runtime.models.spec import ModelSpec
 from forklm.runtime.models.weights import FusedLinear
 
 if TYPE_CHECKING:
+    from forklm.runtime.models.fused_layers import FusedDecodeLayers
     from forklm.runtime.torch_compile import CompiledLayerSteps
 
 
@@ -153,6 +154,8 @@ class CausalLM(nn.Module):
         self.head_tile_rows: int | None = None
         # Compiled layer steps for the batches they serve (torch_compile.py); None: all eager.
         self.compiled_steps: CompiledLayerSteps | None = None
+        # The layers with fused C steps for decode-like CPU batches (fused_layers.py).
+        self.fused_layers: FusedDecodeLayers | None = None
 
     @property
     def attention_layers(self) -> list[AttentionLayerSpec]:
@@ -164,9 +167,12 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         batch = attn.prepare(batch)
         x = self._embed(batch.input_ids)  # [T, hidden]
-        with self._layer_steps(batch) as steps:
-            for layer in self.model.layers:
-                x = layer(x, batch, attn, steps)
+        if self.fused_layers is not None and self.fused_layers.takes(batch, x):
+            x = self.fused_layers.run(x, batch)
+        else:
+            with self._layer_steps(batch) as steps:
+                for layer in self.model.layers:
+                    x = layer(x, batch, attn, steps)
         x = self.model.norm(x[batch.logits_indices])  # norm is per-row: only the rows we need
         return soft_cap(self._head(x), self.spec.final_softcap).float()  # [num_logits, vocab]
 

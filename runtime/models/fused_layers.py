@@ -1,0 +1,121 @@
+"""FusedDecodeLayers: a decoder's layers for decode-like batches on the CPU with the small steps
+between its matmuls fused into C calls (runtime/fused_layer_ops.c), for the batches the native
+attention kernel takes.
+
+A batch-1 step of the default model spends about as long in ~1700 small torch ops (norms, rotary,
+the K/V write, SiLU, residual adds: each a dispatch of a few microseconds) as in its matmuls. Per
+layer this runs 4 matmuls (the model's own modules: int4, dense or tensor-parallel alike) and 4
+C calls. The residual stream is carried as in vLLM's fused add + RMSNorm: each norm first adds
+the previous block's output into it. Values round where the eager path rounds; only the RMS
+sum's order and exp's last bit differ (tests/test_fused_layers.py bounds the difference and
+checks greedy tokens against the eager layers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from forklm.runtime import native_kernels
+from forklm.runtime.attention_native import NativeAttention, NativeAttentionMeta
+from forklm.runtime.forward_batch import ForwardBatch
+from forklm.runtime.models.layers import RMSNorm
+from forklm.runtime.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from forklm.runtime.models.decoder import CausalLM, DecoderLayer
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def unsupported_reason(spec: ModelSpec, attn: object) -> str:
+    """Why FusedDecodeLayers cannot run this model ('' when it can)."""
+    if not isinstance(attn, NativeAttention) or not attn.enabled:
+        return "the attention backend is not the native kernel"
+    if native_kernels.fused_ops() is None:
+        return f"the fused layer steps did not build: {native_kernels.fused_unavailable_reason()}"
+    checks = {
+        "qk_norm": spec.qk_norm, "sandwich norms": spec.sandwich_norm,
+        f"activation {spec.activation}": spec.activation != "silu",
+        "a mixture of experts": spec.moe is not None,
+        "an embedding scale": spec.embed_scale is not None,
+        "partial rotary": any(r.get("partial_rotary_factor", 1.0) != 1.0 for r in spec.rope.values()),
+    }
+    found = [name for name, present in checks.items() if present]
+    return f"the model has {', '.join(found)}" if found else ""
+
+
+class FusedDecodeLayers:
+    """Runs CausalLM's layers for batches whose attention_meta is the native kernel's plan."""
+
+    def __init__(self, model: CausalLM, attn: NativeAttention):
+        lib = native_kernels.fused_ops()
+        assert lib is not None, "fused layer steps unavailable"
+        self.lib, self.attn = lib, attn
+        self.spec = model.spec
+        self.layers: list[DecoderLayer] = list(model.model.layers)  # type: ignore[arg-type]
+
+    def takes(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
+        return (isinstance(batch.attn_meta, NativeAttentionMeta) and x.dtype in _DTYPES
+                and x.dtype == self.attn.pool.k_buffer.dtype and x.device.type == "cpu")
+
+    def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] embeddings -> the last layer's output stream [T, hidden] (before the
+        final norm), as the eager layers compute it."""
+        meta = batch.attn_meta
+        assert isinstance(meta, NativeAttentionMeta)
+        spec, attn, lib = self.spec, self.attn, self.lib
+        num_tokens, hidden = x.shape
+        dtype = _DTYPES[x.dtype]
+        heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        out_slots = batch.out_slots.to(torch.int64).contiguous()
+        # The kernel writes K/V rows out_slots[t]: never outside the pool.
+        if num_tokens:
+            low, high = torch.aminmax(out_slots)
+            assert int(low) >= 0 and int(high) < attn.pool.k_buffer.shape[1], "slot outside the pool"
+        residual = x.contiguous()  # updated in place: x is this forward's own embedding tensor
+        normed = torch.empty_like(residual)
+        q = residual.new_empty(num_tokens, heads * d)
+        attn_out = torch.empty_like(q)
+        eps, offset = spec.rms_norm_eps, spec.norm_offset
+        h: torch.Tensor | None = None
+        cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self.layers:
+            self_attn, layer_id = layer.self_attn, layer.self_attn.layer_id
+            _add_norm(lib, residual, h, layer.input_layernorm, normed, eps, offset, dtype)
+            qkv = self_attn.qkv_proj(normed).contiguous()  # [T, (heads + 2 kv_heads) * d]
+            rotary = self_attn.rotary
+            if id(rotary) not in cos_sin:
+                cos, sin = rotary.tables_for(batch.positions, x.dtype)
+                cos_sin[id(rotary)] = (cos.contiguous(), sin.contiguous())
+            cos, sin = cos_sin[id(rotary)]
+            k_layer, v_layer = attn.k_layers[layer_id], attn.v_layers[layer_id]
+            lib.fused_rope_store(num_tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
+                                 cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
+                                 k_layer.data_ptr(), v_layer.data_ptr(), q.data_ptr(), dtype)
+            scale, softcap, window = attn.kernel_specs[layer_id]
+            meta.plan.run(q, k_layer, v_layer, attn_out, scale, softcap, window, attn.dtype_code)
+            h = self_attn.o_proj(attn_out)
+            _add_norm(lib, residual, h, layer.post_attention_layernorm, normed, eps, offset, dtype)
+            mlp = layer.mlp
+            gate_up = mlp.gate_up_proj(normed).contiguous()  # [T, 2 * inter]
+            act = gate_up.new_empty(num_tokens, gate_up.shape[1] // 2)
+            lib.fused_silu_mul(num_tokens, act.shape[1], gate_up.data_ptr(), act.data_ptr(), dtype)
+            h = mlp.down_proj(act)
+        return residual if h is None else residual + h
+
+
+def _add_norm(lib: ctypes.CDLL, residual: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm,
+              out: torch.Tensor, eps: float, offset: float, dtype: int) -> None:
+    """residual += h (when given), out = norm(residual), in one C call."""
+    h_ptr = None
+    if h is not None:
+        h = h.contiguous()
+        assert h.dtype == residual.dtype and h.shape == residual.shape
+        h_ptr = h.data_ptr()
+    weight = norm.weight
+    assert weight.dtype == residual.dtype and weight.is_contiguous()
+    lib.fused_add_rms_norm(residual.shape[0], residual.shape[1], residual.data_ptr(), h_ptr,
+                           weight.data_ptr(), out.data_ptr(), eps, offset, dtype)

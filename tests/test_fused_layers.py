@@ -1,0 +1,202 @@
+"""The fused C steps between a layer's matmuls (runtime/fused_layer_ops.c) against the eager torch
+ops they replace, and FusedDecodeLayers against the eager layers on the default model. Greedy
+tokens of the default (fused) engine against the torch-backend engine and transformers are
+checked by test_native_attention.py, test_greedy_equivalence.py and test_architectures.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forklm.runtime import native_kernels
+from forklm.runtime.attention import TorchAttention
+from forklm.runtime.attention_native import NativeAttention, NativeAttentionMeta
+from forklm.runtime.forward_batch import ForwardBatch
+from forklm.runtime.kv_pool import KVPool
+from forklm.runtime.models.fused_layers import FusedDecodeLayers, unsupported_reason
+from forklm.runtime.models.layers import RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(native_kernels.fused_ops() is None,
+                                reason=f"no native build: {native_kernels.fused_unavailable_reason()}")
+
+CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def lib():
+    ops = native_kernels.fused_ops()
+    assert ops is not None
+    return ops
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of the dtype lie between a and b (same-sign values)."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return (a.view(bits).long() - b.view(bits).long()).abs()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("dim", "offset", "add"), [(576, 0.0, True), (100, 0.0, False),
+                                                     (64, 1.0, True)])
+def test_add_rms_norm_matches_eager(dtype, dim, offset, add):
+    """residual + h rounds exactly as torch's add; the norm is within a few units in the last
+    place of RMSNorm (the sum of squares is added in another order: in fp32 a 1-ulp different
+    scale, then two products; in bf16 that rarely moves a rounding)."""
+    gen = torch.Generator().manual_seed(dim)
+    rows = 7
+    residual = (torch.randn(rows, dim, generator=gen) * 3).to(dtype)
+    h = torch.randn(rows, dim, generator=gen).to(dtype)
+    norm = RMSNorm(dim, 1e-5, offset).to(dtype)
+    norm.weight.data = torch.randn(dim, generator=gen).to(dtype)
+    expected_residual = residual + h if add else residual.clone()
+    expected = norm(expected_residual)
+    out = torch.empty_like(residual)
+    lib().fused_add_rms_norm(rows, dim, residual.data_ptr(), h.data_ptr() if add else None,
+                             norm.weight.data_ptr(), out.data_ptr(), 1e-5, offset, CODES[dtype])
+    assert torch.equal(residual, expected_residual)
+    assert int(ulps_apart(out, expected).max()) <= (4 if dtype == torch.float32 else 1)
+    if dtype == torch.bfloat16:
+        assert (out != expected).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_is_bit_exact(dtype):
+    """Rotated q into its buffer, rotated k and v into the pool rows out_slots, bit-equal to
+    RotaryEmbedding.rotate and KVPool.store; every other pool row untouched."""
+    gen = torch.Generator().manual_seed(1)
+    tokens, heads, kv_heads, d, slots = 5, 9, 3, 64, 300
+    rotary = RotaryEmbedding(None, {"rope_type": "default", "rope_theta": 10000.0}, d, 512)
+    positions = torch.tensor([0, 7, 50, 3, 511])
+    cos, sin = rotary.tables_for(positions, dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
+    q_ref, k_ref = rotary.rotate(q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d),
+                                 cos, sin)
+    pool = KVPool(1, slots, kv_heads, d, dtype)
+    pool.k_buffer.normal_(generator=gen)
+    pool.v_buffer.normal_(generator=gen)
+    reference = KVPool(1, slots, kv_heads, d, dtype)
+    reference.k_buffer.copy_(pool.k_buffer)
+    reference.v_buffer.copy_(pool.v_buffer)
+    out_slots = torch.tensor([10, 299, 0, 42, 11])
+    reference.store(0, out_slots, k_ref, v.reshape(tokens, kv_heads, d))
+    q_out = torch.empty(tokens, heads * d, dtype=dtype)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    lib().fused_rope_store(tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
+                           cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
+                           pool.k_buffer[0].data_ptr(), pool.v_buffer[0].data_ptr(),
+                           q_out.data_ptr(), CODES[dtype])
+    assert torch.equal(q_out.view(tokens, heads, d), q_ref)
+    assert torch.equal(pool.k_buffer, reference.k_buffer)
+    assert torch.equal(pool.v_buffer, reference.v_buffer)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_eager(dtype):
+    """silu(gate) * up over a wide range (|gate| up to 200: exp clamps, no inf or NaN)."""
+    gen = torch.Generator().manual_seed(2)
+    rows, inter = 3, 1000
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([200.0, -200.0, 0.0, -90.0]).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out = torch.empty(rows, inter, dtype=dtype)
+    lib().fused_silu_mul(rows, inter, gate_up.data_ptr(), out.data_ptr(), CODES[dtype])
+    assert torch.isfinite(out).all()
+    same_sign = (out.sign() == expected.sign()) | (expected == 0)
+    assert same_sign.all()
+    assert int(ulps_apart(out, expected)[expected != 0].max()) <= 2
+    assert (out != expected).float().mean() < (0.05 if dtype == torch.float32 else 0.01)
+
+
+def decode_like_batch(kv_lens: list[int], q_lens: list[int]) -> ForwardBatch:
+    """Request b's context in slots [1000 b, 1000 b + kv_len): its last q_len tokens are new."""
+    tables = [torch.arange(1000 * b, 1000 * b + n) for b, n in enumerate(kv_lens)]
+    width = max(kv_lens)
+    table = torch.stack([F.pad(t, (0, width - len(t)), value=int(t[0])) for t in tables])
+    positions = torch.cat([torch.arange(n - q, n) for n, q in zip(kv_lens, q_lens)])
+    out_slots = torch.cat([t[n - q:] for t, n, q in zip(tables, kv_lens, q_lens)])
+    starts = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0)
+    max_q = max(q_lens)
+    q_index = torch.minimum(starts[:, None] + torch.arange(max_q)[None, :],
+                            (starts + torch.tensor(q_lens) - 1)[:, None])
+    num_tokens = sum(q_lens)
+    return ForwardBatch(
+        input_ids=torch.randint(0, 49152, (num_tokens,), generator=torch.Generator().manual_seed(3)),
+        positions=positions, out_slots=out_slots, q_lens=torch.tensor(q_lens),
+        kv_lens=torch.tensor(kv_lens), slot_table=table, q_index=q_index,
+        logits_indices=torch.arange(num_tokens), max_q_len=max_q,
+        is_decode=all(q == 1 for q in q_lens))
+
+
+def test_fused_forward_matches_eager_layers(make_engine):
+    """The default model (fp32): a decode batch and a speculative-verify-like batch through the
+    fused layers and through the eager layers over copies of one random KV pool: the same
+    greedy tokens, logits within float32 summation-order noise, and the same K/V written."""
+    engine = make_engine()
+    model = engine.parts.runner.model
+    assert isinstance(model.fused_layers, FusedDecodeLayers)  # the default CPU engine fuses
+    spec = model.spec
+    for kv_lens, q_lens in [([40, 9, 130], [1, 1, 1]), ([30, 12], [5, 3])]:
+        batch = decode_like_batch(kv_lens, q_lens)
+        pools = [KVPool(spec.num_layers, 1000 * len(kv_lens), spec.num_kv_heads, spec.head_dim,
+                        torch.float32) for _ in range(2)]
+        gen = torch.Generator().manual_seed(4)
+        pools[0].k_buffer.normal_(generator=gen)
+        pools[0].v_buffer.normal_(generator=gen)
+        pools[1].k_buffer.copy_(pools[0].k_buffer)
+        pools[1].v_buffer.copy_(pools[0].v_buffer)
+        backends = [NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                    model.attention_layers) for pool in pools]
+        fused = FusedDecodeLayers(model, backends[1])
+        with torch.inference_mode():
+            prepared = [backend.prepare(batch) for backend in backends]
+            assert isinstance(prepared[1].attn_meta, NativeAttentionMeta)
+            x = model._embed(batch.input_ids)
+            eager = x.clone()
+            for layer in model.model.layers:
+                eager = layer(eager, prepared[0], backends[0])
+            assert fused.takes(prepared[1], x)
+            out = fused.run(x.clone(), prepared[1])
+        logits = [model._head(model.model.norm(h)) for h in (eager, out)]
+        # The last layers' stream reaches thousands: noise is relative to its largest value.
+        torch.testing.assert_close(out, eager, atol=1e-4 * float(eager.abs().max()), rtol=0)
+        torch.testing.assert_close(logits[1], logits[0],
+                                   atol=1e-4 * float(logits[0].abs().max()), rtol=0)
+        assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+        for buf in ("k_buffer", "v_buffer"):
+            written = getattr(pools[0], buf)
+            torch.testing.assert_close(getattr(pools[1], buf), written,
+                                       atol=1e-4 * float(written.abs().max()), rtol=0)
+
+
+def test_fused_layers_take_only_native_decode_batches(make_engine):
+    """A prefill batch (SDPA, not the kernel) or a dtype other than the pool's runs eagerly."""
+    model = make_engine().parts.runner.model
+    fused = model.fused_layers
+    assert fused is not None
+    spec = model.spec
+    pool = KVPool(spec.num_layers, 4000, spec.num_kv_heads, spec.head_dim, torch.float32)
+    backend = NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    x = torch.zeros(2, spec.hidden_size)
+    prefill = backend.prepare(decode_like_batch([40, 40], [40, 30]))
+    assert not fused.takes(prefill, torch.zeros(70, spec.hidden_size))
+    decode = backend.prepare(decode_like_batch([40, 9], [1, 1]))
+    assert fused.takes(decode, x)
+    assert not fused.takes(decode, x.to(torch.bfloat16))
+
+
+def test_unsupported_reasons(make_engine):
+    model = make_engine().parts.runner.model
+    spec = model.spec
+    pool = KVPool(spec.num_layers, 64, spec.num_kv_heads, spec.head_dim, torch.float32)
+    native = NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    assert unsupported_reason(spec, native) == ""
+    torch_attn = TorchAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+    assert "not the native kernel" in unsupported_reason(spec, torch_attn)
+    qwen3_like = dataclasses.replace(spec, qk_norm=True, activation="gelu_tanh")
+    reason = unsupported_reason(qwen3_like, native)
+    assert "qk_norm" in reason and "gelu_tanh" in reason
