@@ -201,3 +201,28 @@ def test_default_model_stays_near_its_file_size():
     ids = torch.tensor([0, 1, 12345, 49151])
     ref = torch.from_numpy(dequantize(np.asarray(embed.data)[ids.numpy()], embed.tensor_type))
     assert (linear.embedding(ids) - ref).abs().max() <= BF16_WEIGHT_RTOL * ref.abs().max()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("out_features", [48, 80])  # padded to 64 / 96 rows, or not
+@pytest.mark.parametrize("dense_copy", [False, True])
+def test_direct_call_equals_forward(ggml_type, out_features, dense_copy):
+    """direct() (the fused decode layers' matmul) gives forward's exact result at every batch
+    size: the kernel below the dense paths, forward itself from there on."""
+    from forklm.runtime.models.onednn_linear import OneDNNLinear, can_pack
+
+    weight = make_weight(ggml_type, out_features, in_features_for(ggml_type))
+    linear = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    if dense_copy:  # oneDNN's packed copy where this CPU has one, else a plain bf16 Linear
+        dense_weight = linear.dequantize().bfloat16()
+        if can_pack(torch.bfloat16, "cpu"):
+            linear.dense = OneDNNLinear(dense_weight, None)
+        else:
+            linear.dense = torch.nn.Linear(weight.shape[1], out_features, bias=False,
+                                           dtype=torch.bfloat16)
+            linear.dense.weight.data = dense_weight
+    direct = linear.direct()
+    gen = torch.Generator().manual_seed(4)
+    for rows in (1, 3, 7, 8, 16, DENSE_MIN_ROWS + 1):
+        x = torch.randn(rows, weight.shape[1], generator=gen).bfloat16()
+        assert torch.equal(direct(x), linear(x)), rows

@@ -12,6 +12,7 @@ dtype="float32" keeps float32 weights: that path is token-exact with transformer
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -35,6 +36,11 @@ class Fp16WeightLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [T, in] float32 -> [T, out]
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+    def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward as a plain function of x (no module attribute lookups per call)."""
+        linear, packed = torch.ops.quantized.linear_dynamic_fp16, self.packed
+        return lambda x: linear(x, packed)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight=fp16"

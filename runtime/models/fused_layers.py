@@ -14,15 +14,20 @@ checks greedy tokens against the eager layers).
 from __future__ import annotations
 
 import ctypes
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from forklm.runtime import native_kernels
 from forklm.runtime.attention_native import NativeAttention, NativeAttentionMeta
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.models.layers import RMSNorm
 from forklm.runtime.models.spec import ModelSpec
+from forklm.runtime.models.weights import FusedLinear
 
 if TYPE_CHECKING:
     from forklm.runtime.models.decoder import CausalLM, DecoderLayer
@@ -56,6 +61,13 @@ class FusedDecodeLayers:
         self.lib, self.attn = lib, attn
         self.spec = model.spec
         self.layers: list[DecoderLayer] = list(model.model.layers)  # type: ignore[arg-type]
+        # Per layer, its matmuls as plain functions of x (direct_call): modules are read once
+        # here, so a layer's weights must be updated in place, never replaced.
+        self.matmuls = [tuple(direct_call(m) for m in (layer.self_attn.qkv_proj,
+                                                        layer.self_attn.o_proj,
+                                                        layer.mlp.gate_up_proj,
+                                                        layer.mlp.down_proj))
+                        for layer in self.layers]
 
     def takes(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
         return (isinstance(batch.attn_meta, NativeAttentionMeta) and x.dtype in _DTYPES
@@ -82,10 +94,10 @@ class FusedDecodeLayers:
         eps, offset = spec.rms_norm_eps, spec.norm_offset
         h: torch.Tensor | None = None
         cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in self.layers:
+        for layer, (qkv_proj, o_proj, gate_up_proj, down_proj) in zip(self.layers, self.matmuls):
             self_attn, layer_id = layer.self_attn, layer.self_attn.layer_id
             _add_norm(lib, residual, h, layer.input_layernorm, normed, eps, offset, dtype)
-            qkv = self_attn.qkv_proj(normed).contiguous()  # [T, (heads + 2 kv_heads) * d]
+            qkv = qkv_proj(normed).contiguous()  # [T, (heads + 2 kv_heads) * d]
             rotary = self_attn.rotary
             if id(rotary) not in cos_sin:
                 cos, sin = rotary.tables_for(batch.positions, x.dtype)
@@ -97,14 +109,25 @@ class FusedDecodeLayers:
                                  k_layer.data_ptr(), v_layer.data_ptr(), q.data_ptr(), dtype)
             scale, softcap, window = attn.kernel_specs[layer_id]
             meta.plan.run(q, k_layer, v_layer, attn_out, scale, softcap, window, attn.dtype_code)
-            h = self_attn.o_proj(attn_out)
+            h = o_proj(attn_out)
             _add_norm(lib, residual, h, layer.post_attention_layernorm, normed, eps, offset, dtype)
-            mlp = layer.mlp
-            gate_up = mlp.gate_up_proj(normed).contiguous()  # [T, 2 * inter]
+            gate_up = gate_up_proj(normed).contiguous()  # [T, 2 * inter]
             act = gate_up.new_empty(num_tokens, gate_up.shape[1] // 2)
             lib.fused_silu_mul(num_tokens, act.shape[1], gate_up.data_ptr(), act.data_ptr(), dtype)
-            h = mlp.down_proj(act)
+            h = down_proj(act)
         return residual if h is None else residual + h
+
+
+def direct_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A linear module as a plain function of its [M, in] input: its own `direct()` where it
+    has one (QuantizedLinear), F.linear on its tensors for a plain nn.Linear, else the module."""
+    direct = getattr(module, "direct", None)
+    if callable(direct):
+        return direct()
+    if type(module) in (nn.Linear, FusedLinear):
+        assert isinstance(module, nn.Linear)
+        return functools.partial(F.linear, weight=module.weight, bias=module.bias)
+    return module
 
 
 def _add_norm(lib: ctypes.CDLL, residual: torch.Tensor, h: torch.Tensor | None, norm: RMSNorm,

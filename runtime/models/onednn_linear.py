@@ -10,6 +10,8 @@ own float32 forward uses, which the token-exact tests compare against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -43,6 +45,11 @@ class OneDNNLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward as a plain function of x (no module attribute lookups per call)."""
+        linear, packed, bias = torch.ops.mkldnn._linear_pointwise, self.packed, self.bias
+        return lambda x: linear(x, packed, bias, "none", [], "")
 
 
 def can_pack(dtype: torch.dtype, device: str) -> bool:

@@ -4,6 +4,7 @@ torch's int4 groupwise CPU kernel (`_weight_int4pack_mm_for_cpu`, w = (c - 8) * 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from gguf import GGMLQuantizationType
@@ -184,6 +185,30 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*lead, self.out_features)
+
+    def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward for [M, in] inputs of the model's dtype as a plain function of x (no module
+        attribute lookups: ~10 us less a call, which is a third of a small int4 matmul at batch
+        1). The int4 kernel is called directly for a single plain segment without bias whose
+        kernel dtype is the model's; anything else goes through forward."""
+        matrices = self.matrices
+        if (len(matrices) != 1 or matrices[0].lo_bits or self.bias is not None
+                or self.kernel_dtype != self.dtype):
+            return self.forward
+        packed, scale_zeros, out = matrices[0].packed, matrices[0].scale_zeros, self.out_features
+        padded = packed.shape[0] != out
+        dense, forward = self.dense, self.forward
+        int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        # rows at which forward leaves the int4 kernel (the dense copy, or a dequantized GEMM)
+        kernel_rows = DENSE_COPY_MIN_ROWS if dense is not None else DENSE_MIN_ROWS
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] >= kernel_rows or x.shape[0] == 0:
+                return forward(x)
+            y = int4_mm(x, packed, KERNEL_GROUP, scale_zeros)
+            return y[:, :out] if padded else y
+
+        return call
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight ([*ids.shape, in] in `dtype`), dequantizing only those rows."""
