@@ -139,7 +139,7 @@ def _fuse_layers(config: EngineConfig, model: CausalLM, attn: AttentionBackend) 
         return
     from forklm.runtime.models.fused_layers import FusedDecodeLayers, unsupported_reason
 
-    reason = unsupported_reason(model.spec, attn)
+    reason = unsupported_reason(model, attn)
     if reason:
         logger.info("fused decode layers off: %s", reason)
         return

@@ -11,6 +11,7 @@
 #include <string.h>
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#define FUSED_MAX_HEAD_DIM 512
 
 /* Round to nearest even, NaN -> 0xffff (torch's vectorized float -> bfloat16). */
 static inline uint16_t to_bf16(float f) {
@@ -70,6 +71,39 @@ static inline float exp_clamped(float x) {
  *   offset 0: w * (x * rsqrt(mean(x^2) + eps)).to(dtype)      (two roundings)
  *   offset c: (x * rsqrt(mean(x^2) + eps) * (c + w)).to(dtype) (one rounding)
  * residual, h and out are [rows, dim] contiguous; w [dim]; all of one dtype. */
+/* out[oi..oi+dim) = RMSNorm(x[xi..xi+dim)) as runtime/models/layers.py's RMSNorm computes it:
+ *   offset 0: w * (x * rsqrt(mean(x^2) + eps)).to(dtype)      (two roundings)
+ *   offset c: (x * rsqrt(mean(x^2) + eps) * (c + w)).to(dtype) (one rounding) */
+static inline __attribute__((always_inline)) void rms_norm_row(
+        const void *x, int64_t xi, const void *w, void *out, int64_t oi, int64_t dim, float eps,
+        float offset, int dtype) {
+    /* 16 partial sums (one vector's lanes), added by a pairwise tree: faster and closer to
+     * torch's blocked reduction than one running sum */
+    float lanes[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16)
+        for (int l = 0; l < 16; l++) {
+            float v = load(x, xi + i + l, dtype);
+            lanes[l] += v * v;
+        }
+    for (int l = 0; i < dim; i++, l++) {
+        float v = load(x, xi + i, dtype);
+        lanes[l] += v * v;
+    }
+    for (int width = 8; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    float inv = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
+    for (int64_t j = 0; j < dim; j++) {
+        float n = load(x, xi + j, dtype) * inv;
+        float y = offset != 0.0f ? n * (offset + load(w, j, dtype))
+                                 : round_to(n, dtype) * load(w, j, dtype);
+        store(out, oi + j, y, dtype);
+    }
+}
+
+/* Rows of `dim` values. With h: residual += h (rounded to dtype, as torch's x + h) first.
+ * Then out = RMSNorm(residual). residual, h and out are [rows, dim] contiguous; w [dim]; all of
+ * one dtype. */
 static inline __attribute__((always_inline)) void add_rms_norm(
         int64_t rows, int64_t dim, void *residual, const void *h, const void *w, void *out,
         float eps, float offset, int dtype) {
@@ -80,28 +114,7 @@ static inline __attribute__((always_inline)) void add_rms_norm(
                 store(residual, base + i,
                       round_to(load(residual, base + i, dtype) + load(h, base + i, dtype), dtype),
                       dtype);
-        /* 16 partial sums (one vector's lanes), added by a pairwise tree: faster and closer to
-         * torch's blocked reduction than one running sum */
-        float lanes[16] = {0};
-        int64_t i = 0;
-        for (; i + 16 <= dim; i += 16)
-            for (int l = 0; l < 16; l++) {
-                float x = load(residual, base + i + l, dtype);
-                lanes[l] += x * x;
-            }
-        for (int l = 0; i < dim; i++, l++) {
-            float x = load(residual, base + i, dtype);
-            lanes[l] += x * x;
-        }
-        for (int width = 8; width >= 1; width /= 2)
-            for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
-        float inv = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) {
-            float n = load(residual, base + i, dtype) * inv;
-            float y = offset != 0.0f ? n * (offset + load(w, i, dtype))
-                                     : round_to(n, dtype) * load(w, i, dtype);
-            store(out, base + i, y, dtype);
-        }
+        rms_norm_row(residual, base, w, out, base, dim, eps, offset, dtype);
     }
 }
 
@@ -121,19 +134,31 @@ static inline void rotate_head(const void *x, int64_t xi, const void *cos, const
 /* qkv [tokens, qkv_stride] holds each token's q heads, then k heads, then v heads (d values
  * each). Writes rotated q to q_out [tokens, heads * d]; rotated k and v to rows out_slots[t] of
  * k_layer / v_layer [slots, kv_heads * d]. cos / sin [tokens, d] are the tokens' table rows in
- * the same dtype. The caller checks out_slots against the pool. */
+ * the same dtype. q_norm / k_norm [d] (or NULL): an RMSNorm of each q / k head before its
+ * rotation. The caller checks out_slots against the pool and d <= FUSED_MAX_HEAD_DIM. */
 static inline __attribute__((always_inline)) void rope_store(
         int64_t tokens, const void *qkv, int64_t qkv_stride, int64_t heads, int64_t kv_heads,
         int64_t d, const void *cos, const void *sin, const int64_t *out_slots, void *k_layer,
-        void *v_layer, void *q_out, int dtype) {
+        void *v_layer, void *q_out, const void *q_norm, const void *k_norm, float eps,
+        float offset, int dtype) {
     int64_t kv_row = kv_heads * d, elem = dtype == DTYPE_BF16 ? 2 : 4;
+    float normed[FUSED_MAX_HEAD_DIM]; /* one head after its norm (bf16 values use half of it) */
     for (int64_t t = 0; t < tokens; t++) {
         int64_t src = t * qkv_stride, ci = t * d, slot = out_slots[t];
-        for (int64_t h = 0; h < heads; h++)
-            rotate_head(qkv, src + h * d, cos, sin, ci, q_out, (t * heads + h) * d, d, dtype);
-        for (int64_t h = 0; h < kv_heads; h++)
-            rotate_head(qkv, src + (heads + h) * d, cos, sin, ci, k_layer, slot * kv_row + h * d, d,
-                        dtype);
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            const void *x = qkv, *norm = h < heads ? q_norm : k_norm;
+            int64_t xi = src + h * d;
+            if (norm) { /* Qwen3's per-head q/k RMSNorm, before the rotation */
+                rms_norm_row(qkv, xi, norm, normed, 0, d, eps, offset, dtype);
+                x = normed;
+                xi = 0;
+            }
+            if (h < heads)
+                rotate_head(x, xi, cos, sin, ci, q_out, (t * heads + h) * d, d, dtype);
+            else
+                rotate_head(x, xi, cos, sin, ci, k_layer, slot * kv_row + (h - heads) * d, d,
+                            dtype);
+        }
         memcpy((char *)v_layer + slot * kv_row * elem, (const char *)qkv + (src + (heads + kv_heads) * d) * elem,
                (size_t)(kv_row * elem));
     }
@@ -166,14 +191,17 @@ void fused_add_rms_norm(int64_t rows, int64_t dim, void *residual, const void *h
 void fused_rope_store(int64_t tokens, const void *qkv, int64_t qkv_stride, int64_t heads,
                       int64_t kv_heads, int64_t d, const void *cos, const void *sin,
                       const int64_t *out_slots, void *k_layer, void *v_layer, void *q_out,
+                      const void *q_norm, const void *k_norm, float eps, float offset,
                       int dtype) {
     if (dtype == DTYPE_BF16)
         rope_store(tokens, qkv, qkv_stride, heads, kv_heads, d, cos, sin, out_slots, k_layer,
-                   v_layer, q_out, DTYPE_BF16);
+                   v_layer, q_out, q_norm, k_norm, eps, offset, DTYPE_BF16);
     else
         rope_store(tokens, qkv, qkv_stride, heads, kv_heads, d, cos, sin, out_slots, k_layer,
-                   v_layer, q_out, DTYPE_F32);
+                   v_layer, q_out, q_norm, k_norm, eps, offset, DTYPE_F32);
 }
+
+int fused_max_head_dim(void) { return FUSED_MAX_HEAD_DIM; }
 
 void fused_silu_mul(int64_t rows, int64_t inter, const void *gate_up, void *out, int dtype) {
     if (dtype == DTYPE_BF16)

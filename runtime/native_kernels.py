@@ -184,7 +184,8 @@ def _build_and_load_fused() -> _Loaded:
     lib.fused_add_rms_norm.argtypes = [_i64, _i64, _p, _p, _p, _p, _f32, _f32, _int]
     lib.fused_rope_store.restype = None
     lib.fused_rope_store.argtypes = [_i64, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p,
-                                     _int]
+                                     _p, _p, _f32, _f32, _int]
+    lib.fused_max_head_dim.restype = _int
     lib.fused_silu_mul.restype = None
     lib.fused_silu_mul.argtypes = [_i64, _i64, _p, _p, _int]
     return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)))

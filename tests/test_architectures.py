@@ -91,6 +91,24 @@ def test_one_at_a_time(case):
     assert_idle_and_clean(engine)
 
 
+# Architectures whose decode runs through FusedDecodeLayers (runtime/models/fused_layers.py)
+# on this CPU (the tiny Phi-3 rotates whole heads); the others (GELU, sandwich norms, MoE) run
+# the eager layers.
+FUSED = {"llama3", "qwen2", "qwen2_sliding", "qwen3", "mistral", "phi3", "phi3_short"}
+
+
+def test_fused_layers_where_the_model_allows(case):
+    """The tests above run the fused decode layers for these models (so their tokens are the
+    fused path's): which ones take it is part of what they check."""
+    from forklm.runtime import native_kernels
+
+    if native_kernels.fused_ops() is None:  # no C compiler: every model runs eagerly
+        assert case.engine.parts.runner.model.fused_layers is None
+        return
+    fused = case.engine.parts.runner.model.fused_layers is not None
+    assert fused == (case.name in FUSED), case.name
+
+
 def test_all_together(case):
     engine = case.engine
     engine.flush_cache()

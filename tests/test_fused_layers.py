@@ -63,9 +63,11 @@ def test_add_rms_norm_matches_eager(dtype, dim, offset, add):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_is_bit_exact(dtype):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_is_bit_exact(dtype, qk_norm):
     """Rotated q into its buffer, rotated k and v into the pool rows out_slots, bit-equal to
-    RotaryEmbedding.rotate and KVPool.store; every other pool row untouched."""
+    RotaryEmbedding.rotate and KVPool.store; every other pool row untouched. With Qwen3's
+    per-head q/k norms first: the heads within the norm's few ulps (see above)."""
     gen = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, d, slots = 5, 9, 3, 64, 300
     rotary = RotaryEmbedding(None, {"rope_type": "default", "rope_theta": 10000.0}, d, 512)
@@ -73,8 +75,15 @@ def test_rope_store_is_bit_exact(dtype):
     cos, sin = rotary.tables_for(positions, dtype)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     q, k, v = qkv.split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
-    q_ref, k_ref = rotary.rotate(q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d),
-                                 cos, sin)
+    q, k = q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d)
+    norms = [RMSNorm(d, 1e-6).to(dtype) for _ in "qk"]
+    for norm in norms:
+        norm.weight.data = torch.randn(d, generator=gen).to(dtype)
+    with torch.no_grad():
+        if qk_norm:
+            q, k = norms[0](q), norms[1](k)
+        q_ref, k_ref = rotary.rotate(q, k, cos, sin)
+    norm_ptrs = [n.weight.data_ptr() if qk_norm else None for n in norms]
     pool = KVPool(1, slots, kv_heads, d, dtype)
     pool.k_buffer.normal_(generator=gen)
     pool.v_buffer.normal_(generator=gen)
@@ -88,10 +97,16 @@ def test_rope_store_is_bit_exact(dtype):
     lib().fused_rope_store(tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
                            cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
                            pool.k_buffer[0].data_ptr(), pool.v_buffer[0].data_ptr(),
-                           q_out.data_ptr(), CODES[dtype])
-    assert torch.equal(q_out.view(tokens, heads, d), q_ref)
-    assert torch.equal(pool.k_buffer, reference.k_buffer)
+                           q_out.data_ptr(), *norm_ptrs, 1e-6, 0.0, CODES[dtype])
     assert torch.equal(pool.v_buffer, reference.v_buffer)
+    if not qk_norm:
+        assert torch.equal(q_out.view(tokens, heads, d), q_ref)
+        assert torch.equal(pool.k_buffer, reference.k_buffer)
+        return
+    # a norm 1 ulp off, then the rotation's roundings: a few ulps of the largest value
+    for got, want in ((q_out.view(tokens, heads, d), q_ref), (pool.k_buffer, reference.k_buffer)):
+        tol = (2e-6 if dtype == torch.float32 else 1.6e-2) * float(want.abs().max())
+        torch.testing.assert_close(got, want, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -194,9 +209,14 @@ def test_unsupported_reasons(make_engine):
     spec = model.spec
     pool = KVPool(spec.num_layers, 64, spec.num_kv_heads, spec.head_dim, torch.float32)
     native = NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    assert unsupported_reason(spec, native) == ""
+    assert unsupported_reason(model, native) == ""
     torch_attn = TorchAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-    assert "not the native kernel" in unsupported_reason(spec, torch_attn)
-    qwen3_like = dataclasses.replace(spec, qk_norm=True, activation="gelu_tanh")
-    reason = unsupported_reason(qwen3_like, native)
-    assert "qk_norm" in reason and "gelu_tanh" in reason
+    assert "not the native kernel" in unsupported_reason(model, torch_attn)
+
+    class Variant:  # the same layers under another spec
+        def __init__(self, **changes):
+            self.spec, self.model = dataclasses.replace(spec, **changes), model.model
+
+    assert unsupported_reason(Variant(qk_norm=True), native) == ""  # Qwen3's q/k norms are fused
+    reason = unsupported_reason(Variant(sandwich_norm=True, activation="gelu_tanh"), native)
+    assert "sandwich norms" in reason and "gelu_tanh" in reason

@@ -26,7 +26,6 @@ from forklm.runtime import native_kernels
 from forklm.runtime.attention_native import NativeAttention, NativeAttentionMeta
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.models.layers import RMSNorm
-from forklm.runtime.models.spec import ModelSpec
 from forklm.runtime.models.weights import FusedLinear
 
 if TYPE_CHECKING:
@@ -35,18 +34,23 @@ if TYPE_CHECKING:
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def unsupported_reason(spec: ModelSpec, attn: object) -> str:
+def unsupported_reason(model: CausalLM, attn: object) -> str:
     """Why FusedDecodeLayers cannot run this model ('' when it can)."""
+    spec = model.spec
     if not isinstance(attn, NativeAttention) or not attn.enabled:
         return "the attention backend is not the native kernel"
     if native_kernels.fused_ops() is None:
         return f"the fused layer steps did not build: {native_kernels.fused_unavailable_reason()}"
+    lib = native_kernels.fused_ops()
+    assert lib is not None
     checks = {
-        "qk_norm": spec.qk_norm, "sandwich norms": spec.sandwich_norm,
+        "sandwich norms": spec.sandwich_norm,
+        f"head_dim {spec.head_dim}": spec.head_dim > lib.fused_max_head_dim(),
         f"activation {spec.activation}": spec.activation != "silu",
         "a mixture of experts": spec.moe is not None,
         "an embedding scale": spec.embed_scale is not None,
-        "partial rotary": any(r.get("partial_rotary_factor", 1.0) != 1.0 for r in spec.rope.values()),
+        "partial rotary": any(layer.self_attn.rotary.rotary_dim != spec.head_dim
+                              for layer in model.model.layers),
     }
     found = [name for name, present in checks.items() if present]
     return f"the model has {', '.join(found)}" if found else ""
@@ -68,6 +72,8 @@ class FusedDecodeLayers:
                                                         layer.mlp.gate_up_proj,
                                                         layer.mlp.down_proj))
                         for layer in self.layers]
+        # Qwen3's per-head q/k norm weights (None: no such norm), by layer id
+        self.qk_norms = {layer.self_attn.layer_id: _qk_norm_weights(layer) for layer in self.layers}
 
     def takes(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
         return (isinstance(batch.attn_meta, NativeAttentionMeta) and x.dtype in _DTYPES
@@ -104,9 +110,11 @@ class FusedDecodeLayers:
                 cos_sin[id(rotary)] = (cos.contiguous(), sin.contiguous())
             cos, sin = cos_sin[id(rotary)]
             k_layer, v_layer = attn.k_layers[layer_id], attn.v_layers[layer_id]
+            q_norm, k_norm = self.qk_norms[layer_id]
             lib.fused_rope_store(num_tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
                                  cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
-                                 k_layer.data_ptr(), v_layer.data_ptr(), q.data_ptr(), dtype)
+                                 k_layer.data_ptr(), v_layer.data_ptr(), q.data_ptr(),
+                                 q_norm, k_norm, eps, offset, dtype)
             scale, softcap, window = attn.kernel_specs[layer_id]
             meta.plan.run(q, k_layer, v_layer, attn_out, scale, softcap, window, attn.dtype_code)
             h = o_proj(attn_out)
@@ -116,6 +124,17 @@ class FusedDecodeLayers:
             lib.fused_silu_mul(num_tokens, act.shape[1], gate_up.data_ptr(), act.data_ptr(), dtype)
             h = down_proj(act)
         return residual if h is None else residual + h
+
+
+def _qk_norm_weights(layer: DecoderLayer) -> tuple[int | None, int | None]:
+    """Addresses of the layer's q_norm and k_norm weights, or (None, None). The weights live as
+    long as the model; they must stay where they are (updated in place, never replaced)."""
+    attn = layer.self_attn
+    if not attn.qk_norm:
+        return None, None
+    weights = (attn.q_norm.weight, attn.k_norm.weight)
+    assert all(w.is_contiguous() for w in weights)
+    return weights[0].data_ptr(), weights[1].data_ptr()
 
 
 def direct_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
