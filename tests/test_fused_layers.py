@@ -220,3 +220,32 @@ def test_unsupported_reasons(make_engine):
     assert unsupported_reason(Variant(qk_norm=True), native) == ""  # Qwen3's q/k norms are fused
     reason = unsupported_reason(Variant(sandwich_norm=True, activation="gelu_tanh"), native)
     assert "sandwich norms" in reason and "gelu_tanh" in reason
+
+
+def test_direct_calls_equal_the_modules():
+    """direct_call gives each linear kind's own forward result (the fused layers' matmuls)."""
+    from torch import nn
+
+    from forklm.runtime.models.fp16_linear import Fp16WeightLinear, fp16_weights_available
+    from forklm.runtime.models.fused_layers import direct_call
+    from forklm.runtime.models.onednn_linear import OneDNNLinear, can_pack
+    from forklm.runtime.models.weights import FusedLinear
+
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    fused = FusedLinear(32, (16, 32), bias=True)
+    fused.weight.data, fused.bias.data = weight.clone(), bias.clone()
+    modules: list[tuple[nn.Module, torch.dtype]] = [(fused, torch.float32)]
+    plain = nn.Linear(32, 48, bias=False, dtype=torch.bfloat16)
+    modules.append((plain, torch.bfloat16))
+    if can_pack(torch.bfloat16, "cpu"):
+        modules.append((OneDNNLinear(weight.bfloat16(), bias.bfloat16()), torch.bfloat16))
+    if fp16_weights_available():
+        modules.append((Fp16WeightLinear(weight, bias), torch.float32))
+    for module, dtype in modules:
+        call = direct_call(module)
+        assert call is not module  # every kind here has a path without module lookups
+        for rows in (1, 5, 17):
+            x = torch.randn(rows, 32, generator=gen).to(dtype)
+            with torch.inference_mode():
+                assert torch.equal(call(x), module(x)), (type(module).__name__, rows)
