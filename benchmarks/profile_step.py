@@ -3,8 +3,11 @@ tokens, or a prefill of B prompts of L tokens, on the default model over the pag
 
   python -m benchmarks.profile_step --batch 16 --ctx 450 [--prefill] [--profile] [--repeats 20]
       [--quantized [--int4-only] | --fp16-weights] [--deterministic] [--torch-compile]
+      [--attention auto|torch|native] [--eager-layers]
 
-Prints the median forward time; with --profile, torch.profiler's top operators by self CPU time.
+The forward is the engine's: attention backend "auto" and the fused decode layers where they
+apply (--eager-layers: the torch ops). Prints the median forward time; with --profile,
+torch.profiler's top operators by self CPU time.
 With --torch-compile: the compile time, then eager and compiled layer steps timed in alternating
 rounds in this one process (an A/B that a busy machine's drift hits equally), and how far the
 compiled logits are from the eager ones.
@@ -20,6 +23,7 @@ import torch
 
 from forklm.runtime.attention import create_attention_backend
 from forklm.runtime.attention_invariant import BatchInvariantAttention
+from forklm.runtime.attention_native import NativeAttention
 from forklm.runtime.builder import build_model
 from forklm.runtime.config import EngineConfig, resolved_dtype_name
 from forklm.runtime.forward_batch import ForwardBatch
@@ -27,12 +31,16 @@ from forklm.runtime.kv_pool import KVPool
 from forklm.runtime.model_loader import load_model
 from forklm.runtime.models import CausalLM, spec_from_config
 from forklm.runtime.models.batch_invariant import make_batch_invariant
+from forklm.runtime.models.fused_layers import FusedDecodeLayers, unsupported_reason
 from forklm.sim.profile import prefill_step
 
 
 def build(dtype: torch.dtype, capacity: int, quantized: bool = False, dense_copies: bool = True,
           fp16_weights: bool = False, deterministic: bool = False,
-          attention: str = "torch") -> tuple[CausalLM, KVPool, object]:
+          attention: str = "torch", fused: bool = False) -> tuple[CausalLM, KVPool, object]:
+    """The default model, a pool of `capacity` slots and its attention backend; fused: the
+    fused decode layers attached as the engine attaches them (where the model and backend
+    allow: runtime/models/fused_layers.py)."""
     loaded = load_model("SmolLM2-135M-Instruct")
     spec = spec_from_config(loaded.config)
     model = build_model(loaded, spec, dtype, "cpu", max_positions=4096, keep_quantized=quantized,
@@ -46,6 +54,9 @@ def build(dtype: torch.dtype, capacity: int, quantized: bool = False, dense_copi
     else:
         attn = create_attention_backend(attention, pool, spec.num_heads, spec.num_kv_heads,
                                         spec.head_dim, model.attention_layers)
+        if fused and not unsupported_reason(model, attn):
+            assert isinstance(attn, NativeAttention)
+            model.fused_layers = FusedDecodeLayers(model, attn)
     return model, pool, attn
 
 
@@ -130,12 +141,15 @@ def main() -> None:
                    help="A/B: eager vs compiled layer steps (--enable-torch-compile)")
     p.add_argument("--attention", default="auto",
                    help="attention backend: auto (as the engine picks on this machine), torch, native")
+    p.add_argument("--eager-layers", action="store_true",
+                   help="no fused decode layers (the engine's --disable-fused-layers)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     model, pool, attn = build(getattr(torch, resolved_dtype_name(args.dtype)), args.batch * args.ctx + 64,
                                args.quantized, not args.int4_only, args.fp16_weights,
-                               args.deterministic, attention_name(args.attention))
+                               args.deterministic, attention_name(args.attention),
+                               fused=not args.eager_layers and not args.torch_compile)
     if args.prefill:
         fb = prefill_batch(args.batch, args.ctx)
     else:
