@@ -31,6 +31,7 @@ from typing import Any
 from benchmarks import report
 from benchmarks.runners import EngineRunner, HFRunner, Metrics
 from benchmarks.workloads import WORKLOADS, Workload
+from forklm.runtime.cpu_threads import release_openmp_threads
 
 ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the ablations)
     "forklm": {},
@@ -253,6 +254,10 @@ def main() -> None:
         for rep in range(args.repeats):
             print(f"repeat {rep + 1}/{args.repeats}", flush=True)
             for system, runner in runners.items():
+                # This thread's OpenMP team (left by loading transformers' model or running its
+                # batches) would give libgomp more threads than cores next to the engine's,
+                # and libgomp then cuts the engine's spin short (runtime/cpu_threads.py).
+                release_openmp_threads()
                 _run_once(system, runner, names, args, runs)
         extra = _extras(runners, args)
     text = (f"`python -m benchmarks {' '.join(_quoted_argv())}` ({time.perf_counter() - t0:.0f} s)"
