@@ -137,7 +137,9 @@ def _call_packed_linears_as_they_are() -> None:
 def enable_torch_compile(model: CausalLM, max_bs: int,
                          warm_up_tokens: tuple[int, ...] = WARM_UP_TOKENS) -> CompiledLayerSteps:
     """Compile `model`'s layer steps, run every layer once at each of warm_up_tokens (compiling
-    at start, not at a user's first request) and set model.compiled_steps."""
+    at start, not at a user's first request) and set model.compiled_steps. The compiled steps
+    replace the fused decode layers (models/fused_layers.py) where the model had them: what a
+    user who asks for torch.compile wants to run."""
     _call_packed_linears_as_they_are()
     compiled = CompiledLayerSteps(max_bs)
     t0 = time.perf_counter()
@@ -148,6 +150,7 @@ def enable_torch_compile(model: CausalLM, max_bs: int,
     logger.info("torch.compile: layer steps compiled for %s tokens in %.1f s%s", warm_up_tokens,
                 time.perf_counter() - t0, " (failed: eager)" if compiled.failed else "")
     model.compiled_steps = compiled
+    model.fused_layers = None
     return compiled
 
 
