@@ -104,12 +104,12 @@ def time_forwards(model: CausalLM, attn: object, fb: ForwardBatch, repeats: int,
 def compare_compiled(model: CausalLM, attn: object, fb: ForwardBatch, kind: str, repeats: int,
                      rounds: int = 10) -> None:
     """Eager vs torch.compile'd layer steps on the same batch, alternating rounds."""
-    from forklm.runtime.torch_compile import enable_torch_compile
+    from forklm.runtime.torch_compile import WARM_UP_TOKENS, enable_torch_compile
 
     eager_logits = model(fb, attn)
     t0 = time.perf_counter()
     compiled = enable_torch_compile(model, max_bs=max(fb.batch_size, 1))
-    print(f"compile (warm-up of every layer at 1, 2, 8, 128 tokens): "
+    print(f"compile (warm-up of every layer at {WARM_UP_TOKENS} tokens): "
           f"{time.perf_counter() - t0:.1f} s{' FAILED: eager' if compiled.failed else ''}")
     diff = (model(fb, attn) - eager_logits).abs().max().item()
     times: dict[str, list[float]] = {"eager": [], "compiled": []}

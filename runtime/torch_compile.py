@@ -22,13 +22,14 @@ import torch
 
 from forklm.runtime.forward_batch import ForwardBatch
 from forklm.runtime.models.decoder import EAGER_STEPS, CausalLM, DecoderLayer, LayerSteps
+from forklm.runtime.quant.linear import DENSE_COPY_MIN_ROWS, DENSE_MIN_ROWS
 
 logger = logging.getLogger(__name__)
 
 # Token counts every layer runs at start: one, a few, and the row counts from which quantized
 # linears switch kernels (quant/linear.py: DENSE_COPY_MIN_ROWS, DENSE_MIN_ROWS), so that every
 # graph a forward needs exists before the first request.
-WARM_UP_TOKENS = (1, 2, 8, 128)
+WARM_UP_TOKENS = (1, 2, DENSE_COPY_MIN_ROWS, DENSE_MIN_ROWS)
 INDUCTOR_OPTIONS: dict[str, Any] = {
     # Keep every rounding to bf16 that eager makes, also inside a fused kernel: without it a
     # compiled bf16 layer differed from eager by bf16 ulps at every call; with it, it is equal

@@ -25,8 +25,10 @@ DENSE_MIN_ROWS = 128
 DENSE_MAX_ELEMENTS = 8 * 2**20
 # With a dense copy attached (small models, see onednn_linear.attach_dense_copies), calls of this
 # many rows or more use it: the int4 kernel is faster below (fewer weight bytes to stream), the
-# packed bf16 GEMM above (NOTES.md, "int4 for small batches, a dense copy for the rest").
-DENSE_COPY_MIN_ROWS = 8
+# packed bf16 GEMM above (NOTES.md, "int4 for small batches, a dense copy for the rest"; session
+# 12 moved it from 8 to 9: a batch-8 decode step 18.1-23.3 -> 15.5-22.1 ms with int4, batch 10
+# 21-23 ms dense vs 24-30 int4).
+DENSE_COPY_MIN_ROWS = 9
 
 # How each type's integer codes map onto 4-bit kernel codes. 4-bit types use c = code + shift.
 # 8-bit Q8_0 and 6-bit Q6_K codes are split code = hi * 2**lo_bits + lo into two 4-bit codes
