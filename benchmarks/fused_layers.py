@@ -11,17 +11,11 @@ Run: `python -m benchmarks.fused_layers [--dtype auto] [--repeats 3] [--new-toke
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import time
 
-from benchmarks.engine_speed import WORDS
+from benchmarks import report
+from benchmarks.overlap import prompts
 from forklm import Engine
-
-
-def _prompts(batch: int, words: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(batch)]
 
 
 def _run(engine: Engine, prompts: list[str], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -50,7 +44,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     steps: dict[tuple[str, int], list[float]] = {}
     same, total = 0, 0
-    _run(engine, _prompts(1, 20, 99), 4)  # warm-up
+    _run(engine, prompts(1, 99, words=20), 4)  # warm-up
     for rep in range(args.repeats):
         for batch in batches:
             outputs = {}
@@ -58,7 +52,7 @@ def main() -> None:
             for name in order:
                 model.fused_layers = fused if name == "fused" else None
                 engine.flush_cache()
-                step, outputs[name] = _run(engine, _prompts(batch, args.prompt_words, rep),
+                step, outputs[name] = _run(engine, prompts(batch, rep, words=args.prompt_words),
                                            args.new_tokens)
                 steps.setdefault((name, batch), []).append(step)
             same += sum(a == b for a, b in zip(outputs["eager"], outputs["fused"]))
@@ -66,16 +60,7 @@ def main() -> None:
     model.fused_layers = fused
     print(f"dtype {args.dtype}, ~{args.prompt_words}-word prompts, {args.new_tokens} new tokens "
           f"per request, {args.repeats} interleaved repeats (medians)")
-    print("| batch | eager layers | fused layers | fused / eager time |")
-    print("|---|---|---|---|")
-    for batch in batches:
-        eager = statistics.median(steps[("eager", batch)])
-        fused_step = statistics.median(steps[("fused", batch)])
-        if batch == 1:
-            cells = f"{eager * 1e3:.1f} ms/token", f"{fused_step * 1e3:.1f} ms/token"
-        else:
-            cells = f"{batch / eager:.1f} tok/s", f"{batch / fused_step:.1f} tok/s"
-        print(f"| {batch} | {cells[0]} | {cells[1]} | {fused_step / eager:.3f} |")
+    print(report.ab_table(("eager", "fused"), ("eager layers", "fused layers"), batches, steps))
     # bf16: the norms' sums of squares are added in another order, which now and then moves a
     # rounding and so a near-tie; float32 keeps greedy tokens (tests/test_fused_layers.py)
     print(f"requests with identical tokens: {same}/{total}")

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 
+from benchmarks import report
 from benchmarks.engine_speed import WORDS
 from forklm import Engine
 
 
-def _prompts(batch: int, seed: int) -> list[str]:
+def prompts(batch: int, seed: int, words: int = 40) -> list[str]:
     rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(batch)]
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(batch)]
 
 
 def _run(engine: Engine, prompts: list[str], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -40,30 +40,20 @@ def main() -> None:
     walls: dict[tuple[str, int], list[float]] = {}
     same = True
     for engine in engines.values():  # warm-up: first-step costs and the radix cache
-        _run(engine, _prompts(1, 99), 4)
+        _run(engine, prompts(1, 99), 4)
     for rep in range(args.repeats):
         for batch in batches:
             outputs = {}
             order = list(engines) if rep % 2 == 0 else list(reversed(engines))
             for name in order:
                 engines[name].flush_cache()
-                wall, outputs[name] = _run(engines[name], _prompts(batch, rep), args.new_tokens)
+                wall, outputs[name] = _run(engines[name], prompts(batch, rep), args.new_tokens)
                 walls.setdefault((name, batch), []).append(wall)
             same = same and outputs["plain"] == outputs["overlap"]
     print(f"dtype {args.dtype}, {args.new_tokens} new tokens per request, "
           f"{args.repeats} interleaved repeats (medians)")
-    print("| batch | plain | overlap | overlap / plain time |")
-    print("|---|---|---|---|")
-    for batch in batches:
-        plain = statistics.median(walls[("plain", batch)])
-        overlap = statistics.median(walls[("overlap", batch)])
-        if batch == 1:
-            cells = (f"{plain / args.new_tokens * 1e3:.1f} ms/token",
-                     f"{overlap / args.new_tokens * 1e3:.1f} ms/token")
-        else:
-            cells = (f"{batch * args.new_tokens / plain:.1f} tok/s",
-                     f"{batch * args.new_tokens / overlap:.1f} tok/s")
-        print(f"| {batch} | {cells[0]} | {cells[1]} | {overlap / plain:.3f} |")
+    per_step = {key: [wall / args.new_tokens for wall in walls[key]] for key in walls}
+    print(report.ab_table(("plain", "overlap"), ("plain", "overlap"), batches, per_step))
     print(f"tokens identical: {same}")
     for engine in engines.values():
         engine.shutdown()

@@ -35,6 +35,22 @@ def table(runs: Runs) -> str:
     return "\n".join(lines)
 
 
+def ab_table(names: tuple[str, str], labels: tuple[str, str], batches: list[int],
+             step_s: dict[tuple[str, int], list[float]]) -> str:
+    """Two engine setups side by side from their seconds per decode step (medians of each
+    (name, batch) list): ms/token at batch 1, tokens/s above, and B's time over A's."""
+    lines = [f"| batch | {labels[0]} | {labels[1]} | {labels[1]} / {labels[0]} time |",
+             "|---|---|---|---|"]
+    for batch in batches:
+        a, b = (statistics.median(step_s[(name, batch)]) for name in names)
+        if batch == 1:
+            cells = f"{a * 1e3:.1f} ms/token", f"{b * 1e3:.1f} ms/token"
+        else:
+            cells = f"{batch / a:.1f} tok/s", f"{batch / b:.1f} tok/s"
+        lines.append(f"| {batch} | {cells[0]} | {cells[1]} | {b / a:.3f} |")
+    return "\n".join(lines)
+
+
 def _num(x: float, digits: int = 2) -> str:
     return "-" if math.isnan(x) else f"{x:.{digits}f}"
 

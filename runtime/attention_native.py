@@ -52,7 +52,9 @@ class NativeAttention(TorchAttention):
         table = batch.slot_table.contiguous()
         # Never read outside the table row or the pool: the kernel trusts both bounds.
         assert int(batch.kv_lens.max()) <= table.shape[1], "kv_lens past the slot table"
-        low, high = torch.aminmax(table)
+        # ... nor write outside the pool (the fused decode layers store K/V at out_slots in C).
+        slots = torch.cat((table.view(-1), batch.out_slots.reshape(-1)))
+        low, high = torch.aminmax(slots)
         assert int(low) >= 0 and int(high) < self.pool.k_buffer.shape[1], "slot outside the pool"
         tok_req, tok_end = _token_map(batch)
         plan = native_kernels.plan(table, tok_req, tok_end, self.num_heads, self.num_kv_heads,

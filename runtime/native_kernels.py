@@ -52,8 +52,8 @@ class _Loaded:
     dtypes: frozenset[torch.dtype] = frozenset()
 
 
-_state: _Loaded | None = None
-_fused_state: _Loaded | None = None
+# Each library's load, by name, done once (under _lock) on first use.
+_loaded: dict[str, _Loaded] = {}
 _lock = threading.Lock()
 
 
@@ -147,33 +147,32 @@ def _load_function(name: str) -> Callable[..., int]:
 
 
 def _load() -> _Loaded:
-    global _state
-    if _state is None:
-        with _lock:
-            if _state is None:
-                _state = _build_and_load()
-                if _state.lib is None:
-                    logger.info("native CPU kernels off: %s", _state.reason)
-    return _state
+    return _load_once("native CPU kernels", _build_and_load)
 
 
 def fused_ops() -> ctypes.CDLL | None:
     """The fused layer steps' library (fused_layer_ops.c), or None when it did not build; its
     functions take fp32 (0) or bf16 (1) tensors."""
-    global _fused_state
-    if _fused_state is None:
-        with _lock:
-            if _fused_state is None:
-                _fused_state = _build_and_load_fused()
-                if _fused_state.lib is None:
-                    logger.info("fused native layer steps off: %s", _fused_state.reason)
-    return _fused_state.lib
+    return _load_once("fused native layer steps", _build_and_load_fused).lib
 
 
 def fused_unavailable_reason() -> str:
     """Why fused_ops() is None ('' when it is not)."""
-    fused_ops()
-    return _fused_state.reason if _fused_state is not None else ""
+    return _load_once("fused native layer steps", _build_and_load_fused).reason
+
+
+def _load_once(name: str, build: Callable[[], _Loaded]) -> _Loaded:
+    """build() the first time `name` is asked for (logging why it is off when it is), then the
+    same result."""
+    state = _loaded.get(name)
+    if state is None:
+        with _lock:
+            state = _loaded.get(name)
+            if state is None:
+                state = _loaded[name] = build()
+                if state.lib is None:
+                    logger.info("%s off: %s", name, state.reason)
+    return state
 
 
 def _build_and_load_fused() -> _Loaded:

@@ -39,10 +39,9 @@ def unsupported_reason(model: CausalLM, attn: object) -> str:
     spec = model.spec
     if not isinstance(attn, NativeAttention) or not attn.enabled:
         return "the attention backend is not the native kernel"
-    if native_kernels.fused_ops() is None:
-        return f"the fused layer steps did not build: {native_kernels.fused_unavailable_reason()}"
     lib = native_kernels.fused_ops()
-    assert lib is not None
+    if lib is None:
+        return f"the fused layer steps did not build: {native_kernels.fused_unavailable_reason()}"
     checks = {
         "sandwich norms": spec.sandwich_norm,
         f"head_dim {spec.head_dim}": spec.head_dim > lib.fused_max_head_dim(),
@@ -72,8 +71,8 @@ class FusedDecodeLayers:
                                                         layer.mlp.gate_up_proj,
                                                         layer.mlp.down_proj))
                         for layer in self.layers]
-        # Qwen3's per-head q/k norm weights (None: no such norm), by layer id
-        self.qk_norms = {layer.self_attn.layer_id: _qk_norm_weights(layer) for layer in self.layers}
+        # Qwen3's per-head q/k norm weights (None: no such norm), per layer
+        self.qk_norms = [_qk_norm_weights(layer) for layer in self.layers]
 
     def takes(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
         return (isinstance(batch.attn_meta, NativeAttentionMeta) and x.dtype in _DTYPES
@@ -88,29 +87,23 @@ class FusedDecodeLayers:
         num_tokens, hidden = x.shape
         dtype = _DTYPES[x.dtype]
         heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        # K/V rows written by the C call: NativeAttention.prepare checked them against the pool
         out_slots = batch.out_slots.to(torch.int64).contiguous()
-        # The kernel writes K/V rows out_slots[t]: never outside the pool.
-        if num_tokens:
-            low, high = torch.aminmax(out_slots)
-            assert int(low) >= 0 and int(high) < attn.pool.k_buffer.shape[1], "slot outside the pool"
         residual = x.contiguous()  # updated in place: x is this forward's own embedding tensor
         normed = torch.empty_like(residual)
         q = residual.new_empty(num_tokens, heads * d)
         attn_out = torch.empty_like(q)
         eps, offset = spec.rms_norm_eps, spec.norm_offset
         h: torch.Tensor | None = None
-        cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, (qkv_proj, o_proj, gate_up_proj, down_proj) in zip(self.layers, self.matmuls):
-            self_attn, layer_id = layer.self_attn, layer.self_attn.layer_id
+        for layer, (qkv_proj, o_proj, gate_up_proj, down_proj), (q_norm, k_norm) in zip(
+                self.layers, self.matmuls, self.qk_norms):
+            layer_id = layer.self_attn.layer_id
             _add_norm(lib, residual, h, layer.input_layernorm, normed, eps, offset, dtype)
             qkv = qkv_proj(normed).contiguous()  # [T, (heads + 2 kv_heads) * d]
-            rotary = self_attn.rotary
-            if id(rotary) not in cos_sin:
-                cos, sin = rotary.tables_for(batch.positions, x.dtype)
-                cos_sin[id(rotary)] = (cos.contiguous(), sin.contiguous())
-            cos, sin = cos_sin[id(rotary)]
+            # [T, 1, d] rows, looked up once per forward and table (tables_for keeps them)
+            cos, sin = layer.self_attn.rotary.tables_for(batch.positions, x.dtype)
+            assert cos.is_contiguous() and sin.is_contiguous()
             k_layer, v_layer = attn.k_layers[layer_id], attn.v_layers[layer_id]
-            q_norm, k_norm = self.qk_norms[layer_id]
             lib.fused_rope_store(num_tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
                                  cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
                                  k_layer.data_ptr(), v_layer.data_ptr(), q.data_ptr(),
