@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C compiler into a cache keyed by
 the source, the compiler and the CPU, and loaded with ctypes: paged decode attention
 (runtime/paged_attention.c) and the fused steps between a layer's matmuls
-(runtime/fused_layer_ops.c, used by runtime/models/fused_layers.py)."""
+(runtime/fused_layer_ops.c, used by runtime/models/fused_layers.py), and the int4 matrix times a
+few rows (runtime/int4_gemv.c, used by quant/linear.py's Int4Matrix)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,19 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 FUSED_SOURCE = Path(__file__).with_name("fused_layer_ops.c")
 # No contraction into FMAs: each multiply and add rounds where torch's eager ops round.
 FUSED_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
+INT4_SOURCE = Path(__file__).with_name("int4_gemv.c")
+# Contraction on (gnu11): without AVX512-BF16 the group sums are fp32 FMAs, like torch's kernel.
+INT4_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+INT4_MAX_ROWS = 16  # int4_gemv.c's MAX_CALL_ROWS
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # Multiply-adds above which a call uses all of torch's threads (2 cores, default model). With
 # sleeping OpenMP workers (OMP_WAIT_POLICY=PASSIVE) a parallel call pays ~45 us to wake them:
 # batch 1 at 2000 keys (1.2M) is still faster on one thread, and a whole batch-1 decode step at
 # 450 keys 1 ms faster (26.1 vs 27.2 ms). Spinning workers join at once: two threads win from
-# batch 1 at ~450 keys (0.26M: 17 vs 23 us a layer; 100 keys: even).
+# batch 1 at ~450 keys (0.26M: 17 vs 23 us a layer; 100 keys: even). The int4 matmul's
+# (weights x rows) agrees: with spinning workers two threads win from the smallest decode matrix
+# (576x576 at 1 row, 0.33M: 5.6 vs 7.2 us; benchmarks/int4_gemv.py).
 PARALLEL_WORK = 200_000 if threads_spin() else 2_000_000
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -188,6 +195,56 @@ def _build_and_load_fused() -> _Loaded:
     lib.fused_silu_mul.restype = None
     lib.fused_silu_mul.argtypes = [_i64, _i64, _p, _p, _int]
     return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)))
+
+
+def int4_ops() -> ctypes.CDLL | None:
+    """The int4 matrix-vector library (int4_gemv.c), or None when it did not build or
+    FORKLM_NATIVE_INT4=0; int4_gemv_bf16 takes bf16 x and y."""
+    return _load_once("native int4 matmul", _build_and_load_int4).lib
+
+
+class _Int4Matrix(ctypes.Structure):
+    """int4_matrix in int4_gemv.c."""
+
+    _fields_ = [("packed", _p), ("scale_zeros", _p), ("n_rows", _i64), ("n_out", _i64),
+                ("k", _i64), ("block", _i64), ("parallel_work", _i64)]
+
+
+def int4_gemv(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """y = x @ W^T for bf16 x [M, K] contiguous, 1 <= M <= INT4_MAX_ROWS (unchecked), W the
+    int4-packed matrix (torch's CPU packing in blocks of `block` rows, bf16 scale_zeros
+    [K / 32, rows, 2]) cut to its first out_features rows; None when the kernel is off. The
+    function keeps `packed` and `scale_zeros` alive. parallel_work: see PARALLEL_WORK."""
+    lib = int4_ops()
+    if lib is None or scale_zeros.dtype != torch.bfloat16:
+        return None
+    assert packed.is_contiguous() and scale_zeros.is_contiguous()
+    rows, k = packed.shape[0], scale_zeros.shape[0] * 32
+    work = PARALLEL_WORK if parallel_work is None else parallel_work
+    matrix = _Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), rows, out_features, k, block,
+                         work)
+    address, fn, empty, bf16 = ctypes.addressof(matrix), lib.int4_gemv_bf16, torch.empty, \
+        torch.bfloat16
+
+    def call(x: torch.Tensor, _keep: tuple = (matrix, packed, scale_zeros)) -> torch.Tensor:
+        y = empty(x.shape[0], out_features, dtype=bf16)
+        rc = fn(address, x.data_ptr(), y.data_ptr(), x.shape[0])
+        assert rc == 0, f"int4_gemv_bf16 rejected {tuple(x.shape)} x {rows}x{k} (block {block})"
+        return y
+
+    return call
+
+
+def _build_and_load_int4() -> _Loaded:
+    if os.environ.get("FORKLM_NATIVE_INT4", "1") == "0":
+        return _Loaded(None, "disabled by FORKLM_NATIVE_INT4=0")
+    lib, reason = _open(INT4_SOURCE, INT4_CFLAGS)
+    if lib is None:
+        return _Loaded(None, reason)
+    lib.int4_gemv_bf16.restype = _int
+    lib.int4_gemv_bf16.argtypes = [_p, _p, _p, _i64]
+    return _Loaded(lib, "", frozenset((torch.bfloat16,)))
 
 
 def _open(source: Path, cflags: list[str]) -> tuple[ctypes.CDLL | None, str]:

@@ -22,7 +22,11 @@ from forklm.runtime.models.onednn_linear import (
     pack_linears,
 )
 from forklm.runtime.models.weights import FusedLinear
-from forklm.runtime.quant.linear import DENSE_COPY_MIN_ROWS, QuantizedLinear
+from forklm.runtime.quant.linear import (
+    DENSE_COPY_MIN_ROWS,
+    NATIVE_DENSE_COPY_MIN_ROWS,
+    QuantizedLinear,
+)
 from tests.test_quant import make_weight
 from tests.tiny_models import build_tiny_model
 
@@ -85,9 +89,12 @@ def test_dense_copies_serve_larger_batches_of_quantized_layers():
     ref = model[0].dequantize().double()
     dense_rows: list[int] = []
     model[0].dense.register_forward_hook(lambda m, args, out: dense_rows.append(args[0].shape[0]))
-    for rows in (1, DENSE_COPY_MIN_ROWS - 1, DENSE_COPY_MIN_ROWS, 40):
+    # NATIVE_DENSE_COPY_MIN_ROWS with runtime/int4_gemv.c, DENSE_COPY_MIN_ROWS with torch's kernel
+    first = model[0].dense_copy_min_rows()
+    assert first in (DENSE_COPY_MIN_ROWS, NATIVE_DENSE_COPY_MIN_ROWS)
+    for rows in (1, first - 1, first, 40):
         x = torch.randn(rows, 512, dtype=torch.bfloat16)
         expected = x.double() @ ref.T
         # bf16 rounding of x, the weight and the output on either path
         assert (model(x).double() - expected).abs().max() <= 2e-2 * expected.abs().max()
-    assert dense_rows == [DENSE_COPY_MIN_ROWS, 40]  # the int4 kernel below, the copy from there
+    assert dense_rows == [first, 40]  # the int4 kernel below, the copy from there

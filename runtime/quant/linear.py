@@ -1,5 +1,6 @@
-"""QuantizedLinear: an nn.Linear whose weight stays in GGUF's quantized blocks, multiplied with
-torch's int4 groupwise CPU kernel (`_weight_int4pack_mm_for_cpu`, w = (c - 8) * scale + zero)."""
+"""QuantizedLinear: an nn.Linear whose weight stays in GGUF's quantized blocks (w = (c - 8) *
+scale + zero), multiplied by runtime/int4_gemv.c for decode-sized calls of bf16 rows and torch's
+int4 groupwise CPU kernel (`_weight_int4pack_mm_for_cpu`) otherwise."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from forklm.runtime import native_kernels
 from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
 
 KERNEL_GROUP = 32  # the smallest group the int4 kernel takes (it accepts 32, 64, 128, 256)
@@ -27,8 +29,11 @@ DENSE_MAX_ELEMENTS = 8 * 2**20
 # many rows or more use it: the int4 kernel is faster below (fewer weight bytes to stream), the
 # packed bf16 GEMM above (NOTES.md, "int4 for small batches, a dense copy for the rest"; session
 # 12 moved it from 8 to 9: a batch-8 decode step 18.1-23.3 -> 15.5-22.1 ms with int4, batch 10
-# 21-23 ms dense vs 24-30 int4).
+# 21-23 ms dense vs 24-30 int4). That is torch's int4 kernel; the native one is faster than the
+# copy up to the most rows it takes (session 13: batch-16 forward 24.5 vs 30.0 ms), so with it
+# the copy starts after those (NATIVE_DENSE_COPY_MIN_ROWS).
 DENSE_COPY_MIN_ROWS = 9
+NATIVE_DENSE_COPY_MIN_ROWS = native_kernels.INT4_MAX_ROWS + 1
 
 # How each type's integer codes map onto 4-bit kernel codes. 4-bit types use c = code + shift.
 # 8-bit Q8_0 and 6-bit Q6_K codes are split code = hi * 2**lo_bits + lo into two 4-bit codes
@@ -61,6 +66,13 @@ class Int4Matrix(nn.Module):
         self.register_buffer("scale_zeros", scale_zeros)
         self.out_features, self.in_features = out_features, in_features
         self.lo_bits, self.chunk = lo_bits, chunk
+        # (packed.data_ptr(), runtime/int4_gemv.c's function on it or None), built on first use
+        self._native: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_native"] = None  # a ctypes closure over this process's pointers
+        return state
 
     @classmethod
     def from_codes(cls, group: GroupCodes, ggml_type: GGMLQuantizationType,
@@ -84,11 +96,28 @@ class Int4Matrix(nn.Module):
     def k_prime(self) -> int:
         return self.in_features * (2 if self.lo_bits else 1)
 
+    def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """runtime/int4_gemv.c on this matrix: contiguous bf16 x [M, K'] with 1 <= M <=
+        INT4_MAX_ROWS -> [M, out]; None where it did not build, for an fp32 kernel dtype, and
+        while torch.compile traces (its graphs keep torch's op)."""
+        if torch.compiler.is_compiling():
+            return None
+        ptr = self.packed.data_ptr()
+        if self._native is None or self._native[0] != ptr:  # first call, or buffers replaced
+            self._native = (ptr, native_kernels.int4_gemv(self.packed, self.scale_zeros,
+                                                          self.out_features, pack_block_n()))
+        return self._native[1]
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] in the kernel dtype -> [M, out] in the kernel dtype."""
         if self.lo_bits:
             x = self._expand(x)
-        if (x.shape[0] >= DENSE_MIN_ROWS and x.dtype == torch.bfloat16
+        rows = x.shape[0]
+        if 0 < rows <= native_kernels.INT4_MAX_ROWS and x.dtype == torch.bfloat16:
+            native = self.native()
+            if native is not None:
+                return native(x.contiguous())
+        if (rows >= DENSE_MIN_ROWS and x.dtype == torch.bfloat16
                 and self.packed.numel() * 2 <= DENSE_MAX_ELEMENTS):
             y = x @ self.dense_t()
         else:
@@ -178,7 +207,7 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(self.kernel_dtype).contiguous()  # [M, in]
         if x2.shape[0] == 0:
             y = x2.new_empty(0, self.out_features)
-        elif self.dense is not None and x2.shape[0] >= DENSE_COPY_MIN_ROWS:
+        elif self.dense is not None and x2.shape[0] >= self.dense_copy_min_rows():
             y = self.dense(x2.to(torch.bfloat16))
         else:
             outs = [segment.matmul(x2) for segment in self.matrices]
@@ -188,25 +217,35 @@ class QuantizedLinear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.view(*lead, self.out_features)
 
+    def dense_copy_min_rows(self) -> int:
+        """Rows from which forward uses the dense copy (when one is attached)."""
+        native = all(m.native() for m in self.matrices)
+        return NATIVE_DENSE_COPY_MIN_ROWS if native else DENSE_COPY_MIN_ROWS
+
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """forward for [M, in] inputs of the model's dtype as a plain function of x (no module
         attribute lookups: ~10 us less a call, which is a third of a small int4 matmul at batch
-        1). The int4 kernel is called directly for a single plain segment without bias whose
-        kernel dtype is the model's; anything else goes through forward."""
+        1), with forward's exact results. The int4 kernels are called directly for a single plain
+        segment without bias whose kernel dtype is the model's; anything else goes through
+        forward."""
         matrices = self.matrices
         if (len(matrices) != 1 or matrices[0].lo_bits or self.bias is not None
                 or self.kernel_dtype != self.dtype):
             return self.forward
         packed, scale_zeros, out = matrices[0].packed, matrices[0].scale_zeros, self.out_features
         padded = packed.shape[0] != out
-        dense, forward = self.dense, self.forward
+        forward, native = self.forward, matrices[0].native()
         int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        # rows at which forward leaves the int4 kernel (the dense copy, or a dequantized GEMM)
-        kernel_rows = DENSE_COPY_MIN_ROWS if dense is not None else DENSE_MIN_ROWS
+        # rows at which forward leaves the int4 kernels (the dense copy, or a dequantized GEMM)
+        kernel_rows = self.dense_copy_min_rows() if self.dense is not None else DENSE_MIN_ROWS
+        native_rows = min(kernel_rows, native_kernels.INT4_MAX_ROWS + 1) if native else 0
 
         def call(x: torch.Tensor) -> torch.Tensor:
-            if x.shape[0] >= kernel_rows or x.shape[0] == 0:
+            rows = x.shape[0]
+            if rows >= kernel_rows or rows == 0:
                 return forward(x)
+            if rows < native_rows:
+                return native(x.contiguous())  # type: ignore[misc]
             y = int4_mm(x, packed, KERNEL_GROUP, scale_zeros)
             return y[:, :out] if padded else y
 

@@ -1,0 +1,302 @@
+/* y[M, N] = x[M, K] @ W^T for up to 16 rows of x (decode steps), W in torch's int4 CPU packing as
+ * runtime/quant/linear.py's Int4Matrix holds it: read in place, no repacked copy. bf16 x and y,
+ * fp32 accumulation. torch's _weight_int4pack_mm_for_cpu converts the codes again for every row,
+ * so its cost grows with each one (3072x576, weights streamed from memory: 41 us at 1 row, 106 at
+ * 8, 201 at 16); here each block of codes is converted once per 8 rows while it sits in L1 (38,
+ * 65, 120 us), faster than a packed bf16 copy up to 16 rows (oneDNN: 110, 122, 141 us).
+ * Small matrices run on the calling thread, big ones over OpenMP threads (torch's runtime, see
+ * native_kernels.py). A row's result does not depend on how many rows the call has.
+ *
+ * Packing (pack_block_n() = B: 64 on AVX-512 torch builds, 32 on AVX2): a full block of B rows is
+ * stored k-major, B/2 bytes per k, row r in byte r % (B/2), nibble r / (B/2); the last N % B rows
+ * form one block of (N % B)/2 bytes per k, row r in byte r / 2, nibble r % 2. scale_zeros is bf16
+ * [K/32, N, 2]: w = (c - 8) * scale + zero.
+ *
+ * Each group of 32 k sums x * c in fp32, then adds scale * sum + (zero - 8 scale) * sum(x): the
+ * weight is never dequantized. With AVX512-BF16 the sums are vdpbf16ps dot products (codes and x
+ * are exact bf16, so the products are exact): 1.4-2.4x torch's kernel on the default model's
+ * matrices at 1-7 rows with the weights in cache (benchmarks/int4_gemv.py). Otherwise fp32 FMAs in GCC vector extensions,
+ * 16 floats a vector on AVX-512 (one register), 8 elsewhere (AVX2: one ymm; other targets:
+ * whatever GCC lowers them to). */
+#include <omp.h>
+#include <stdint.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+#define MAX_ROWS 8      /* rows a block's accumulators hold; more rows go in chunks */
+#define MAX_CALL_ROWS 16
+
+#ifdef __AVX512F__
+#define VL 16
+#else
+#define VL 8
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+typedef struct {
+    const uint8_t *packed;
+    const uint32_t *sz; /* (scale, zero) bf16 pairs as one uint32: scale low, zero high */
+    const uint16_t *xb; /* [M, K] bf16 x */
+    const float *x;     /* [M, K] fp32 copy of x */
+    const float *xsum;  /* [M, K / 32]: sum of x over each group */
+    uint16_t *y;        /* [M, ldy] bf16 */
+    int64_t n_rows, n_out, k, ldy, block;
+} job;
+
+/* The low and high nibbles of VL bytes as floats 0..15. AVX-512: a 16-entry table lookup
+ * (vpermps reads only an index's low 4 bits, so no mask, and it runs beside the FMAs' ports
+ * where a convert would compete). GCC lowers a __builtin_convertvector of bytes to scalar
+ * inserts, 4x slower than the whole kernel, hence the intrinsics. */
+static inline void load_codes(const uint8_t *p, vf *lo, vf *hi) {
+#if VL == 16
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = (vf)_mm512_permutexvar_ps(c, table);
+    *hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
+#else
+    vi c;
+#if defined(__AVX2__)
+    c = (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    for (int i = 0; i < VL; i++) c[i] = p[i];
+#endif
+    *lo = __builtin_convertvector(c & 15, vf);
+    *hi = __builtin_convertvector(c >> 4, vf);
+#endif
+}
+
+/* (scale, zero - 8 scale) of VL rows from their bf16 pairs. */
+static inline void scale_offset(const uint32_t *p, vf *s, vf *o) {
+    vu v;
+    memcpy(&v, p, sizeof v);
+    vu lo = v << 16, hi = v & 0xffff0000u;
+    memcpy(s, &lo, sizeof lo);
+    vf z;
+    memcpy(&z, &hi, sizeof hi);
+    *o = z - 8.0f * *s;
+}
+
+#if VL == 16 && defined(__AVX512BF16__)
+/* alo[m], ahi[m] = sum over the group's 32 k of x[m, k] * code, low and high nibbles of bytes
+ * p[k * half + i]. AVX512-BF16: codes 0..15 are exact in bf16, so one vdpbf16ps multiplies 16
+ * rows by a pair of k (x[k], x[k + 1] as they lie in memory) with exact products and fp32 sums:
+ * half the instructions of the fp32 FMAs below once several rows share the codes. */
+static inline __attribute__((always_inline)) void group_sums(const job *j, const uint8_t *p,
+                                                             int64_t k0, int M, vf *alo,
+                                                             vf *ahi) {
+    const int64_t half = j->block / 2;
+    const __m512i table = _mm512_set_epi16( /* bf16 of i & 15 at index i < 32 */
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0,
+        0x4080, 0x4040, 0x4000, 0x3f80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+        0x4110, 0x4100, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    __m512 lo_sum[MAX_ROWS], hi_sum[MAX_ROWS];
+    for (int m = 0; m < M; m++) lo_sum[m] = hi_sum[m] = _mm512_setzero_ps();
+    for (int kk = 0; kk < GROUP; kk += 2) {
+        __m128i b0 = _mm_loadu_si128((const __m128i *)(p + kk * half));
+        __m128i b1 = _mm_loadu_si128((const __m128i *)(p + (kk + 1) * half));
+        /* word 2i = byte i of k, word 2i + 1 = byte i of k + 1: row i's pair in lane i */
+        __m512i w = _mm512_cvtepu8_epi16(
+            _mm256_set_m128i(_mm_unpackhi_epi8(b0, b1), _mm_unpacklo_epi8(b0, b1)));
+        __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(w, table); /* index: low 5 bits */
+        __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+        for (int m = 0; m < M; m++) {
+            uint32_t pair;
+            memcpy(&pair, j->xb + m * j->k + k0 + kk, 4);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            lo_sum[m] = _mm512_dpbf16_ps(lo_sum[m], lo, xv);
+            hi_sum[m] = _mm512_dpbf16_ps(hi_sum[m], hi, xv);
+        }
+    }
+    for (int m = 0; m < M; m++) alo[m] = (vf)lo_sum[m], ahi[m] = (vf)hi_sum[m];
+}
+#else
+/* alo[m], ahi[m] = sum over the group's 32 k of x[m, k] * code, low and high nibbles of bytes
+ * p[k * half + i], in fp32 FMAs. */
+static inline __attribute__((always_inline)) void group_sums(const job *j, const uint8_t *p,
+                                                             int64_t k0, int M, vf *alo,
+                                                             vf *ahi) {
+    /* Below 3 rows two sets of sums (even and odd k): one set alone waits on the FMA latency,
+     * not the loads. */
+    enum { SETS = 2 };
+    const int64_t half = j->block / 2;
+    const int sets = M < 3 ? SETS : 1;
+    vf lo_sum[SETS][MAX_ROWS], hi_sum[SETS][MAX_ROWS];
+    for (int t = 0; t < SETS; t++)
+        for (int m = 0; m < M; m++) lo_sum[t][m] = hi_sum[t][m] = (vf){0};
+    const float *xg = j->x + k0;
+    for (int kk = 0; kk < GROUP; kk += sets) {
+        for (int t = 0; t < sets; t++) {
+            vf lo, hi;
+            load_codes(p + (kk + t) * half, &lo, &hi);
+            for (int m = 0; m < M; m++) {
+                float xv = xg[m * j->k + kk + t];
+                lo_sum[t][m] += xv * lo;
+                hi_sum[t][m] += xv * hi;
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        alo[m] = lo_sum[0][m] + (sets == 2 ? lo_sum[1][m] : (vf){0});
+        ahi[m] = hi_sum[0][m] + (sets == 2 ? hi_sum[1][m] : (vf){0});
+    }
+}
+#endif
+
+/* The `block` rows from row0 of a full block. Unit u: the low nibbles of bytes [u VL, u VL + VL)
+ * of each k are rows row0 + u VL + i, the high nibbles rows row0 + half + u VL + i. Group by
+ * group, all units, so each group's bytes are read once and in order (a unit at a time over the
+ * whole K read every line twice, and with two threads the batch-1 forward was 10% slower than
+ * torch's kernel instead of faster). M is a constant in each caller. */
+static inline __attribute__((always_inline)) void block_rows(const job *j, int64_t row0, int M) {
+    enum { MAX_UNITS = 4 }; /* 64-row blocks of 8-float vectors */
+    const int64_t half = j->block / 2, k = j->k, groups = k / GROUP, units = half / VL;
+    const uint8_t *blk = j->packed + row0 * (k / 2);
+    vf ylo[MAX_UNITS][MAX_ROWS], yhi[MAX_UNITS][MAX_ROWS];
+    for (int64_t u = 0; u < units; u++)
+        for (int m = 0; m < M; m++) ylo[u][m] = yhi[u][m] = (vf){0};
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t u = 0; u < units; u++) {
+            vf alo[MAX_ROWS], ahi[MAX_ROWS];
+            group_sums(j, blk + g * GROUP * half + u * VL, g * GROUP, M, alo, ahi);
+            vf slo, olo, shi, ohi;
+            const uint32_t *szg = j->sz + g * j->n_rows + row0 + u * VL;
+            scale_offset(szg, &slo, &olo);
+            scale_offset(szg + half, &shi, &ohi);
+            for (int m = 0; m < M; m++) {
+                float xs = j->xsum[m * groups + g];
+                ylo[u][m] += slo * alo[m] + olo * xs;
+                yhi[u][m] += shi * ahi[m] + ohi * xs;
+            }
+        }
+    }
+    for (int64_t u = 0; u < units; u++)
+        for (int m = 0; m < M; m++) {
+            uint16_t *ym = j->y + m * j->ldy;
+            for (int i = 0; i < VL; i++) {
+                int64_t r = row0 + u * VL + i;
+                if (r < j->n_out) ym[r] = to_bf16(ylo[u][m][i]);
+                if (r + half < j->n_out) ym[r + half] = to_bf16(yhi[u][m][i]);
+            }
+        }
+}
+
+/* The last n_rows % block rows (a multiple of 16, fewer than a block): byte r / 2 of each k,
+ * nibble r % 2. Small, so plain loops. */
+static void tail_rows(const job *j, int M) {
+    const int64_t row0 = j->n_rows / j->block * j->block, rows = j->n_rows - row0;
+    const int64_t k = j->k, groups = k / GROUP, stride = rows / 2;
+    const uint8_t *blk = j->packed + row0 * (k / 2);
+    for (int64_t r = 0; r < rows && row0 + r < j->n_out; r++) {
+        for (int m = 0; m < M; m++) {
+            float y = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                float a = 0.0f;
+                for (int kk = 0; kk < GROUP; kk++) {
+                    int64_t kx = g * GROUP + kk;
+                    int c = (blk[kx * stride + r / 2] >> (4 * (r % 2))) & 15;
+                    a += j->x[m * k + kx] * (float)c;
+                }
+                uint32_t v = j->sz[g * j->n_rows + row0 + r];
+                float s = from_bf16((uint16_t)v), z = from_bf16((uint16_t)(v >> 16));
+                y += s * a + (z - 8.0f * s) * j->xsum[m * groups + g];
+            }
+            j->y[m * j->ldy + row0 + r] = to_bf16(y);
+        }
+    }
+}
+
+/* Full block b. */
+static void run_block(const job *j, int64_t b, int M) {
+    const int64_t row0 = b * j->block;
+    switch (M) { /* M a constant in each copy: accumulators stay in registers */
+    case 1: block_rows(j, row0, 1); break;
+    case 2: block_rows(j, row0, 2); break;
+    case 3: block_rows(j, row0, 3); break;
+    case 4: block_rows(j, row0, 4); break;
+    case 5: block_rows(j, row0, 5); break;
+    case 6: block_rows(j, row0, 6); break;
+    case 7: block_rows(j, row0, 7); break;
+    default: block_rows(j, row0, 8); break;
+    }
+}
+
+int int4_gemv_threads(void) { return omp_get_max_threads(); }
+
+/* One packed matrix, described once (native_kernels.Int4Matrix keeps it beside its tensors). */
+typedef struct {
+    const uint8_t *packed;        /* torch's int4 CPU packing of n_rows rows */
+    const uint16_t *scale_zeros;  /* bf16 [k / 32, n_rows, 2] */
+    int64_t n_rows, n_out, k;     /* n_rows a multiple of 16 (>= n_out), k of 32 */
+    int64_t block;                /* pack_block_n(): 32 or 64 */
+    int64_t parallel_work;        /* above n_rows * k * M the OpenMP team splits the rows */
+} int4_matrix;
+
+/* y[M, n_out] (bf16, contiguous) = x[M, k] (bf16, contiguous) @ W^T, 1 <= M <= 7. Returns 0, or
+ * -1 for a matrix or M it does not take (nothing written). */
+int int4_gemv_bf16(const int4_matrix *w, const uint16_t *x, uint16_t *y, int64_t M) {
+    const int64_t n_rows = w->n_rows, n_out = w->n_out, k = w->k, block = w->block;
+    if (M < 1 || M > MAX_CALL_ROWS || k <= 0 || k % GROUP || n_rows % 16 || n_out > n_rows ||
+        (block != 32 && block != 64) || block / 2 % VL)
+        return -1;
+    const int64_t groups = k / GROUP;
+    float *xf = malloc(sizeof(float) * M * (k + groups));
+    if (!xf) return -1;
+    float *xsum = xf + M * k;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int kk = 0; kk < GROUP; kk++) {
+                float v = from_bf16(x[m * k + g * GROUP + kk]);
+                xf[m * k + g * GROUP + kk] = v;
+                s += v;
+            }
+            xsum[m * groups + g] = s;
+        }
+    const job j = {w->packed, (const uint32_t *)w->scale_zeros, x, xf, xsum, y, n_rows, n_out, k,
+                   n_out, block};
+    /* Rows in chunks of at most MAX_ROWS, each chunk over a block while its codes are in L1. */
+    const int chunks = (int)((M + MAX_ROWS - 1) / MAX_ROWS);
+    job parts[(MAX_CALL_ROWS + MAX_ROWS - 1) / MAX_ROWS];
+    int rows_of[(MAX_CALL_ROWS + MAX_ROWS - 1) / MAX_ROWS];
+    for (int c = 0; c < chunks; c++) {
+        const int64_t m0 = (int64_t)c * MAX_ROWS;
+        parts[c] = j;
+        parts[c].xb += m0 * k, parts[c].x += m0 * k, parts[c].xsum += m0 * groups;
+        parts[c].y += m0 * n_out;
+        rows_of[c] = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+    }
+    const int64_t blocks = n_rows / block;
+    const int m = (int)M;
+    if (n_rows * k * M <= w->parallel_work) {
+        for (int64_t b = 0; b < blocks; b++)
+            for (int c = 0; c < chunks; c++) run_block(&parts[c], b, rows_of[c]);
+    } else {
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int c = 0; c < chunks; c++) run_block(&parts[c], b, rows_of[c]);
+    }
+    if (n_rows % block) tail_rows(&j, m);
+    free(xf);
+    return 0;
+}

@@ -1,0 +1,160 @@
+"""runtime/int4_gemv.c vs the float64 product with the dequantized weight and vs torch's int4
+kernel, on the packed matrices QuantizedLinear builds (4-bit GGUF types, blocks and tails)."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from forklm.runtime import native_kernels
+from forklm.runtime.quant.linear import KERNEL_GROUP, QuantizedLinear, pack_block_n
+from tests.test_quant import in_features_for, make_weight
+
+pytestmark = pytest.mark.skipif(native_kernels.int4_ops() is None,
+                                reason="native int4 kernel did not build or is switched off")
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q4_K]  # the lo_bits == 0 types of test_quant.TYPES
+
+
+def assert_within_one_ulp(y: torch.Tensor, expected: torch.Tensor) -> None:
+    """One bf16 ulp (2^-7 relative), or fp32 noise where a sum cancels to near zero."""
+    atol = 1e-5 * expected.abs().max().item()
+    torch.testing.assert_close(y, expected, rtol=2**-7, atol=atol)
+
+
+def kernels(linear: QuantizedLinear, parallel_work: int | None = None):
+    matrix = linear.matrices[0]
+    native = native_kernels.int4_gemv(matrix.packed, matrix.scale_zeros, linear.out_features,
+                                      pack_block_n(), parallel_work)
+    assert native is not None
+
+    def torch_kernel(x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, matrix.packed, KERNEL_GROUP,
+                                                       matrix.scale_zeros)
+        return y[:, : linear.out_features]
+
+    return native, torch_kernel
+
+
+# 48, 80: a tail block only / a block + tail, both padded from 48 and 80 to 48 and 96 rows in
+# 64-row blocks; 192: whole blocks; 200 (-> 208): blocks, tail, padding.
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("out_features", [16, 48, 80, 192, 200])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_native_matches_dequantized_product_and_torch(ggml_type, out_features, parallel):
+    weight = make_weight(ggml_type, out_features, in_features_for(ggml_type), seed=out_features)
+    linear = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    native, torch_kernel = kernels(linear, 0 if parallel else 2**62)
+    w = linear.dequantize().double()  # [out, in]
+    gen = torch.Generator().manual_seed(out_features)
+    for rows in range(1, native_kernels.INT4_MAX_ROWS + 1):
+        x = torch.randn(rows, weight.shape[1], generator=gen).bfloat16()
+        y = native(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        exact = x.double() @ w.T
+        # fp32 sums rounded once to bf16: half an ulp (at most 2^-8 relative) plus fp32 noise
+        err = (y.double() - exact).abs()
+        assert (err <= 2.0**-8 * exact.abs() + 1e-6 * exact.abs().max()).all(), rows
+        assert_within_one_ulp(y, torch_kernel(x))  # torch's kernel sums in another order
+
+
+@pytest.mark.parametrize("in_features", [32, 96, 1536])
+def test_native_k_sizes(in_features):
+    weight = make_weight(T.Q4_1, 128, in_features)
+    linear = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    native, torch_kernel = kernels(linear)
+    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert_within_one_ulp(native(x), torch_kernel(x))
+
+
+@pytest.mark.parametrize("rows", [1, 5, native_kernels.INT4_MAX_ROWS])
+def test_forward_and_direct_use_the_native_kernel(rows):
+    weight = make_weight(T.Q4_1, 96, 64)
+    linear = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    native, _ = kernels(linear)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert torch.equal(linear(x), native(x))
+    assert torch.equal(linear.direct()(x), native(x))
+    assert torch.equal(linear.direct()(x.T.contiguous().T), native(x))  # a strided x is copied
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_kernel_rejects_what_it_does_not_take(block):
+    lib = native_kernels.int4_ops()
+    packed = torch.zeros(48, 16, dtype=torch.uint8)
+    scale_zeros = torch.zeros(1, 48, 2, dtype=torch.bfloat16)
+    matrix = native_kernels._Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), 48, 48, 32,
+                                        block, 0)
+    too_many = native_kernels.INT4_MAX_ROWS + 1
+    x = torch.zeros(too_many, 32, dtype=torch.bfloat16)
+    y = torch.zeros(too_many, 48, dtype=torch.bfloat16)
+    assert lib.int4_gemv_bf16(ctypes.addressof(matrix), x.data_ptr(), y.data_ptr(),
+                              too_many) == -1
+    assert lib.int4_gemv_bf16(ctypes.addressof(matrix), x.data_ptr(), y.data_ptr(), 0) == -1
+    assert lib.int4_gemv_bf16(ctypes.addressof(matrix), x.data_ptr(), y.data_ptr(), 1) == 0
+
+
+def pack(codes: torch.Tensor, block: int) -> torch.Tensor:
+    """uint8 [N, K / 2]: torch's int4 CPU packing of codes [N, K] in blocks of `block` rows (the
+    layout _unpack_rows reads), so an AVX2 torch's 32-row layout can be tested on any build."""
+    n, k = codes.shape
+    full = n // block * block
+    c = codes.to(torch.uint8)
+    blocks = c[:full].view(-1, 2, block // 2, k).permute(0, 3, 2, 1)  # [blocks, k, B/2, 2]
+    tail = c[full:].view(-1, 2, k).permute(2, 0, 1)  # [k, rows / 2, 2]
+    both = [blocks.reshape(-1, 2), tail.reshape(-1, 2)]
+    return torch.cat([b[:, 0] | (b[:, 1] << 4) for b in both]).view(n, k // 2)
+
+
+def test_pack_reproduces_torch_packing():
+    codes = torch.randint(0, 16, (208, 96), generator=torch.Generator().manual_seed(5))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+    assert torch.equal(pack(codes, pack_block_n()), packed)
+
+
+# This CPU (AVX512-BF16 dot products where it has them), AVX-512 (16-float FMAs), AVX2 (8) and
+# plain x86-64 (GCC's lowering of the vector code), in both packings: wherever this CPU runs what
+# they compile to.
+MARCH_NEEDS = {"native": "", "skylake-avx512": "avx512bw", "haswell": "avx2", "x86-64": "sse2"}
+
+
+@pytest.mark.parametrize("march", list(MARCH_NEEDS))
+@pytest.mark.parametrize("block", [32, 64])
+def test_builds_for_other_cpus_and_packings(march, block):
+    if MARCH_NEEDS[march] and not _cpu_has(MARCH_NEEDS[march]):
+        pytest.skip(f"not an x86 CPU with {MARCH_NEEDS[march]}")
+    flags = [f if f != "-march=native" else f"-march={march}" for f in native_kernels.INT4_CFLAGS]
+    lib = ctypes.CDLL(str(native_kernels._compiled_library(native_kernels.INT4_SOURCE, flags)))
+    gen = torch.Generator().manual_seed(block)
+    n, k, n_out = 208, 96, 200  # blocks, a 16-row tail, padding
+    codes = torch.randint(0, 16, (n, k), generator=gen)
+    scale_zeros = (torch.randn(k // 32, n, 2, generator=gen) * 0.01).bfloat16()
+    scale, zero = scale_zeros[..., 0].float().T, scale_zeros[..., 1].float().T  # [N, K / 32]
+    w = (codes.double().view(n, -1, 32) - 8) * scale[..., None] + zero[..., None]  # [N, K/32, 32]
+    packed = pack(codes, block)
+    for parallel_work in (0, 2**62):
+        matrix = native_kernels._Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), n, n_out, k,
+                                            block, parallel_work)
+        for rows in range(1, native_kernels.INT4_MAX_ROWS + 1):
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            y = torch.empty(rows, n_out, dtype=torch.bfloat16)
+            assert lib.int4_gemv_bf16(ctypes.c_void_p(ctypes.addressof(matrix)),
+                                      ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()),
+                                      ctypes.c_int64(rows)) == 0
+            exact = x.double() @ w.view(n, k)[:n_out].T
+            err = (y.double() - exact).abs()
+            assert (err <= 2.0**-8 * exact.abs() + 1e-6 * exact.abs().max()).all(), rows
+
+
+def _cpu_has(flag: str) -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return flag in f.read().split()
+    except OSError:
+        return False
