@@ -25,6 +25,7 @@ from forklm.runtime.models.weights import FusedLinear
 from forklm.runtime.quant.linear import (
     DENSE_COPY_MIN_ROWS,
     NATIVE_DENSE_COPY_MIN_ROWS,
+    NATIVE_SPLIT_DENSE_COPY_MIN_ROWS,
     QuantizedLinear,
 )
 from tests.test_quant import make_weight
@@ -80,8 +81,10 @@ def test_packed_model_matches_plain_model(arch, tmp_path, tokenizer, monkeypatch
 
 
 @needs_bf16_onednn
-def test_dense_copies_serve_larger_batches_of_quantized_layers():
-    weight = make_weight(GGMLQuantizationType.Q4_K, 80, 512)
+@pytest.mark.parametrize("ggml_type", [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0],
+                         ids=lambda t: t.name)
+def test_dense_copies_serve_larger_batches_of_quantized_layers(ggml_type):
+    weight = make_weight(ggml_type, 80, 512)
     model = nn.Sequential(QuantizedLinear.from_gguf([weight], None, torch.bfloat16))
     assert attach_dense_copies(model, max_bytes=80 * 512 * 2 - 1) == 0  # too large: none
     assert model[0].dense is None
@@ -89,9 +92,15 @@ def test_dense_copies_serve_larger_batches_of_quantized_layers():
     ref = model[0].dequantize().double()
     dense_rows: list[int] = []
     model[0].dense.register_forward_hook(lambda m, args, out: dense_rows.append(args[0].shape[0]))
-    # NATIVE_DENSE_COPY_MIN_ROWS with runtime/int4_gemv.c, DENSE_COPY_MIN_ROWS with torch's kernel
+    # With runtime/int4_gemv.c the copy takes over after the rows the native kernel does
+    # better (fewer for a split 8-bit matrix); after torch's kernel's 8 rows without it.
     first = model[0].dense_copy_min_rows()
-    assert first in (DENSE_COPY_MIN_ROWS, NATIVE_DENSE_COPY_MIN_ROWS)
+    if model[0].matrices[0].native() is None:
+        assert first == DENSE_COPY_MIN_ROWS
+    elif ggml_type == GGMLQuantizationType.Q8_0:
+        assert first == NATIVE_SPLIT_DENSE_COPY_MIN_ROWS
+    else:
+        assert first == NATIVE_DENSE_COPY_MIN_ROWS
     for rows in (1, first - 1, first, 40):
         x = torch.randn(rows, 512, dtype=torch.bfloat16)
         expected = x.double() @ ref.T

@@ -30,10 +30,12 @@ DENSE_MAX_ELEMENTS = 8 * 2**20
 # packed bf16 GEMM above (NOTES.md, "int4 for small batches, a dense copy for the rest"; session
 # 12 moved it from 8 to 9: a batch-8 decode step 18.1-23.3 -> 15.5-22.1 ms with int4, batch 10
 # 21-23 ms dense vs 24-30 int4). That is torch's int4 kernel; the native one is faster than the
-# copy up to the most rows it takes (session 13: batch-16 forward 24.5 vs 30.0 ms), so with it
-# the copy starts after those (NATIVE_DENSE_COPY_MIN_ROWS).
+# copy up to the most rows it takes on 4-bit matrices (session 13: batch-16 forward 24.5 vs 30.0
+# ms), but split 8- and 6-bit ones (lo_bits) multiply a doubled K and lose from 8 rows (the
+# default model's Q8_0 tied head, ms native / copy: 8 rows 2.45 / 1.98, 16 rows 5.29 / 2.66).
 DENSE_COPY_MIN_ROWS = 9
 NATIVE_DENSE_COPY_MIN_ROWS = native_kernels.INT4_MAX_ROWS + 1
+NATIVE_SPLIT_DENSE_COPY_MIN_ROWS = 8
 
 # How each type's integer codes map onto 4-bit kernel codes. 4-bit types use c = code + shift.
 # 8-bit Q8_0 and 6-bit Q6_K codes are split code = hi * 2**lo_bits + lo into two 4-bit codes
@@ -219,8 +221,10 @@ class QuantizedLinear(nn.Module):
 
     def dense_copy_min_rows(self) -> int:
         """Rows from which forward uses the dense copy (when one is attached)."""
-        native = all(m.native() for m in self.matrices)
-        return NATIVE_DENSE_COPY_MIN_ROWS if native else DENSE_COPY_MIN_ROWS
+        if not all(m.native() for m in self.matrices):
+            return DENSE_COPY_MIN_ROWS
+        return min(NATIVE_SPLIT_DENSE_COPY_MIN_ROWS if m.lo_bits else NATIVE_DENSE_COPY_MIN_ROWS
+                   for m in self.matrices)
 
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """forward for [M, in] inputs of the model's dtype as a plain function of x (no module
