@@ -300,3 +300,48 @@ int int4_gemv_bf16(const int4_matrix *w, const uint16_t *x, uint16_t *y, int64_t
     free(xf);
     return 0;
 }
+
+/* Dequantized weight w' = (c - 8) * scale + zero of packed row r at k (no FMA: each product and
+ * sum rounds to fp32, as Int4Matrix.rows' torch ops do). */
+__attribute__((optimize("fp-contract=off"))) static inline float weight_at(
+    const int4_matrix *w, int64_t r, int64_t kx) {
+    const int64_t full = w->n_rows / w->block * w->block, kp = w->k;
+    int64_t start, half, col, nibble;
+    if (r < full) {
+        start = r / w->block * w->block, half = w->block / 2;
+        col = (r - start) % half, nibble = (r - start) / half;
+    } else {
+        start = full, half = (w->n_rows - full) / 2;
+        col = (r - start) / 2, nibble = (r - start) % 2;
+    }
+    const int c = (w->packed[start * (kp / 2) + kx * half + col] >> (4 * nibble)) & 15;
+    const uint16_t *sz = w->scale_zeros + ((kx / GROUP) * w->n_rows + r) * 2;
+    const float product = (float)(c - 8) * from_bf16(sz[0]);
+    return product + from_bf16(sz[1]);
+}
+
+/* out[n, K] (fp32) = weight rows ids[0..n) (each < n_out), as Int4Matrix.rows computes them.
+ * lo_bits > 0: the matrix holds split codes, each chunk of K as [hi chunk, lo chunk] along
+ * K' = 2 K; a weight is hi * 2^lo_bits + lo. Returns 0, or -1 for an id out of range. */
+__attribute__((optimize("fp-contract=off"))) int int4_rows_f32(
+    const int4_matrix *w, const int64_t *ids, int64_t n, int lo_bits, int64_t chunk,
+    float *out) {
+    const int64_t kp = w->k, k = lo_bits ? kp / 2 : kp;
+    if (lo_bits && (chunk <= 0 || k % chunk)) return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= w->n_out) return -1;
+    const float mult = (float)(1 << lo_bits);
+    for (int64_t i = 0; i < n; i++) {
+        float *o = out + i * k;
+        if (!lo_bits) {
+            for (int64_t kx = 0; kx < kp; kx++) o[kx] = weight_at(w, ids[i], kx);
+            continue;
+        }
+        for (int64_t c0 = 0; c0 < k; c0 += chunk)
+            for (int64_t j = 0; j < chunk; j++) {
+                const float hi = weight_at(w, ids[i], 2 * c0 + j) * mult; /* exact */
+                o[c0 + j] = hi + weight_at(w, ids[i], 2 * c0 + chunk + j);
+            }
+    }
+    return 0;
+}

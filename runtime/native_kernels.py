@@ -236,6 +236,31 @@ def int4_gemv(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int
     return call
 
 
+def int4_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+              lo_bits: int, chunk: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """ids (int64 [n], each < out_features) -> float32 [n, K] weight rows of the int4-packed
+    matrix (as int4_gemv takes it; lo_bits/chunk: split 8- or 6-bit codes, see Int4Matrix),
+    equal to Int4Matrix.rows; None when the kernel is off."""
+    lib = int4_ops()
+    if lib is None or scale_zeros.dtype != torch.bfloat16:
+        return None
+    assert packed.is_contiguous() and scale_zeros.is_contiguous()
+    rows, k_prime = packed.shape[0], scale_zeros.shape[0] * 32
+    matrix = _Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), rows, out_features, k_prime,
+                         block, 0)
+    address, fn, k = ctypes.addressof(matrix), lib.int4_rows_f32, k_prime // (2 if lo_bits else 1)
+
+    def call(ids: torch.Tensor, _keep: tuple = (matrix, packed, scale_zeros)) -> torch.Tensor:
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        rc = fn(address, ids.data_ptr(), ids.numel(), lo_bits, chunk, out.data_ptr())
+        if rc != 0:
+            raise IndexError(f"row ids outside [0, {out_features})")
+        return out
+
+    return call
+
+
 def _build_and_load_int4() -> _Loaded:
     if os.environ.get("FORKLM_NATIVE_INT4", "1") == "0":
         return _Loaded(None, "disabled by FORKLM_NATIVE_INT4=0")
@@ -244,6 +269,8 @@ def _build_and_load_int4() -> _Loaded:
         return _Loaded(None, reason)
     lib.int4_gemv_bf16.restype = _int
     lib.int4_gemv_bf16.argtypes = [_p, _p, _p, _i64]
+    lib.int4_rows_f32.restype = _int
+    lib.int4_rows_f32.argtypes = [_p, _p, _i64, _int, _i64, _p]
     return _Loaded(lib, "", frozenset((torch.bfloat16,)))
 
 

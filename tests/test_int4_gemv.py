@@ -158,3 +158,20 @@ def _cpu_has(flag: str) -> bool:
             return flag in f.read().split()
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("ggml_type", [*TYPES, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("out_features", [16, 80, 200])  # tail only, block + tail, with padding
+def test_native_rows_equal_the_torch_dequantization(ggml_type, out_features):
+    """The embedding's rows (int4_rows_f32) bit for bit as Int4Matrix.rows' torch ops give them,
+    split 8/6-bit codes included."""
+    weight = make_weight(ggml_type, out_features, in_features_for(ggml_type), seed=3)
+    matrix = QuantizedLinear.from_gguf([weight], None, torch.bfloat16).matrices[0]
+    ids = torch.tensor([0, out_features - 1, out_features // 2, 0, 15])
+    native = matrix.rows(ids)
+    matrix._native = (matrix.packed.data_ptr(), None, None)  # as where the library did not build
+    assert torch.equal(native, matrix.rows(ids))
+    rows = native_kernels.int4_rows(matrix.packed, matrix.scale_zeros, out_features,
+                                    pack_block_n(), matrix.lo_bits, matrix.chunk)
+    with pytest.raises(IndexError, match="row ids"):
+        rows(torch.tensor([out_features]))

@@ -14,6 +14,7 @@ from torch import nn
 from forklm.runtime import native_kernels
 from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
 
+_Fn = Callable[[torch.Tensor], torch.Tensor]
 KERNEL_GROUP = 32  # the smallest group the int4 kernel takes (it accepts 32, 64, 128, 256)
 ROW_MULTIPLE = 16  # the packing needs N divisible by 16; other sizes are padded with zero rows
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
@@ -68,8 +69,9 @@ class Int4Matrix(nn.Module):
         self.register_buffer("scale_zeros", scale_zeros)
         self.out_features, self.in_features = out_features, in_features
         self.lo_bits, self.chunk = lo_bits, chunk
-        # (packed.data_ptr(), runtime/int4_gemv.c's function on it or None), built on first use
-        self._native: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
+        # (packed.data_ptr(), runtime/int4_gemv.c's matmul and row functions on it or None),
+        # built on first use
+        self._native: tuple[int, _Fn | None, _Fn | None] | None = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -104,11 +106,15 @@ class Int4Matrix(nn.Module):
         while torch.compile traces (its graphs keep torch's op)."""
         if torch.compiler.is_compiling():
             return None
+        return self._native_functions()[1]
+
+    def _native_functions(self) -> tuple[int, _Fn | None, _Fn | None]:
         ptr = self.packed.data_ptr()
         if self._native is None or self._native[0] != ptr:  # first call, or buffers replaced
-            self._native = (ptr, native_kernels.int4_gemv(self.packed, self.scale_zeros,
-                                                          self.out_features, pack_block_n()))
-        return self._native[1]
+            args = (self.packed, self.scale_zeros, self.out_features, pack_block_n())
+            self._native = (ptr, native_kernels.int4_gemv(*args),
+                            native_kernels.int4_rows(*args, self.lo_bits, self.chunk))
+        return self._native
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] in the kernel dtype -> [M, out] in the kernel dtype."""
@@ -143,7 +149,11 @@ class Int4Matrix(nn.Module):
         return (chunks * mult).view(num_tokens, self.k_prime)  # [M, K']
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 [len(ids), in]: the weight rows `ids`, dequantized from the packed codes."""
+        """float32 [len(ids), in]: the weight rows `ids`, dequantized from the packed codes
+        (runtime/int4_gemv.c where it built: ~5 us for a decode step's ids instead of ~140)."""
+        native_rows = self._native_functions()[2]
+        if native_rows is not None and ids.device.type == "cpu":
+            return native_rows(ids)
         codes = _unpack_rows(self.packed, self.k_prime, ids).float()  # [T, K']
         sz = self.scale_zeros[:, ids].float()  # [K' / 32, T, 2]
         groups = codes.view(len(ids), -1, KERNEL_GROUP) - 8  # [T, K' / 32, 32]
@@ -258,6 +268,8 @@ class QuantizedLinear(nn.Module):
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight ([*ids.shape, in] in `dtype`), dequantizing only those rows."""
         flat = ids.reshape(-1)
+        if len(self.segments) == 1:  # no masks to split the ids by segment
+            return self.matrices[0].rows(flat).to(self.dtype).view(*ids.shape, self.in_features)
         out = torch.empty(len(flat), self.in_features, dtype=self.dtype)
         start = 0
         for segment in self.matrices:
