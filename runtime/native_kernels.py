@@ -198,8 +198,8 @@ def _build_and_load_fused() -> _Loaded:
 
 
 def int4_ops() -> ctypes.CDLL | None:
-    """The int4 matrix-vector library (int4_gemv.c), or None when it did not build or
-    FORKLM_NATIVE_INT4=0; int4_gemv_bf16 takes bf16 x and y."""
+    """The int4 library (int4_gemv.c: the matmul of a few bf16 rows and the row lookup), or None
+    when it did not build or FORKLM_NATIVE_INT4=0."""
     return _load_once("native int4 matmul", _build_and_load_int4).lib
 
 

@@ -150,7 +150,8 @@ class Int4Matrix(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: the weight rows `ids`, dequantized from the packed codes
-        (runtime/int4_gemv.c where it built: ~5 us for a decode step's ids instead of ~140)."""
+        (runtime/int4_gemv.c where it built: 32 us for 8 ids of the default model's embedding
+        instead of 140)."""
         native_rows = self._native_functions()[2]
         if native_rows is not None and ids.device.type == "cpu":
             return native_rows(ids)
