@@ -6,7 +6,8 @@ alternating rounds. --engine: the same switch in one engine, decode tokens/s per
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.int4_gemv [--rows 1 4 7 16] [--threads 2]
     PYTHONPATH=. .venv/bin/python -m benchmarks.int4_gemv --forward [--batch 1] [--ctx 450]
-    PYTHONPATH=. .venv/bin/python -m benchmarks.int4_gemv --engine 1,8,16 [--rounds 6]
+    PYTHONPATH=. .venv/bin/python -m benchmarks.int4_gemv --engine 1,8,16 [--rounds 6] \
+        [--pair torch,bf16 | bf16,int8]
 """
 
 from __future__ import annotations
@@ -57,15 +58,18 @@ def time_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, rows: int, calls:
                     "native": lambda: native(x)}, calls, rounds)
 
 
-def use_native(model: torch.nn.Module, attn: object, on: bool) -> None:
-    """Switch the model's int4 matrices to the native kernel (on) or torch's (off, with the
-    dense copy from DENSE_COPY_MIN_ROWS, as without the native library), rebuilding the fused
-    decode layers' direct matmul calls when it has them."""
+def use_native(model: torch.nn.Module, attn: object, on: bool, int8: bool = False) -> None:
+    """Switch the model's int4 matrices to the native kernel (on; with int8 dot products when
+    `int8`) or torch's (off, with the dense copy from DENSE_COPY_MIN_ROWS, as without the native
+    library), rebuilding the fused decode layers' direct matmul calls when it has them."""
     from forklm.runtime.models.fused_layers import FusedDecodeLayers
 
     for module in model.modules():
         if isinstance(module, Int4Matrix):
-            module._native = None if on else (module.packed.data_ptr(), None)
+            module.int8_activations = int8
+            module._native = None if on else (module.packed.data_ptr(), None, None)
+            if on:
+                module._native_functions()
     if getattr(model, "fused_layers", None) is not None:
         model.fused_layers = FusedDecodeLayers(model, attn)  # type: ignore[arg-type]
 
@@ -90,9 +94,19 @@ def compare_forwards(batch: int, ctx: int, repeats: int, rounds: int) -> None:
           f"{torch_ms:.2f} ms (x{torch_ms / native:.2f}), medians of {len(times['native'])}")
 
 
-def compare_engine(batches: list[int], repeats: int, new_tokens: int, words: int) -> None:
-    """One engine (dtype auto, the GGUF kept quantized), the native kernel switched on and off
-    between interleaved runs: ms/token at batch 1, tokens/s above."""
+KERNELS = {"torch": "torch int4 + dense copy", "bf16": "native, bf16 dots",
+           "int8": "native, int8 dots"}
+
+
+def set_kernel(model: torch.nn.Module, attn: object, name: str) -> None:
+    use_native(model, attn, name != "torch", int8=name == "int8")
+
+
+def compare_engine(pair: tuple[str, str], batches: list[int], repeats: int, new_tokens: int,
+                   words: int) -> None:
+    """One engine (dtype auto, the GGUF kept quantized), switched between two of KERNELS
+    between interleaved runs: ms/token at batch 1, tokens/s above, and how many requests got
+    the same tokens."""
     from benchmarks import report
     from benchmarks.fused_layers import _run
     from benchmarks.overlap import prompts
@@ -101,20 +115,23 @@ def compare_engine(batches: list[int], repeats: int, new_tokens: int, words: int
     engine = Engine(dtype="auto")
     model, attn = engine.parts.runner.model, engine.parts.runner.attn
     steps: dict[tuple[str, int], list[float]] = {}
+    same = total = 0
     _run(engine, prompts(1, 99, words=20), 4)  # warm-up
     for rep in range(repeats):
         for batch in batches:
-            for name in (("torch", "native") if rep % 2 == 0 else ("native", "torch")):
-                use_native(model, attn, name == "native")
+            outputs = {}
+            for name in (pair if rep % 2 == 0 else pair[::-1]):
+                set_kernel(model, attn, name)
                 engine.flush_cache()
-                step, _ = _run(engine, prompts(batch, rep, words=words), new_tokens)
+                step, outputs[name] = _run(engine, prompts(batch, rep, words=words), new_tokens)
                 steps.setdefault((name, batch), []).append(step)
-    use_native(model, attn, True)
+            same += sum(a == b for a, b in zip(outputs[pair[0]], outputs[pair[1]]))
+            total += batch
     governor = engine._loop._governor
     print(f"~{words}-word prompts, {new_tokens} new tokens, {repeats} interleaved repeats; "
           f"thread-count changes: {governor.switches if governor else 'no governor'}")
-    print(report.ab_table(("torch", "native"), ("torch int4 + dense copy", "native int4"),
-                          batches, steps))
+    print(report.ab_table(pair, (KERNELS[pair[0]], KERNELS[pair[1]]), batches, steps))
+    print(f"requests with identical tokens: {same}/{total}")
     engine.shutdown()
 
 
@@ -126,6 +143,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--forward", action="store_true", help="whole decode forward A/B")
     parser.add_argument("--engine", default="", help="engine A/B at these batches, e.g. 1,8,16")
+    parser.add_argument("--pair", default="torch,bf16",
+                        help=f"the two kernels the engine A/B compares, of {','.join(KERNELS)}")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=300)
     parser.add_argument("--batch", type=int, default=1)
@@ -133,8 +152,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.engine:
-        compare_engine([int(b) for b in args.engine.split(",")], args.rounds, args.new_tokens,
-                       args.prompt_words)
+        first, second = args.pair.split(",")
+        compare_engine((first, second), [int(b) for b in args.engine.split(",")], args.rounds,
+                       args.new_tokens, args.prompt_words)
         return
     if args.forward:
         compare_forwards(args.batch, args.ctx, repeats=10, rounds=args.rounds)

@@ -190,7 +190,8 @@ def build_model_for(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec,
     return build_model(loaded, spec, getattr(torch, config.torch_dtype_name), config.device,
                        context_len, keep_quantized=keep_quantized,
                        dense_copies=config.quantization is None,
-                       fp16_weights=uses_fp16_weights(config, keep_quantized))
+                       fp16_weights=uses_fp16_weights(config, keep_quantized),
+                       int8_activations=not config.disable_int8_activations)
 
 
 def build_kv_and_attention(config: EngineConfig, spec: ModelSpec, model: CausalLM,
@@ -218,11 +219,14 @@ def build_kv_manager(config: EngineConfig, pool: KVPool, context_len: int) -> KV
 
 def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device: str,
                 max_positions: int, keep_quantized: bool = False,
-                dense_copies: bool = False, fp16_weights: bool = False) -> CausalLM:
+                dense_copies: bool = False, fp16_weights: bool = False,
+                int8_activations: bool = False) -> CausalLM:
     """The model on the meta device (no memory), then its weights streamed in one by one.
     bf16 linears on a CPU with oneDNN bf16 get packed weights; with `dense_copies` a small
     quantized model also gets packed bf16 copies of its quantized matrices for larger batches;
-    with `fp16_weights` float32 linears keep FBGEMM-packed float16 weights (fp16_linear.py)."""
+    with `fp16_weights` float32 linears keep FBGEMM-packed float16 weights (fp16_linear.py);
+    with `int8_activations` quantized matrices multiply decode-sized calls with int8 dot
+    products where the CPU has them (quant/linear.py)."""
     with torch.device("meta"):
         model = CausalLM(spec, loaded.config, max_positions)
     factory = None
@@ -235,6 +239,10 @@ def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device
         pack_linears(model)
         if keep_quantized and dense_copies:
             attach_dense_copies(model)
+        if keep_quantized and int8_activations:
+            from forklm.runtime.quant.linear import use_int8_activations
+
+            use_int8_activations(model)
         table = getattr(model.model.embed_tokens, "weight", None)
         if spec.tie_word_embeddings and isinstance(table, torch.Tensor):
             model.tied_head = packed_tied_head(table)

@@ -116,6 +116,11 @@ class EngineConfig:
     # fused_layers.py) where the native attention kernel runs and the model is Llama-shaped;
     # this turns that off (the eager torch ops, for A/B runs).
     disable_fused_layers: bool = False
+    # A GGUF kept quantized multiplies decode-sized calls (1-16 rows) with int8 dot products on
+    # CPUs with AVX512-VNNI, its activations quantized per group of 32 to int8 as llama.cpp does
+    # (runtime/quant/linear.py, use_int8_activations); this keeps bf16 activations (bf16 dot
+    # products: slower, closer to the dequantized weights' exact product).
+    disable_int8_activations: bool = False
     # SGLang's --tp-size: the model split Megatron-style over this many ranks (processes; one GPU
     # each on CUDA), see runtime/distributed/. Rank 0 schedules and samples; the others forward
     # their shard only. Token-identical to tp_size=1 in float32 up to the summation order.

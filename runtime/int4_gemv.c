@@ -301,11 +301,9 @@ int int4_gemv_bf16(const int4_matrix *w, const uint16_t *x, uint16_t *y, int64_t
     return 0;
 }
 
-/* Dequantized weight w' = (c - 8) * scale + zero of packed row r at k (no FMA: each product and
- * sum rounds to fp32, as Int4Matrix.rows' torch ops do). */
-__attribute__((optimize("fp-contract=off"))) static inline float weight_at(
-    const int4_matrix *w, int64_t r, int64_t kx) {
-    const int64_t full = w->n_rows / w->block * w->block, kp = w->k;
+/* The 4-bit code of packed row r at k (torch's packing, see the top of this file). */
+static inline int code_at(const int4_matrix *w, int64_t r, int64_t kx) {
+    const int64_t full = w->n_rows / w->block * w->block;
     int64_t start, half, col, nibble;
     if (r < full) {
         start = r / w->block * w->block, half = w->block / 2;
@@ -314,9 +312,15 @@ __attribute__((optimize("fp-contract=off"))) static inline float weight_at(
         start = full, half = (w->n_rows - full) / 2;
         col = (r - start) / 2, nibble = (r - start) % 2;
     }
-    const int c = (w->packed[start * (kp / 2) + kx * half + col] >> (4 * nibble)) & 15;
+    return (w->packed[start * (w->k / 2) + kx * half + col] >> (4 * nibble)) & 15;
+}
+
+/* Dequantized weight w' = (c - 8) * scale + zero of packed row r at k (no FMA: each product and
+ * sum rounds to fp32, as Int4Matrix.rows' torch ops do). */
+__attribute__((optimize("fp-contract=off"))) static inline float weight_at(
+    const int4_matrix *w, int64_t r, int64_t kx) {
     const uint16_t *sz = w->scale_zeros + ((kx / GROUP) * w->n_rows + r) * 2;
-    const float product = (float)(c - 8) * from_bf16(sz[0]);
+    const float product = (float)(code_at(w, r, kx) - 8) * from_bf16(sz[0]);
     return product + from_bf16(sz[1]);
 }
 
@@ -345,3 +349,186 @@ __attribute__((optimize("fp-contract=off"))) int int4_rows_f32(
     }
     return 0;
 }
+
+/* ---- int8 dot products (AVX512-VNNI vpdpbusd) --------------------------------------------
+ * The same weights repacked once into records of 16 rows x 32 k (one group): 4 x 64 bytes of
+ * codes, vector t covering k = 8 t .. 8 t + 7 of the group, 32-bit lane i = row i, byte j: low
+ * nibble c(i, 8 t + j), high nibble c(i, 8 t + 4 + j); then the 16 rows' (scale, zero) bf16
+ * pairs (64 bytes). Records of a 16-row block lie group after group: one stream per block, the
+ * same bytes per weight as torch's packing. Each row of x is quantized per group of 32 to int8
+ * (d = max|x| / 127, xq = rint(x / d), llama.cpp's approach for its Q8 activations), so one
+ * vpdpbusd multiplies 16 rows x 4 k (64 multiply-adds against vdpbf16ps' 32). The integer sum
+ * starts at -8 sum(xq), so it is sum (c - 8) xq: the int8 error of x is weighted by the centred
+ * codes. y += scale * d * isum + zero * (exact fp32 sum of x over the group). */
+#define VNNI_RECORD 320
+#define VNNI_CHUNK 8 /* rows of x per pass over a block's records */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+int int4_vnni_available(void) { return 1; }
+
+/* out: n_rows / 16 * k / 32 records, from the matrix in torch's packing. */
+int int4_vnni_repack(const int4_matrix *w, uint8_t *out) {
+    const int64_t groups = w->k / GROUP, blocks = w->n_rows / 16;
+    if (w->n_rows % 16 || w->k % GROUP) return -1;
+    /* serial: an OpenMP team on the loading thread would stay behind it, and libgomp throttles
+     * every team's spin once it manages more threads than cores (runtime/cpu_threads.py) */
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *rec = out + (b * groups + g) * VNNI_RECORD;
+            for (int t = 0; t < 4; t++)
+                for (int i = 0; i < 16; i++)
+                    for (int j = 0; j < 4; j++) {
+                        const int64_t r = 16 * b + i, kx = g * GROUP + 8 * t + j;
+                        rec[64 * t + 4 * i + j] =
+                            (uint8_t)(code_at(w, r, kx) | code_at(w, r, kx + 4) << 4);
+                    }
+            memcpy(rec + 256, w->scale_zeros + (g * w->n_rows + 16 * b) * 2, 64);
+        }
+    return 0;
+}
+
+typedef struct {
+    const uint8_t *records;
+    const int8_t *xq;   /* [M, k] */
+    const float *d;     /* [M, k / 32] quantization steps */
+    const float *xs;    /* [M, k / 32] fp32 sums of x */
+    const int32_t *sq;  /* [M, k / 32] sums of xq */
+    uint16_t *y;        /* [M, n_out] bf16 */
+    int64_t n_out, k;
+} vnni_job;
+
+/* xq, d, xs, sq of bf16 x [M, k]. */
+static void quantize_rows(const uint16_t *x, int64_t M, int64_t k, int8_t *xq, float *d,
+                          float *xs, int32_t *sq) {
+    const int64_t groups = k / GROUP;
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *p = x + m * k + g * GROUP;
+            const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+            const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            const float amax = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_and_ps(a, abs_mask), _mm512_and_ps(b, abs_mask)));
+            const int64_t i = m * groups + g;
+            d[i] = amax / 127.0f;
+            xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+            const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* |q| <= 127 */
+            const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP), _mm512_cvtsepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+            sq[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        }
+}
+
+/* acc += codes (u8) . the 4 int8 at p, broadcast to every lane, as vpdpbusd's memory operand
+ * (the intrinsic made GCC emit a separate broadcast: 7% slower). */
+static inline __m512i dot_broadcast(__m512i acc, __m512i codes, const int32_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*p));
+    return acc;
+}
+
+/* Block b (16 rows) for M rows of x, M a constant in each copy (accumulators in registers). */
+static inline __attribute__((always_inline)) void vnni_block(const vnni_job *j, int64_t b,
+                                                             int M) {
+    const int64_t groups = j->k / GROUP;
+    const uint8_t *rec = j->records + b * groups * VNNI_RECORD;
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    const __m512i high_halves = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 y[VNNI_CHUNK];
+    for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++, rec += VNNI_RECORD) {
+        __m512i c[8];
+        for (int t = 0; t < 4; t++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * t));
+            c[2 * t] = _mm512_and_si512(v, low_nibbles);
+            c[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+        }
+        const __m512i sz = _mm512_loadu_si512((const void *)(rec + 256));
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sz, high_halves));
+        for (int m = 0; m < M; m++) {
+            const int64_t i = m * groups + g;
+            const int32_t *x4 = (const int32_t *)(j->xq + m * j->k + g * GROUP);
+            __m512i acc = _mm512_set1_epi32(-8 * j->sq[i]);
+            if (M < 3) { /* two chains: a lone row would wait on vpdpbusd's latency */
+                __m512i acc2 = _mm512_setzero_si512();
+                for (int t = 0; t < 8; t += 2) {
+                    acc = dot_broadcast(acc, c[t], x4 + t);
+                    acc2 = dot_broadcast(acc2, c[t + 1], x4 + t + 1);
+                }
+                acc = _mm512_add_epi32(acc, acc2);
+            } else {
+                for (int t = 0; t < 8; t++) acc = dot_broadcast(acc, c[t], x4 + t);
+            }
+            const __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(j->d[i]));
+            y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), step, y[m]);
+            y[m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(j->xs[i]), y[m]);
+        }
+    }
+    const int64_t row0 = 16 * b;
+    const __mmask16 keep = row0 + 16 <= j->n_out ? 0xffff
+                           : (__mmask16)((1u << (j->n_out > row0 ? j->n_out - row0 : 0)) - 1);
+    for (int m = 0; m < M; m++)
+        _mm256_mask_storeu_epi16(j->y + m * j->n_out + row0, keep,
+                                 (__m256i)_mm512_cvtneps_pbh(y[m]));
+}
+
+static void vnni_run_block(const vnni_job *j, int64_t b, int M) {
+    switch (M) {
+    case 1: vnni_block(j, b, 1); break;
+    case 2: vnni_block(j, b, 2); break;
+    case 3: vnni_block(j, b, 3); break;
+    case 4: vnni_block(j, b, 4); break;
+    case 5: vnni_block(j, b, 5); break;
+    case 6: vnni_block(j, b, 6); break;
+    case 7: vnni_block(j, b, 7); break;
+    default: vnni_block(j, b, 8); break;
+    }
+}
+
+/* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over the records of int4_vnni_repack; 1 <= M <= 16.
+ * Returns 0, or -1 for what it does not take (nothing written). */
+int int4_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t *x, uint16_t *y,
+                   int64_t M) {
+    const int64_t n_rows = w->n_rows, k = w->k, groups = k / GROUP;
+    if (M < 1 || M > MAX_CALL_ROWS || n_rows % 16 || k <= 0 || k % GROUP || w->n_out > n_rows)
+        return -1;
+    int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * 3 * (size_t)(M * groups));
+    if (!xq) return -1;
+    /* the floats after the int8 rows: M k is a multiple of 32, so they are 4-byte aligned */
+    float *d = (float *)(xq + M * k), *xs = d + M * groups;
+    int32_t *sq = (int32_t *)(xs + M * groups);
+    quantize_rows(x, M, k, xq, d, xs, sq);
+    const int chunks = (int)((M + VNNI_CHUNK - 1) / VNNI_CHUNK);
+    vnni_job parts[(MAX_CALL_ROWS + VNNI_CHUNK - 1) / VNNI_CHUNK];
+    int rows_of[(MAX_CALL_ROWS + VNNI_CHUNK - 1) / VNNI_CHUNK];
+    for (int c = 0; c < chunks; c++) {
+        const int64_t m0 = (int64_t)c * VNNI_CHUNK;
+        parts[c] = (vnni_job){records, xq + m0 * k, d + m0 * groups, xs + m0 * groups,
+                              sq + m0 * groups, y + m0 * w->n_out, w->n_out, k};
+        rows_of[c] = (int)(M - m0 < VNNI_CHUNK ? M - m0 : VNNI_CHUNK);
+    }
+    const int64_t blocks = (w->n_out + 15) / 16;
+    if (n_rows * k * M <= w->parallel_work) {
+        for (int64_t b = 0; b < blocks; b++)
+            for (int c = 0; c < chunks; c++) vnni_run_block(&parts[c], b, rows_of[c]);
+    } else {
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int c = 0; c < chunks; c++) vnni_run_block(&parts[c], b, rows_of[c]);
+    }
+    free(xq);
+    return 0;
+}
+#else
+int int4_vnni_available(void) { return 0; }
+int int4_vnni_repack(const int4_matrix *w, uint8_t *out) { (void)w, (void)out; return -1; }
+int int4_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t *x, uint16_t *y,
+                   int64_t M) {
+    (void)w, (void)records, (void)x, (void)y, (void)M;
+    return -1;
+}
+#endif

@@ -261,6 +261,45 @@ def int4_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int
     return call
 
 
+def int4_vnni_available() -> bool:
+    """Whether int4_vnni can run here (a CPU with AVX512-VNNI, -BW and -BF16)."""
+    lib = int4_ops()
+    return lib is not None and bool(lib.int4_vnni_available())
+
+
+VNNI_RECORD_BYTES = 320  # int4_gemv.c: 16 rows x 32 k of codes + their scale/zero pairs
+
+
+def int4_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """int4_gemv's call with int8 dot products: the matrix repacked once into int4_gemv.c's VNNI
+    records (as many bytes as `packed` and `scale_zeros`, kept by the function), x quantized
+    per group of 32 to int8 on each call. None where the CPU or the library lacks it."""
+    if not int4_vnni_available() or scale_zeros.dtype != torch.bfloat16:
+        return None
+    lib = int4_ops()
+    assert lib is not None and packed.is_contiguous() and scale_zeros.is_contiguous()
+    rows, k = packed.shape[0], scale_zeros.shape[0] * 32
+    work = PARALLEL_WORK if parallel_work is None else parallel_work
+    matrix = _Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), rows, out_features, k, block,
+                         work)
+    records = torch.empty(rows // 16 * (k // 32) * VNNI_RECORD_BYTES, dtype=torch.uint8)
+    if lib.int4_vnni_repack(ctypes.addressof(matrix), records.data_ptr()) != 0:
+        return None
+    matrix.packed = matrix.scale_zeros = None  # the call reads the records only
+    address, fn, empty, bf16 = ctypes.addressof(matrix), lib.int4_vnni_bf16, torch.empty, \
+        torch.bfloat16
+    records_ptr = records.data_ptr()
+
+    def call(x: torch.Tensor, _keep: tuple = (matrix, records)) -> torch.Tensor:
+        y = empty(x.shape[0], out_features, dtype=bf16)
+        rc = fn(address, records_ptr, x.data_ptr(), y.data_ptr(), x.shape[0])
+        assert rc == 0, f"int4_vnni_bf16 rejected {tuple(x.shape)} x {rows}x{k}"
+        return y
+
+    return call
+
+
 def _build_and_load_int4() -> _Loaded:
     if os.environ.get("FORKLM_NATIVE_INT4", "1") == "0":
         return _Loaded(None, "disabled by FORKLM_NATIVE_INT4=0")
@@ -271,6 +310,11 @@ def _build_and_load_int4() -> _Loaded:
     lib.int4_gemv_bf16.argtypes = [_p, _p, _p, _i64]
     lib.int4_rows_f32.restype = _int
     lib.int4_rows_f32.argtypes = [_p, _p, _i64, _int, _i64, _p]
+    lib.int4_vnni_available.restype = _int
+    lib.int4_vnni_repack.restype = _int
+    lib.int4_vnni_repack.argtypes = [_p, _p]
+    lib.int4_vnni_bf16.restype = _int
+    lib.int4_vnni_bf16.argtypes = [_p, _p, _p, _p, _i64]
     return _Loaded(lib, "", frozenset((torch.bfloat16,)))
 
 

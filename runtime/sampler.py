@@ -216,7 +216,7 @@ def _sample_candidates(logprobs: torch.Tensor, params: Sequence[SamplingParams],
     if not _host_reads_are_free(logprobs):
         k = vocab  # a GPU sorts the vocabulary fast; widening would cost a host sync per step
     while True:
-        cand_logprobs, cand_ids = logprobs.topk(k, dim=-1)  # [R, k], sorted desc
+        cand_logprobs, cand_ids = _top_candidates(logprobs, k)  # [R, k], sorted desc
         probs = cand_logprobs.exp()
         in_top_k = torch.arange(k, device=probs.device) < top_k
         kept = probs * in_top_k
@@ -232,6 +232,18 @@ def _sample_candidates(logprobs: torch.Tensor, params: Sequence[SamplingParams],
     keep[:, 0] = True  # also when top_p * mass rounds to 0 in float32 (top_p=1e-50)
     pos = _inverse_cdf(probs * keep, u)
     return cand_ids.gather(1, pos[:, None]).squeeze(1)
+
+
+def _top_candidates(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row, by logprob descending and, among equal logprobs,
+    by token id: topk orders ties as its kernel happens to (differently for another k or batch),
+    and logits from a bf16 head tie often, so one uniform could map to either of two tokens
+    depending on the batch neighbours."""
+    values, ids = logprobs.topk(k, dim=-1)
+    ids, by_id = ids.sort(dim=-1)
+    values = values.gather(1, by_id)
+    values, by_value = values.sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, by_value)
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

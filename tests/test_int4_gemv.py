@@ -175,3 +175,87 @@ def test_native_rows_equal_the_torch_dequantization(ggml_type, out_features):
                                     pack_block_n(), matrix.lo_bits, matrix.chunk)
     with pytest.raises(IndexError, match="row ids"):
         rows(torch.tensor([out_features]))
+
+
+needs_vnni = pytest.mark.skipif(not native_kernels.int4_vnni_available(),
+                                reason="no AVX512-VNNI/BW/BF16 on this CPU")
+
+
+def int8_reference(x: torch.Tensor, linear: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the int8 kernel computes, in float64: x quantized per group of 32 (d = max|x| / 127,
+    xq = rint(x / d)), integer sums of (c - 8) xq, then scale d isum + zero * sum(x) per group;
+    and the sum of those terms' magnitudes (the scale of the kernel's fp32 rounding)."""
+    matrix = linear.matrices[0]
+    rows, k = x.shape
+    xf = x.float().view(rows, -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # tensor / tensor: one IEEE division, as the kernel's (a scalar / tensor is computed as a
+    # reciprocal times the scalar, which moves a few x / d onto the other side of a .5)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = torch.round(xf * inv)  # round half to even, like cvtps2dq
+    d = amax / 127.0
+    codes = _unpack_codes(matrix).float().view(matrix.packed.shape[0], -1, 32)  # [N, G, 32]
+    isum = torch.einsum("mgk,ngk->mng", xq.double(), codes.double() - 8)  # exact integers
+    scale = matrix.scale_zeros[..., 0].float().T  # [N, G]
+    zero = matrix.scale_zeros[..., 1].float().T
+    terms = (isum * (scale[None] * d.squeeze(-1)[:, None, :]).double(),
+             zero[None].double() * xf.sum(-1)[:, None, :].double())
+    y = (terms[0] + terms[1]).sum(-1)
+    magnitude = (terms[0].abs() + terms[1].abs()).sum(-1)
+    return y[:, : linear.out_features], magnitude[:, : linear.out_features]
+
+
+def _unpack_codes(matrix) -> torch.Tensor:
+    from forklm.runtime.quant.linear import _unpack_rows
+
+    return _unpack_rows(matrix.packed, matrix.k_prime, torch.arange(matrix.packed.shape[0]))
+
+
+@needs_vnni
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("out_features", [16, 80, 200])  # a tail block, padding
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_int8_kernel_computes_the_quantized_product(ggml_type, out_features, parallel):
+    weight = make_weight(ggml_type, out_features, in_features_for(ggml_type), seed=out_features)
+    linear = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    matrix = linear.matrices[0]
+    int8 = native_kernels.int4_vnni(matrix.packed, matrix.scale_zeros, out_features,
+                                    pack_block_n(), 0 if parallel else 2**62)
+    exact = linear.dequantize().double()
+    gen = torch.Generator().manual_seed(out_features)
+    for rows in range(1, native_kernels.INT4_MAX_ROWS + 1):
+        x = torch.randn(rows, weight.shape[1], generator=gen).bfloat16()
+        x[:, 3] *= 50  # an outlier channel: its group's step grows, the others' do not
+        y = int8(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        expected, magnitude = int8_reference(x, linear)
+        # one bf16 rounding of the result, plus fp32 rounding of the sum of its terms
+        err = (y.double() - expected).abs()
+        assert (err <= 2.0**-8 * expected.abs() + 2.0**-20 * magnitude).all(), rows
+        # and near the exact product: int8 steps of x, not a different weight
+        reference = x.double() @ exact.T
+        rms = reference.pow(2).mean(-1, keepdim=True).sqrt()
+        assert ((y.double() - reference).abs() / rms).mean() < 2e-2, rows  # measured <= 1.1e-2
+
+
+@needs_vnni
+def test_int8_activations_switch_the_matrices_within_the_budget():
+    from torch import nn
+
+    from forklm.runtime.quant.linear import use_int8_activations
+
+    weights = [make_weight(T.Q4_K, 64, 256), make_weight(T.Q8_0, 48, 256)]
+    model = nn.Sequential(*(QuantizedLinear.from_gguf([w], None, torch.bfloat16) for w in weights))
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(7)).bfloat16()
+    before = [layer(x) for layer in model]
+    assert use_int8_activations(model, max_bytes=1) == 0  # too large: left as they were
+    assert all(torch.equal(layer(x), y) for layer, y in zip(model, before))
+    total = use_int8_activations(model)
+    assert total == sum(layer.matrices[0].nbytes for layer in model)
+    for layer, y in zip(model, before):
+        assert layer.matrices[0].int8_activations
+        int8_y = layer(x)
+        assert not torch.equal(int8_y, y)  # x is quantized now
+        assert torch.equal(layer.direct()(x), int8_y)  # the fused layers' call agrees
+        torch.testing.assert_close(int8_y.float(), y.float(), rtol=0.05,
+                                   atol=0.05 * y.float().abs().max().item())

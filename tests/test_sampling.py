@@ -127,6 +127,21 @@ def test_a_rows_sample_does_not_depend_on_its_batch():
             assert in_batch == alone, (params, pos)
 
 
+def test_tied_logits_sample_the_same_token_alone_and_beside_a_wider_row():
+    """Logits rounded to bf16 tie often; topk orders tied candidates differently for another k,
+    so before candidates were ordered by token id among equals, a neighbour that widened the
+    candidate set changed which token a row's uniform picked (test_deterministic's seeded
+    EOS-or-newline draw)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(1, 4096, generator=gen) * 3).bfloat16().float()
+    flat = torch.zeros(1, 4096)  # top_p=0.95 of a flat row widens the candidates past 64
+    for seed in range(60):
+        alone = sample(logits.clone(), [seeded(seed, top_p=0.95)]).token_ids[0]
+        rows = [seeded(seed, top_p=0.95), seeded(99, top_p=0.95)]
+        beside = sample(torch.cat([logits, flat]), rows).token_ids[0]
+        assert alone == beside, seed
+
+
 def test_min_new_tokens_blocks_stop_ids():
     logits = torch.zeros(2, 10)
     logits[:, 2] = 100.0  # EOS would win every time

@@ -69,6 +69,9 @@ class Int4Matrix(nn.Module):
         self.register_buffer("scale_zeros", scale_zeros)
         self.out_features, self.in_features = out_features, in_features
         self.lo_bits, self.chunk = lo_bits, chunk
+        # Multiply decode-sized calls with int8 dot products (x quantized per group of 32; see
+        # use_int8_activations): set before the first call
+        self.int8_activations = False
         # (packed.data_ptr(), runtime/int4_gemv.c's matmul and row functions on it or None),
         # built on first use
         self._native: tuple[int, _Fn | None, _Fn | None] | None = None
@@ -102,8 +105,9 @@ class Int4Matrix(nn.Module):
 
     def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """runtime/int4_gemv.c on this matrix: contiguous bf16 x [M, K'] with 1 <= M <=
-        INT4_MAX_ROWS -> [M, out]; None where it did not build, for an fp32 kernel dtype, and
-        while torch.compile traces (its graphs keep torch's op)."""
+        INT4_MAX_ROWS -> [M, out] (int8 dot products where int8_activations is set and the CPU
+        has them, bf16 ones otherwise); None where it did not build, for an fp32 kernel dtype,
+        and while torch.compile traces (its graphs keep torch's op)."""
         if torch.compiler.is_compiling():
             return None
         return self._native_functions()[1]
@@ -112,7 +116,8 @@ class Int4Matrix(nn.Module):
         ptr = self.packed.data_ptr()
         if self._native is None or self._native[0] != ptr:  # first call, or buffers replaced
             args = (self.packed, self.scale_zeros, self.out_features, pack_block_n())
-            self._native = (ptr, native_kernels.int4_gemv(*args),
+            matmul = native_kernels.int4_vnni(*args) if self.int8_activations else None
+            self._native = (ptr, matmul or native_kernels.int4_gemv(*args),
                             native_kernels.int4_rows(*args, self.lo_bits, self.chunk))
         return self._native
 
@@ -346,6 +351,28 @@ def _split_codes(group: GroupCodes, lo_bits: int) -> tuple[torch.Tensor, ...]:
         assert 2 * chunk == KERNEL_GROUP and lo_shift == 8, f"chunk {chunk}, lo_bits {lo_bits}"
         scales, zeros = s, torch.zeros_like(s)
     return kernel_codes, scales, zeros
+
+
+# The int8 kernel's records are a second copy of the codes: only where they fit in this.
+MAX_INT8_RECORD_BYTES = 1 << 30
+
+
+def use_int8_activations(model: nn.Module, max_bytes: int = MAX_INT8_RECORD_BYTES) -> int:
+    """Have the bf16 int4 matrices under `model` multiply decode-sized calls (1-16 rows) with
+    int8 dot products (AVX512-VNNI, runtime/int4_gemv.c), their activations quantized per
+    group of 32 to int8 as llama.cpp does: 1.3-1.8x faster than the bf16 dot products
+    (benchmarks/NOTES.md), at ~0.5% relative error per matmul instead of bf16's output
+    rounding. The repacked records are built here, when all of them fit in `max_bytes`; returns
+    their bytes (0: none, also where the CPU lacks the instructions)."""
+    matrices = [m for m in model.modules() if isinstance(m, Int4Matrix)
+                and m.scale_zeros.dtype == torch.bfloat16]
+    total = sum(m.nbytes for m in matrices)
+    if not matrices or total > max_bytes or not native_kernels.int4_vnni_available():
+        return 0
+    for matrix in matrices:
+        matrix.int8_activations, matrix._native = True, None
+        matrix._native_functions()
+    return total
 
 
 @functools.cache
