@@ -48,6 +48,8 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the abl
 }
 LLAMA_SERVER_SLOTS = {"llama-server-np8": 8, "llama-server-np16": 16}
 HTTP_SYSTEMS = ("http", "forklm-http", "llamacpp", *LLAMA_SERVER_SLOTS)
+# Servers this benchmark starts, started afresh for every repeat (`http` is someone else's)
+RESTARTED_EACH_REPEAT = ("forklm-http", "llamacpp", *LLAMA_SERVER_SLOTS)
 SYSTEMS = (*ENGINE_SYSTEMS, "hf1", "hf8", *HTTP_SYSTEMS)
 PROGRAM_WORKLOADS = ("W5-select", "W5-fork")
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -250,15 +252,23 @@ def main() -> None:
     runs: report.Runs = {}
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        runners = {s: _make_runner(s, args, stack) for s in systems}
+        stacks = {s: stack.enter_context(contextlib.ExitStack()) for s in systems}
+        runners = {s: _make_runner(s, args, stacks[s]) for s in systems}
         for rep in range(args.repeats):
             print(f"repeat {rep + 1}/{args.repeats}", flush=True)
-            for system, runner in runners.items():
+            for system in systems:
+                if rep and system in RESTARTED_EACH_REPEAT:
+                    # A server's prompt cache would hold every prompt of the repeat before:
+                    # measured again, nothing would be prefilled (the in-process engine flushes
+                    # its cache before each run instead).
+                    stacks[system].close()
+                    stacks[system] = stack.enter_context(contextlib.ExitStack())
+                    runners[system] = _make_runner(system, args, stacks[system])
                 # This thread's OpenMP team (left by loading transformers' model or running its
                 # batches) would give libgomp more threads than cores next to the engine's,
                 # and libgomp then cuts the engine's spin short (runtime/cpu_threads.py).
                 release_openmp_threads()
-                _run_once(system, runner, names, args, runs)
+                _run_once(system, runners[system], names, args, runs)
         extra = _extras(runners, args)
     text = (f"`python -m benchmarks {' '.join(_quoted_argv())}` ({time.perf_counter() - t0:.0f} s)"
             f"\n\n{report.table(runs)}\n\n{report.ratios(runs, extra)}\n")
