@@ -210,20 +210,30 @@ class _Int4Matrix(ctypes.Structure):
                 ("k", _i64), ("block", _i64), ("parallel_work", _i64)]
 
 
-def int4_gemv(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
-              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """y = x @ W^T for bf16 x [M, K] contiguous, 1 <= M <= INT4_MAX_ROWS (unchecked), W the
-    int4-packed matrix (torch's CPU packing in blocks of `block` rows, bf16 scale_zeros
-    [K / 32, rows, 2]) cut to its first out_features rows; None when the kernel is off. The
-    function keeps `packed` and `scale_zeros` alive. parallel_work: see PARALLEL_WORK."""
+def _int4_matrix(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+                 parallel_work: int | None) -> tuple[ctypes.CDLL, _Int4Matrix] | None:
+    """The library and int4_gemv.c's description of a packed matrix (torch's CPU packing in
+    blocks of `block` rows, bf16 scale_zeros [K' / 32, rows, 2], cut to its first out_features
+    rows); None when the library is off or the scales are not bf16."""
     lib = int4_ops()
     if lib is None or scale_zeros.dtype != torch.bfloat16:
         return None
     assert packed.is_contiguous() and scale_zeros.is_contiguous()
-    rows, k = packed.shape[0], scale_zeros.shape[0] * 32
     work = PARALLEL_WORK if parallel_work is None else parallel_work
-    matrix = _Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), rows, out_features, k, block,
-                         work)
+    return lib, _Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), packed.shape[0],
+                            out_features, scale_zeros.shape[0] * 32, block, work)
+
+
+def int4_gemv(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """y = x @ W^T for bf16 x [M, K] contiguous, 1 <= M <= INT4_MAX_ROWS (unchecked), W the
+    int4-packed matrix (see _int4_matrix); None when the kernel is off. The function keeps
+    `packed` and `scale_zeros` alive. parallel_work: see PARALLEL_WORK."""
+    found = _int4_matrix(packed, scale_zeros, out_features, block, parallel_work)
+    if found is None:
+        return None
+    lib, matrix = found
+    rows, k = matrix.n_rows, matrix.k
     address, fn, empty, bf16 = ctypes.addressof(matrix), lib.int4_gemv_bf16, torch.empty, \
         torch.bfloat16
 
@@ -241,14 +251,11 @@ def int4_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int
     """ids (int64 [n], each < out_features) -> float32 [n, K] weight rows of the int4-packed
     matrix (as int4_gemv takes it; lo_bits/chunk: split 8- or 6-bit codes, see Int4Matrix),
     equal to Int4Matrix.rows; None when the kernel is off."""
-    lib = int4_ops()
-    if lib is None or scale_zeros.dtype != torch.bfloat16:
+    found = _int4_matrix(packed, scale_zeros, out_features, block, 0)
+    if found is None:
         return None
-    assert packed.is_contiguous() and scale_zeros.is_contiguous()
-    rows, k_prime = packed.shape[0], scale_zeros.shape[0] * 32
-    matrix = _Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), rows, out_features, k_prime,
-                         block, 0)
-    address, fn, k = ctypes.addressof(matrix), lib.int4_rows_f32, k_prime // (2 if lo_bits else 1)
+    lib, matrix = found
+    address, fn, k = ctypes.addressof(matrix), lib.int4_rows_f32, matrix.k // (2 if lo_bits else 1)
 
     def call(ids: torch.Tensor, _keep: tuple = (matrix, packed, scale_zeros)) -> torch.Tensor:
         ids = ids.to(torch.int64).contiguous()
@@ -275,14 +282,11 @@ def int4_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int
     """int4_gemv's call with int8 dot products: the matrix repacked once into int4_gemv.c's VNNI
     records (as many bytes as `packed` and `scale_zeros`, kept by the function), x quantized
     per group of 32 to int8 on each call. None where the CPU or the library lacks it."""
-    if not int4_vnni_available() or scale_zeros.dtype != torch.bfloat16:
+    found = _int4_matrix(packed, scale_zeros, out_features, block, parallel_work)
+    if found is None or not int4_vnni_available():
         return None
-    lib = int4_ops()
-    assert lib is not None and packed.is_contiguous() and scale_zeros.is_contiguous()
-    rows, k = packed.shape[0], scale_zeros.shape[0] * 32
-    work = PARALLEL_WORK if parallel_work is None else parallel_work
-    matrix = _Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), rows, out_features, k, block,
-                         work)
+    lib, matrix = found
+    rows, k = matrix.n_rows, matrix.k
     records = torch.empty(rows // 16 * (k // 32) * VNNI_RECORD_BYTES, dtype=torch.uint8)
     if lib.int4_vnni_repack(ctypes.addressof(matrix), records.data_ptr()) != 0:
         return None
