@@ -37,14 +37,17 @@ from forklm.sim.profile import prefill_step
 
 def build(dtype: torch.dtype, capacity: int, quantized: bool = False, dense_copies: bool = True,
           fp16_weights: bool = False, deterministic: bool = False,
-          attention: str = "torch", fused: bool = False) -> tuple[CausalLM, KVPool, object]:
+          attention: str = "torch", fused: bool = False,
+          int8_activations: bool = True) -> tuple[CausalLM, KVPool, object]:
     """The default model, a pool of `capacity` slots and its attention backend; fused: the
     fused decode layers attached as the engine attaches them (where the model and backend
-    allow: runtime/models/fused_layers.py)."""
+    allow: runtime/models/fused_layers.py); int8_activations: as the engine's default
+    (quantized decode matmuls with int8 dot products where the CPU has VNNI)."""
     loaded = load_model("SmolLM2-135M-Instruct")
     spec = spec_from_config(loaded.config)
     model = build_model(loaded, spec, dtype, "cpu", max_positions=4096, keep_quantized=quantized,
-                        dense_copies=dense_copies, fp16_weights=fp16_weights)
+                        dense_copies=dense_copies, fp16_weights=fp16_weights,
+                        int8_activations=int8_activations)
     pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype)
     attn: object
     if deterministic:  # as EngineConfig(enable_deterministic_inference=True) builds it
@@ -143,13 +146,16 @@ def main() -> None:
                    help="attention backend: auto (as the engine picks on this machine), torch, native")
     p.add_argument("--eager-layers", action="store_true",
                    help="no fused decode layers (the engine's --disable-fused-layers)")
+    p.add_argument("--disable-int8-activations", action="store_true",
+                   help="with --quantized: bf16 dot products (the engine's flag of that name)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     model, pool, attn = build(getattr(torch, resolved_dtype_name(args.dtype)), args.batch * args.ctx + 64,
                                args.quantized, not args.int4_only, args.fp16_weights,
                                args.deterministic, attention_name(args.attention),
-                               fused=not args.eager_layers and not args.torch_compile)
+                               fused=not args.eager_layers and not args.torch_compile,
+                               int8_activations=not args.disable_int8_activations)
     if args.prefill:
         fb = prefill_batch(args.batch, args.ctx)
     else:

@@ -29,6 +29,11 @@
 #define GROUP 32
 #define MAX_ROWS 8      /* rows a block's accumulators hold; more rows go in chunks */
 #define MAX_CALL_ROWS 16
+/* Groups ahead of the one in use whose codes and scales a block's pass asks the memory system
+ * for: the model's weights outgrow L3, so every forward streams them from DRAM, and the
+ * hardware prefetcher alone left the FMAs waiting (decode forward, bf16 dots: batch 16 0.84x
+ * the time, batch 1 0.83x). */
+#define PREFETCH_GROUPS 2
 
 #ifdef __AVX512F__
 #define VL 16
@@ -176,6 +181,12 @@ static inline __attribute__((always_inline)) void block_rows(const job *j, int64
     for (int64_t u = 0; u < units; u++)
         for (int m = 0; m < M; m++) ylo[u][m] = yhi[u][m] = (vf){0};
     for (int64_t g = 0; g < groups; g++) {
+        if (g + PREFETCH_GROUPS < groups) {
+            const uint8_t *next = blk + (g + PREFETCH_GROUPS) * GROUP * half;
+            for (int64_t l = 0; l < GROUP * half; l += 64) __builtin_prefetch(next + l);
+            const uint32_t *sz = j->sz + (g + PREFETCH_GROUPS) * j->n_rows + row0;
+            for (int64_t l = 0; l < j->block; l += 16) __builtin_prefetch(sz + l);
+        }
         for (int64_t u = 0; u < units; u++) {
             vf alo[MAX_ROWS], ahi[MAX_ROWS];
             group_sums(j, blk + g * GROUP * half + u * VL, g * GROUP, M, alo, ahi);
@@ -362,6 +373,10 @@ __attribute__((optimize("fp-contract=off"))) int int4_rows_f32(
  * codes. y += scale * d * isum + zero * (exact fp32 sum of x over the group). */
 #define VNNI_RECORD 320
 #define VNNI_CHUNK 8 /* rows of x per pass over a block's records */
+/* Bytes ahead of the record in use that a pass asks the memory system for. A forward streams
+ * every matrix from DRAM (the model's records outgrow L3), and the hardware prefetcher alone
+ * left the dot products waiting: decode forward at batch 16 0.86x the time, at batch 1 0.96x. */
+#define VNNI_PREFETCH (12 * VNNI_RECORD)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 int int4_vnni_available(void) { return 1; }
@@ -440,6 +455,7 @@ static inline __attribute__((always_inline)) void vnni_block(const vnni_job *j, 
     __m512 y[VNNI_CHUNK];
     for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++, rec += VNNI_RECORD) {
+        for (int l = 0; l < VNNI_RECORD; l += 64) __builtin_prefetch(rec + VNNI_PREFETCH + l);
         __m512i c[8];
         for (int t = 0; t < 4; t++) {
             const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * t));
