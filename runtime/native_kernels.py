@@ -2,7 +2,8 @@
 the source, the compiler and the CPU, and loaded with ctypes: paged decode attention
 (runtime/paged_attention.c) and the fused steps between a layer's matmuls
 (runtime/fused_layer_ops.c, used by runtime/models/fused_layers.py), and the int4 matrix times a
-few rows (runtime/int4_gemv.c, used by quant/linear.py's Int4Matrix)."""
+few rows (runtime/int4_gemv.c, used by quant/linear.py's Int4Matrix), and the sampler's greedy
+pick (runtime/greedy_pick.c)."""
 
 from __future__ import annotations
 
@@ -166,6 +167,34 @@ def fused_ops() -> ctypes.CDLL | None:
 def fused_unavailable_reason() -> str:
     """Why fused_ops() is None ('' when it is not)."""
     return _load_once("fused native layer steps", _build_and_load_fused).reason
+
+
+GREEDY_SOURCE = Path(__file__).with_name("greedy_pick.c")
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor | None:
+    """int64 [B]: each row's argmax, as torch.argmax picks it, of CPU fp32/bf16 logits [B, V]
+    whose rows are contiguous; None where the library did not build or the logits are not of
+    that kind."""
+    if (logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1
+            or logits.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    lib = _load_once("native greedy pick", _build_and_load_greedy).lib
+    if lib is None:
+        return None
+    ids = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.greedy_pick(logits.shape[0], logits.shape[1], logits.data_ptr(), logits.stride(0),
+                    DTYPES[logits.dtype], ids.data_ptr())
+    return ids
+
+
+def _build_and_load_greedy() -> _Loaded:
+    lib, reason = _open(GREEDY_SOURCE, FUSED_CFLAGS)
+    if lib is None:
+        return _Loaded(None, reason)
+    lib.greedy_pick.restype = None
+    lib.greedy_pick.argtypes = [_i64, _i64, _p, _i64, _int, _p]
+    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)))
 
 
 def _load_once(name: str, build: Callable[[], _Loaded]) -> _Loaded:

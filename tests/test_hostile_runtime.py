@@ -202,8 +202,8 @@ def test_sampling_fault_aborts_only_its_request(make_engine, monkeypatch, params
     refs = references(engine, params)
     real_sample = output_processor.sample_on_device
 
-    def faulty(logits, rows):
-        result = real_sample(logits, rows)  # draws from every row's generator, then fails
+    def faulty(logits, rows, *args):
+        result = real_sample(logits, rows, *args)  # draws from every row's generator, then fails
         if has_bad(rows):
             raise RuntimeError("injected sampling fault")
         return result

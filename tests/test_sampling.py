@@ -300,3 +300,62 @@ def test_min_new_tokens_lets_a_row_stop_when_nothing_else_is_allowed():
     params = SamplingParams(temperature=0, min_new_tokens=4, ignore_eos=True)
     rows = [Row(params, min_tokens_stop_ids=[2]), Row(params, min_tokens_stop_ids=[2])]
     assert sample(logits, rows).token_ids == [2, 5]
+
+
+# ---- the native greedy pick ----
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 300), spread=st.sampled_from([0.01, 1.0, 50.0]),
+       bf16=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_native_greedy_pick_is_torch_argmax(rows, vocab, spread, bf16, seed):
+    """First index of the max, ties included (a small spread rounds many values equal in bf16),
+    for every vocab size around the kernel's 64-value steps."""
+    from forklm.runtime import native_kernels
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=gen) * spread).round()
+    logits = logits.bfloat16() if bf16 else logits
+    ids = native_kernels.greedy_pick(logits)
+    if ids is None:
+        pytest.skip("native greedy pick did not build here")
+    assert torch.equal(ids, logits.argmax(dim=-1))
+
+
+def test_native_greedy_pick_nan_inf_and_strided_rows():
+    from forklm.runtime import native_kernels
+
+    logits = torch.randn(4, 200)
+    logits[0, 150] = math.nan  # torch.argmax: the first NaN
+    logits[1] = -math.inf  # nothing above -inf: index 0
+    logits[2, 70] = logits[2, 130] = 1e9  # tie: the first
+    wide = torch.zeros(4, 256)
+    wide[:, :200] = logits
+    for x in (logits, logits.bfloat16(), wide[:, :200]):
+        ids = native_kernels.greedy_pick(x)
+        if ids is None:
+            pytest.skip("native greedy pick did not build here")
+        assert ids.tolist() == x.argmax(dim=-1).tolist()
+    assert native_kernels.greedy_pick(logits.t()) is None  # rows not contiguous: not taken
+
+
+def test_greedy_rows_pick_as_the_general_path(monkeypatch):
+    """The native fast path (every row greedy and unedited) and the general path agree on ids
+    and, when asked, on bit-equal chosen logprobs; an edited row (a penalty) takes the general
+    path."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1000, generator=gen).bfloat16()
+    rows = [Row(SamplingParams(temperature=0)) for _ in range(6)]
+    fast = sampler.sample_on_device(logits.clone(), rows)
+    fast_no_logprobs = sampler.sample_on_device(logits.clone(), rows, chosen_logprobs=False)
+    monkeypatch.setattr(sampler.native_kernels, "greedy_pick", lambda logits: None)
+    general = sampler.sample_on_device(logits.clone(), rows)
+    assert torch.equal(fast.token_ids, general.token_ids)
+    assert torch.equal(fast_no_logprobs.token_ids, general.token_ids)
+    assert torch.equal(fast.logprobs, general.logprobs)
+    monkeypatch.undo()
+    called = []
+    monkeypatch.setattr(sampler.native_kernels, "greedy_pick",
+                        lambda logits: called.append(1))
+    rows[0] = Row(SamplingParams(temperature=0, repetition_penalty=1.3), output_ids=[5])
+    sampler.sample_on_device(logits.clone(), rows)
+    assert not called
