@@ -104,17 +104,22 @@ class ModelRunner:
             offset += n
         max_q = max(q_lens)
         q_lens_t = torch.tensor(q_lens)
-        q_index_t = torch.tensor(q_index)[:, None] + torch.arange(max_q)[None, :]
-        q_index_t = torch.minimum(q_index_t, (torch.tensor(q_index) + q_lens_t - 1)[:, None])
         rows_t = torch.tensor([r.row for r in batch.reqs])
         kv_lens_t = torch.tensor(kv_lens)
-        slot_table = self.kv.req_to_token[rows_t, : int(kv_lens_t.max())]
+        slot_table = self.kv.req_to_token[rows_t, : max(kv_lens)]
         positions_t = torch.tensor(positions)
+        if max_q == 1:  # one token per request (decode): fewer small tensor ops, same tensors
+            q_index_t = torch.arange(len(q_lens))[:, None]
+            out_rows = rows_t
+        else:
+            q_index_t = torch.tensor(q_index)[:, None] + torch.arange(max_q)[None, :]
+            q_index_t = torch.minimum(q_index_t, (torch.tensor(q_index) + q_lens_t - 1)[:, None])
+            out_rows = torch.repeat_interleave(rows_t, q_lens_t)
         # Built on the CPU (the slot rows live there); forward moves it to the model's device.
         fb = ForwardBatch(
             input_ids=torch.tensor(ids) if input_ids is None else input_ids,
             positions=positions_t,
-            out_slots=self.kv.req_to_token[torch.repeat_interleave(rows_t, q_lens_t), positions_t],
+            out_slots=self.kv.req_to_token[out_rows, positions_t],
             q_lens=q_lens_t,
             kv_lens=kv_lens_t,
             slot_table=slot_table,

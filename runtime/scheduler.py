@@ -208,8 +208,7 @@ class Scheduler:
         drafts = self._propose_drafts(self.kv.available_tokens - sum(lens))
         if drafts:
             lens = [n + len(d) for n, d in zip(lens, drafts)]
-        for req, n in zip(self.running, lens):
-            self.kv.extend(req, n)
+        self.kv.extend_all(self.running, lens)
         self._decay_new_token_ratio()
         phase: Phase = "decode" if all(n == 1 for n in lens) else "catch_up"
         return ScheduledBatch(list(self.running), lens, phase, [True] * len(lens), drafts)
