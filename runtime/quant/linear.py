@@ -34,6 +34,8 @@ DENSE_MAX_ELEMENTS = 8 * 2**20
 # copy up to the most rows it takes on 4-bit matrices (session 13: batch-16 forward 24.5 vs 30.0
 # ms), but split 8- and 6-bit ones (lo_bits) multiply a doubled K and lose from 8 rows (the
 # default model's Q8_0 tied head, ms native / copy: 8 rows 2.45 / 1.98, 16 rows 5.29 / 2.66).
+# With int8 activations they keep the native kernel up to its 16 rows (session 14, the head:
+# 8 rows 1.06 / 1.50 ms, 12 rows 1.57 / 1.82, 16 rows 2.16 / 2.17).
 DENSE_COPY_MIN_ROWS = 9
 NATIVE_DENSE_COPY_MIN_ROWS = native_kernels.INT4_MAX_ROWS + 1
 NATIVE_SPLIT_DENSE_COPY_MIN_ROWS = 8
@@ -239,8 +241,8 @@ class QuantizedLinear(nn.Module):
         """Rows from which forward uses the dense copy (when one is attached)."""
         if not all(m.native() for m in self.matrices):
             return DENSE_COPY_MIN_ROWS
-        return min(NATIVE_SPLIT_DENSE_COPY_MIN_ROWS if m.lo_bits else NATIVE_DENSE_COPY_MIN_ROWS
-                   for m in self.matrices)
+        return min(NATIVE_SPLIT_DENSE_COPY_MIN_ROWS if m.lo_bits and not m.int8_activations
+                   else NATIVE_DENSE_COPY_MIN_ROWS for m in self.matrices)
 
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """forward for [M, in] inputs of the model's dtype as a plain function of x (no module
