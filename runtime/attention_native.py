@@ -17,8 +17,12 @@ from forklm.runtime.kv_pool import KVPool
 # Batches with at most this many new tokens per request take the kernel (decode is 1; a
 # speculative verify 1 + draft). The kernel reads each K/V row once per query token, so its lead
 # over SDPA's blocked GEMMs shrinks with q_len: per layer at 450 keys, 1.3-2.7x at 8 tokens,
-# 1.1-2.4x at 16, 1.1-2.0x at 32 (benchmarks/native_attention.py, 2 AVX-512 cores).
-NATIVE_MAX_Q_LEN = 16
+# 1.1-2.4x at 16, 1.1-2.0x at 32 (benchmarks/native_attention.py, 2 AVX-512 cores). Such batches
+# also take the fused decode layers: the whole forward of short extends (a chat turn's new
+# question, a question after a shared few-shot prefix) at 32 instead of 16, 16 requests x 20
+# tokens after 400 cached: 0.78x the time; x 32 tokens, nothing cached: 0.86x; 1 x 32 after
+# 400: 0.84x (session 14, default model).
+NATIVE_MAX_Q_LEN = 32
 
 
 @dataclass(frozen=True)
