@@ -106,8 +106,13 @@ class AttentionPlan:
         plan() was told, unchecked here: q, out [num_tokens, num_heads, head_dim] contiguous
         (out may be [num_tokens, num_heads * head_dim]); k_layer, v_layer [num_slots,
         num_kv_heads, head_dim] contiguous; all of DTYPES[dtype]. softcap 0 / window 0: none."""
-        rc = self.fn(self.address, q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(),
-                     out.data_ptr(), scale, softcap, window, dtype)
+        self.run_addresses(q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
+                           scale, softcap, window, dtype)
+
+    def run_addresses(self, q: int, k_layer: int, v_layer: int, out: int, scale: float,
+                      softcap: float, window: int, dtype: int) -> None:
+        """run() on the tensors' data_ptr()s (the fused decode layers keep them per layer)."""
+        rc = self.fn(self.address, q, k_layer, v_layer, out, scale, softcap, window, dtype)
         assert rc == 0, f"paged_attention rejected dtype {dtype}, head_dim {self.batch.head_dim}"
 
 
