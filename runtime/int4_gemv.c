@@ -539,10 +539,140 @@ int int4_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t 
     free(xq);
     return 0;
 }
+
+/* 8-bit records for the split matrices of Q8_0 (Int4Matrix lo_bits 4, chunk 32: kernel codes
+ * [hi + 8 | lo] per chunk along K' = 2K, hi group zero 0, lo group zero 8 s, both scale s). They
+ * hold u8 = 16 c_hi + c_lo = code + 128 over the original K, so w = s (u8 - 128), and one
+ * vpdpbusd multiplies 16 rows x 4 k: half the instructions and bytes of the doubled-K int4
+ * records. Record (16 rows x 32 k): vector t (k = 4 t .. 4 t + 3), lane i = row i, byte j =
+ * code(i, 4 t + j); then the 16 rows' scales as fp32 (64 bytes). */
+#define VNNI8_RECORD 576
+#define VNNI8_PREFETCH (12 * VNNI8_RECORD)
+
+/* out: n_rows / 16 * (k / 2) / 32 records; -1 (nothing promised in out) where the matrix is
+ * not a Q8_0 split of that form. */
+int int8_vnni_repack(const int4_matrix *w, uint8_t *out) {
+    const int64_t k8 = w->k / 2, groups = k8 / GROUP, blocks = w->n_rows / 16;
+    if (w->n_rows % 16 || w->k % (2 * GROUP)) return -1;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *rec = out + (b * groups + g) * VNNI8_RECORD;
+            for (int t = 0; t < 8; t++)
+                for (int i = 0; i < 16; i++)
+                    for (int j = 0; j < 4; j++) {
+                        const int64_t r = 16 * b + i, kx = 64 * g + 4 * t + j;
+                        rec[64 * t + 4 * i + j] =
+                            (uint8_t)(16 * code_at(w, r, kx) + code_at(w, r, kx + GROUP));
+                    }
+            float *scales = (float *)(rec + 512);
+            for (int i = 0; i < 16; i++) {
+                const int64_t r = 16 * b + i;
+                const uint16_t *hi = w->scale_zeros + ((2 * g) * w->n_rows + r) * 2;
+                const uint16_t *lo = w->scale_zeros + ((2 * g + 1) * w->n_rows + r) * 2;
+                const float s = from_bf16(hi[0]);
+                if (hi[0] != lo[0] || from_bf16(hi[1]) != 0.0f || from_bf16(lo[1]) != 8.0f * s)
+                    return -1;
+                scales[i] = s;
+            }
+        }
+    return 0;
+}
+
+/* Block b (16 rows) of an 8-bit matrix for M rows of x (j->k: the original K). */
+static inline __attribute__((always_inline)) void vnni8_block(const vnni_job *j, int64_t b,
+                                                              int M) {
+    const int64_t groups = j->k / GROUP;
+    const uint8_t *rec = j->records + b * groups * VNNI8_RECORD;
+    __m512 y[VNNI_CHUNK];
+    for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++, rec += VNNI8_RECORD) {
+        for (int l = 0; l < VNNI8_RECORD; l += 64) __builtin_prefetch(rec + VNNI8_PREFETCH + l);
+        __m512i c[8];
+        for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_si512((const void *)(rec + 64 * t));
+        const __m512 scale = _mm512_loadu_ps((const void *)(rec + 512));
+        for (int m = 0; m < M; m++) {
+            const int64_t i = m * groups + g;
+            const int32_t *x4 = (const int32_t *)(j->xq + m * j->k + g * GROUP);
+            __m512i acc = _mm512_set1_epi32(-128 * j->sq[i]);
+            if (M < 3) { /* two chains: a lone row would wait on vpdpbusd's latency */
+                __m512i acc2 = _mm512_setzero_si512();
+                for (int t = 0; t < 8; t += 2) {
+                    acc = dot_broadcast(acc, c[t], x4 + t);
+                    acc2 = dot_broadcast(acc2, c[t + 1], x4 + t + 1);
+                }
+                acc = _mm512_add_epi32(acc, acc2);
+            } else {
+                for (int t = 0; t < 8; t++) acc = dot_broadcast(acc, c[t], x4 + t);
+            }
+            y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
+                                   _mm512_mul_ps(scale, _mm512_set1_ps(j->d[i])), y[m]);
+        }
+    }
+    const int64_t row0 = 16 * b;
+    const __mmask16 keep = row0 + 16 <= j->n_out ? 0xffff
+                           : (__mmask16)((1u << (j->n_out > row0 ? j->n_out - row0 : 0)) - 1);
+    for (int m = 0; m < M; m++)
+        _mm256_mask_storeu_epi16(j->y + m * j->n_out + row0, keep,
+                                 (__m256i)_mm512_cvtneps_pbh(y[m]));
+}
+
+static void vnni8_run_block(const vnni_job *j, int64_t b, int M) {
+    switch (M) {
+    case 1: vnni8_block(j, b, 1); break;
+    case 2: vnni8_block(j, b, 2); break;
+    case 3: vnni8_block(j, b, 3); break;
+    case 4: vnni8_block(j, b, 4); break;
+    case 5: vnni8_block(j, b, 5); break;
+    case 6: vnni8_block(j, b, 6); break;
+    case 7: vnni8_block(j, b, 7); break;
+    default: vnni8_block(j, b, 8); break;
+    }
+}
+
+/* y[M, n_out] bf16 = x[M, k / 2] bf16 @ W^T over the records of int8_vnni_repack (w: the split
+ * matrix they came from); 1 <= M <= 16. Returns 0, or -1 for what it does not take. */
+int int8_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t *x, uint16_t *y,
+                   int64_t M) {
+    const int64_t n_rows = w->n_rows, k = w->k / 2, groups = k / GROUP;
+    if (M < 1 || M > MAX_CALL_ROWS || n_rows % 16 || k <= 0 || w->k % (2 * GROUP) ||
+        w->n_out > n_rows)
+        return -1;
+    int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * 3 * (size_t)(M * groups));
+    if (!xq) return -1;
+    float *d = (float *)(xq + M * k), *xs = d + M * groups;
+    int32_t *sq = (int32_t *)(xs + M * groups);
+    quantize_rows(x, M, k, xq, d, xs, sq);
+    const int chunks = (int)((M + VNNI_CHUNK - 1) / VNNI_CHUNK);
+    vnni_job parts[(MAX_CALL_ROWS + VNNI_CHUNK - 1) / VNNI_CHUNK];
+    int rows_of[(MAX_CALL_ROWS + VNNI_CHUNK - 1) / VNNI_CHUNK];
+    for (int c = 0; c < chunks; c++) {
+        const int64_t m0 = (int64_t)c * VNNI_CHUNK;
+        parts[c] = (vnni_job){records, xq + m0 * k, d + m0 * groups, xs + m0 * groups,
+                              sq + m0 * groups, y + m0 * w->n_out, w->n_out, k};
+        rows_of[c] = (int)(M - m0 < VNNI_CHUNK ? M - m0 : VNNI_CHUNK);
+    }
+    const int64_t blocks = (w->n_out + 15) / 16;
+    if (n_rows * k * M <= w->parallel_work) {
+        for (int64_t b = 0; b < blocks; b++)
+            for (int c = 0; c < chunks; c++) vnni8_run_block(&parts[c], b, rows_of[c]);
+    } else {
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < blocks; b++)
+            for (int c = 0; c < chunks; c++) vnni8_run_block(&parts[c], b, rows_of[c]);
+    }
+    free(xq);
+    return 0;
+}
 #else
 int int4_vnni_available(void) { return 0; }
 int int4_vnni_repack(const int4_matrix *w, uint8_t *out) { (void)w, (void)out; return -1; }
 int int4_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t *x, uint16_t *y,
+                   int64_t M) {
+    (void)w, (void)records, (void)x, (void)y, (void)M;
+    return -1;
+}
+int int8_vnni_repack(const int4_matrix *w, uint8_t *out) { (void)w, (void)out; return -1; }
+int int8_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t *x, uint16_t *y,
                    int64_t M) {
     (void)w, (void)records, (void)x, (void)y, (void)M;
     return -1;

@@ -338,6 +338,39 @@ def int4_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int
     return call
 
 
+VNNI8_RECORD_BYTES = 576  # int4_gemv.c: 16 rows x 32 k of 8-bit codes + their fp32 scales
+
+
+def int8_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """int4_vnni for the split 8/4-bit matrices of Q8_0 (Int4Matrix lo_bits 4, chunk 32): their
+    codes joined again into 8-bit records (about as many bytes as `packed` and `scale_zeros`),
+    so the call takes x [M, K] as it is, not repeated along the doubled K', and does half the
+    dot products. None where the CPU or library lacks it, or the matrix is not of that form."""
+    found = _int4_matrix(packed, scale_zeros, out_features, block, parallel_work)
+    if found is None or not int4_vnni_available():
+        return None
+    lib, matrix = found
+    rows, k = matrix.n_rows, matrix.k // 2
+    if matrix.k % 64:
+        return None
+    records = torch.empty(rows // 16 * (k // 32) * VNNI8_RECORD_BYTES, dtype=torch.uint8)
+    if lib.int8_vnni_repack(ctypes.addressof(matrix), records.data_ptr()) != 0:
+        return None
+    matrix.packed = matrix.scale_zeros = None  # the call reads the records only
+    address, fn, empty, bf16 = ctypes.addressof(matrix), lib.int8_vnni_bf16, torch.empty, \
+        torch.bfloat16
+    records_ptr = records.data_ptr()
+
+    def call(x: torch.Tensor, _keep: tuple = (matrix, records)) -> torch.Tensor:
+        y = empty(x.shape[0], out_features, dtype=bf16)
+        rc = fn(address, records_ptr, x.data_ptr(), y.data_ptr(), x.shape[0])
+        assert rc == 0, f"int8_vnni_bf16 rejected {tuple(x.shape)} x {rows}x{k}"
+        return y
+
+    return call
+
+
 def _build_and_load_int4() -> _Loaded:
     if os.environ.get("FORKLM_NATIVE_INT4", "1") == "0":
         return _Loaded(None, "disabled by FORKLM_NATIVE_INT4=0")
@@ -353,6 +386,10 @@ def _build_and_load_int4() -> _Loaded:
     lib.int4_vnni_repack.argtypes = [_p, _p]
     lib.int4_vnni_bf16.restype = _int
     lib.int4_vnni_bf16.argtypes = [_p, _p, _p, _p, _i64]
+    lib.int8_vnni_repack.restype = _int
+    lib.int8_vnni_repack.argtypes = [_p, _p]
+    lib.int8_vnni_bf16.restype = _int
+    lib.int8_vnni_bf16.argtypes = [_p, _p, _p, _p, _i64]
     return _Loaded(lib, "", frozenset((torch.bfloat16,)))
 
 

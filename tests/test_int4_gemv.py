@@ -259,3 +259,59 @@ def test_int8_activations_switch_the_matrices_within_the_budget():
         assert torch.equal(layer.direct()(x), int8_y)  # the fused layers' call agrees
         torch.testing.assert_close(int8_y.float(), y.float(), rtol=0.05,
                                    atol=0.05 * y.float().abs().max().item())
+
+
+@needs_vnni
+@pytest.mark.parametrize("out_features", [16, 80, 200])  # a tail block, padding
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_int8_kernel_on_q8_0_records_computes_the_quantized_product(out_features, parallel):
+    """Q8_0's split matrix joined into 8-bit records: x quantized per group of 32 as in the int4
+    records' kernel, integer sums of code * xq, then scale * d per group."""
+    weight = make_weight(T.Q8_0, out_features, 256, seed=out_features)
+    linear = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    matrix = linear.matrices[0]
+    int8 = native_kernels.int8_vnni(matrix.packed, matrix.scale_zeros, out_features,
+                                    pack_block_n(), 0 if parallel else 2**62)
+    assert int8 is not None
+    w = linear.dequantize().double()  # s * code: exact, s in bf16
+    gen = torch.Generator().manual_seed(out_features)
+    for rows in range(1, native_kernels.INT4_MAX_ROWS + 1):
+        x = torch.randn(rows, 256, generator=gen).bfloat16()
+        x[:, 3] *= 50  # an outlier channel
+        y = int8(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        xf = x.float().view(rows, -1, 32)
+        amax = xf.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        xq, d = torch.round(xf * inv).double(), (amax / 127.0).double()  # [rows, G, 32], [.., 1]
+        terms = torch.einsum("mgk,ngk->mng", xq * d, w.view(out_features, -1, 32))
+        expected, magnitude = terms.sum(-1), terms.abs().sum(-1)
+        err = (y.double() - expected).abs()
+        assert (err <= 2.0**-8 * expected.abs() + 2.0**-20 * magnitude).all(), rows
+        reference = x.double() @ w.T
+        rms = reference.pow(2).mean(-1, keepdim=True).sqrt()
+        assert ((y.double() - reference).abs() / rms).mean() < 2e-2, rows
+
+
+@needs_vnni
+def test_int8_activations_on_split_matrices():
+    """Q8_0 takes the 8-bit records (x as it is), Q6_K the int4 records on x expanded to K';
+    forward, direct() and the kernel agree, within int8 steps of the bf16-dot result."""
+    from torch import nn
+
+    from forklm.runtime.quant.linear import use_int8_activations
+
+    weights = [make_weight(T.Q8_0, 48, 512, seed=1), make_weight(T.Q6_K, 48, 512, seed=2)]
+    model = nn.Sequential(*(QuantizedLinear.from_gguf([w], None, torch.bfloat16) for w in weights))
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3)).bfloat16()
+    before = [layer(x) for layer in model]
+    assert use_int8_activations(model) > 0
+    q8, q6 = (layer.matrices[0] for layer in model)
+    q8_records = native_kernels.int8_vnni(q8.packed, q8.scale_zeros, 48, pack_block_n())
+    assert q8_records is not None and torch.equal(model[0](x), q8_records(x))
+    assert native_kernels.int8_vnni(q6.packed, q6.scale_zeros, 48, pack_block_n()) is None
+    for layer, y in zip(model, before):
+        int8_y = layer(x)
+        assert torch.equal(layer.direct()(x), int8_y)
+        torch.testing.assert_close(int8_y.float(), y.float(), rtol=0.05,
+                                   atol=0.05 * y.float().abs().max().item())

@@ -106,10 +106,11 @@ class Int4Matrix(nn.Module):
         return self.in_features * (2 if self.lo_bits else 1)
 
     def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """runtime/int4_gemv.c on this matrix: contiguous bf16 x [M, K'] with 1 <= M <=
+        """runtime/int4_gemv.c on this matrix: contiguous bf16 x [M, in] with 1 <= M <=
         INT4_MAX_ROWS -> [M, out] (int8 dot products where int8_activations is set and the CPU
-        has them, bf16 ones otherwise); None where it did not build, for an fp32 kernel dtype,
-        and while torch.compile traces (its graphs keep torch's op)."""
+        has them, on 8-bit records for a Q8_0 split; bf16 ones otherwise, on x expanded to K');
+        None where it did not build, for an fp32 kernel dtype, and while torch.compile traces
+        (its graphs keep torch's op)."""
         if torch.compiler.is_compiling():
             return None
         return self._native_functions()[1]
@@ -118,20 +119,27 @@ class Int4Matrix(nn.Module):
         ptr = self.packed.data_ptr()
         if self._native is None or self._native[0] != ptr:  # first call, or buffers replaced
             args = (self.packed, self.scale_zeros, self.out_features, pack_block_n())
-            matmul = native_kernels.int4_vnni(*args) if self.int8_activations else None
-            self._native = (ptr, matmul or native_kernels.int4_gemv(*args),
+            matmul = None
+            if self.int8_activations and self.lo_bits == 4 and self.chunk == KERNEL_GROUP:
+                matmul = native_kernels.int8_vnni(*args)  # Q8_0: x as it is, 8-bit codes
+            if matmul is None:
+                on_k_prime = (native_kernels.int4_vnni(*args) if self.int8_activations else None
+                              ) or native_kernels.int4_gemv(*args)
+                matmul = on_k_prime if not self.lo_bits or on_k_prime is None else \
+                    functools.partial(_on_expanded, self, on_k_prime)
+            self._native = (ptr, matmul,
                             native_kernels.int4_rows(*args, self.lo_bits, self.chunk))
         return self._native
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] in the kernel dtype -> [M, out] in the kernel dtype."""
-        if self.lo_bits:
-            x = self._expand(x)
         rows = x.shape[0]
         if 0 < rows <= native_kernels.INT4_MAX_ROWS and x.dtype == torch.bfloat16:
             native = self.native()
             if native is not None:
                 return native(x.contiguous())
+        if self.lo_bits:
+            x = self._expand(x)
         if (rows >= DENSE_MIN_ROWS and x.dtype == torch.bfloat16
                 and self.packed.numel() * 2 <= DENSE_MAX_ELEMENTS):
             y = x @ self.dense_t()
@@ -357,6 +365,11 @@ def _split_codes(group: GroupCodes, lo_bits: int) -> tuple[torch.Tensor, ...]:
 
 # The int8 kernel's records are a second copy of the codes: only where they fit in this.
 MAX_INT8_RECORD_BYTES = 1 << 30
+
+
+def _on_expanded(matrix: Int4Matrix, kernel: _Fn, x: torch.Tensor) -> torch.Tensor:
+    """A split matrix's kernel on x repeated along its doubled K' (see Int4Matrix)."""
+    return kernel(matrix._expand(x).contiguous())
 
 
 def use_int8_activations(model: nn.Module, max_bytes: int = MAX_INT8_RECORD_BYTES) -> int:
