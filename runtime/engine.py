@@ -17,6 +17,7 @@ from forklm.runtime.engine_client import EngineClient
 from forklm.runtime.engine_loop import EngineLoop
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.intake import RequestGroup
+from forklm.runtime.loop_mailbox import mailbox_for
 from forklm.runtime.request import Req, ReqOutput
 from forklm.runtime.results import GenerateOutput
 
@@ -276,10 +277,10 @@ class Engine:
         return chunks()
 
     async def _stream_async(self, group: RequestGroup) -> AsyncGenerator[GenerateOutput, None]:
-        loop = asyncio.get_running_loop()
+        mailbox = mailbox_for(asyncio.get_running_loop())
         events: asyncio.Queue[ReqOutput] = asyncio.Queue()
         for req in group.reqs:
-            req.sink = lambda out: loop.call_soon_threadsafe(events.put_nowait, out)
+            req.sink = lambda out: mailbox.post(events.put_nowait, out)
         self._loop.submit(group.reqs)
         try:
             remaining = len(group)
