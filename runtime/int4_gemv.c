@@ -373,10 +373,10 @@ __attribute__((optimize("fp-contract=off"))) int int4_rows_f32(
  * codes. y += scale * d * isum + zero * (exact fp32 sum of x over the group). */
 #define VNNI_RECORD 320
 #define VNNI_CHUNK 8 /* rows of x per pass over a block's records */
-/* Bytes ahead of the record in use that a pass asks the memory system for. A forward streams
+/* Records ahead of the one in use that a pass asks the memory system for. A forward streams
  * every matrix from DRAM (the model's records outgrow L3), and the hardware prefetcher alone
  * left the dot products waiting: decode forward at batch 16 0.86x the time, at batch 1 0.96x. */
-#define VNNI_PREFETCH (12 * VNNI_RECORD)
+#define VNNI_PREFETCH_RECORDS 12
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 int int4_vnni_available(void) { return 1; }
@@ -445,101 +445,6 @@ static inline __m512i dot_broadcast(__m512i acc, __m512i codes, const int32_t *p
     return acc;
 }
 
-/* Block b (16 rows) for M rows of x, M a constant in each copy (accumulators in registers). */
-static inline __attribute__((always_inline)) void vnni_block(const vnni_job *j, int64_t b,
-                                                             int M) {
-    const int64_t groups = j->k / GROUP;
-    const uint8_t *rec = j->records + b * groups * VNNI_RECORD;
-    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-    const __m512i high_halves = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 y[VNNI_CHUNK];
-    for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++, rec += VNNI_RECORD) {
-        for (int l = 0; l < VNNI_RECORD; l += 64) __builtin_prefetch(rec + VNNI_PREFETCH + l);
-        __m512i c[8];
-        for (int t = 0; t < 4; t++) {
-            const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * t));
-            c[2 * t] = _mm512_and_si512(v, low_nibbles);
-            c[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
-        }
-        const __m512i sz = _mm512_loadu_si512((const void *)(rec + 256));
-        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(sz, high_halves));
-        for (int m = 0; m < M; m++) {
-            const int64_t i = m * groups + g;
-            const int32_t *x4 = (const int32_t *)(j->xq + m * j->k + g * GROUP);
-            __m512i acc = _mm512_set1_epi32(-8 * j->sq[i]);
-            if (M < 3) { /* two chains: a lone row would wait on vpdpbusd's latency */
-                __m512i acc2 = _mm512_setzero_si512();
-                for (int t = 0; t < 8; t += 2) {
-                    acc = dot_broadcast(acc, c[t], x4 + t);
-                    acc2 = dot_broadcast(acc2, c[t + 1], x4 + t + 1);
-                }
-                acc = _mm512_add_epi32(acc, acc2);
-            } else {
-                for (int t = 0; t < 8; t++) acc = dot_broadcast(acc, c[t], x4 + t);
-            }
-            const __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(j->d[i]));
-            y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), step, y[m]);
-            y[m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(j->xs[i]), y[m]);
-        }
-    }
-    const int64_t row0 = 16 * b;
-    const __mmask16 keep = row0 + 16 <= j->n_out ? 0xffff
-                           : (__mmask16)((1u << (j->n_out > row0 ? j->n_out - row0 : 0)) - 1);
-    for (int m = 0; m < M; m++)
-        _mm256_mask_storeu_epi16(j->y + m * j->n_out + row0, keep,
-                                 (__m256i)_mm512_cvtneps_pbh(y[m]));
-}
-
-static void vnni_run_block(const vnni_job *j, int64_t b, int M) {
-    switch (M) {
-    case 1: vnni_block(j, b, 1); break;
-    case 2: vnni_block(j, b, 2); break;
-    case 3: vnni_block(j, b, 3); break;
-    case 4: vnni_block(j, b, 4); break;
-    case 5: vnni_block(j, b, 5); break;
-    case 6: vnni_block(j, b, 6); break;
-    case 7: vnni_block(j, b, 7); break;
-    default: vnni_block(j, b, 8); break;
-    }
-}
-
-/* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over the records of int4_vnni_repack; 1 <= M <= 16.
- * Returns 0, or -1 for what it does not take (nothing written). */
-int int4_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t *x, uint16_t *y,
-                   int64_t M) {
-    const int64_t n_rows = w->n_rows, k = w->k, groups = k / GROUP;
-    if (M < 1 || M > MAX_CALL_ROWS || n_rows % 16 || k <= 0 || k % GROUP || w->n_out > n_rows)
-        return -1;
-    int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * 3 * (size_t)(M * groups));
-    if (!xq) return -1;
-    /* the floats after the int8 rows: M k is a multiple of 32, so they are 4-byte aligned */
-    float *d = (float *)(xq + M * k), *xs = d + M * groups;
-    int32_t *sq = (int32_t *)(xs + M * groups);
-    quantize_rows(x, M, k, xq, d, xs, sq);
-    const int chunks = (int)((M + VNNI_CHUNK - 1) / VNNI_CHUNK);
-    vnni_job parts[(MAX_CALL_ROWS + VNNI_CHUNK - 1) / VNNI_CHUNK];
-    int rows_of[(MAX_CALL_ROWS + VNNI_CHUNK - 1) / VNNI_CHUNK];
-    for (int c = 0; c < chunks; c++) {
-        const int64_t m0 = (int64_t)c * VNNI_CHUNK;
-        parts[c] = (vnni_job){records, xq + m0 * k, d + m0 * groups, xs + m0 * groups,
-                              sq + m0 * groups, y + m0 * w->n_out, w->n_out, k};
-        rows_of[c] = (int)(M - m0 < VNNI_CHUNK ? M - m0 : VNNI_CHUNK);
-    }
-    const int64_t blocks = (w->n_out + 15) / 16;
-    if (n_rows * k * M <= w->parallel_work) {
-        for (int64_t b = 0; b < blocks; b++)
-            for (int c = 0; c < chunks; c++) vnni_run_block(&parts[c], b, rows_of[c]);
-    } else {
-#pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int c = 0; c < chunks; c++) vnni_run_block(&parts[c], b, rows_of[c]);
-    }
-    free(xq);
-    return 0;
-}
-
 /* 8-bit records for the split matrices of Q8_0 (Int4Matrix lo_bits 4, chunk 32: kernel codes
  * [hi + 8 | lo] per chunk along K' = 2K, hi group zero 0, lo group zero 8 s, both scale s). They
  * hold u8 = 16 c_hi + c_lo = code + 128 over the original K, so w = s (u8 - 128), and one
@@ -547,7 +452,6 @@ int int4_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t 
  * records. Record (16 rows x 32 k): vector t (k = 4 t .. 4 t + 3), lane i = row i, byte j =
  * code(i, 4 t + j); then the 16 rows' scales as fp32 (64 bytes). */
 #define VNNI8_RECORD 576
-#define VNNI8_PREFETCH (12 * VNNI8_RECORD)
 
 /* out: n_rows / 16 * (k / 2) / 32 records; -1 (nothing promised in out) where the matrix is
  * not a Q8_0 split of that form. */
@@ -578,22 +482,38 @@ int int8_vnni_repack(const int4_matrix *w, uint8_t *out) {
     return 0;
 }
 
-/* Block b (16 rows) of an 8-bit matrix for M rows of x (j->k: the original K). */
-static inline __attribute__((always_inline)) void vnni8_block(const vnni_job *j, int64_t b,
-                                                              int M) {
-    const int64_t groups = j->k / GROUP;
-    const uint8_t *rec = j->records + b * groups * VNNI8_RECORD;
+/* Block b (16 rows) for M rows of x; M and `eight` (the 8-bit records of int8_vnni_repack, else
+ * the int4 ones) are constants in each copy, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void vnni_block(const vnni_job *j, int64_t b, int M,
+                                                             int eight) {
+    const int64_t groups = j->k / GROUP, record = eight ? VNNI8_RECORD : VNNI_RECORD;
+    const uint8_t *rec = j->records + b * groups * record;
+    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+    const __m512i high_halves = _mm512_set1_epi32((int)0xffff0000u);
     __m512 y[VNNI_CHUNK];
     for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++, rec += VNNI8_RECORD) {
-        for (int l = 0; l < VNNI8_RECORD; l += 64) __builtin_prefetch(rec + VNNI8_PREFETCH + l);
+    for (int64_t g = 0; g < groups; g++, rec += record) {
+        for (int l = 0; l < record; l += 64) __builtin_prefetch(rec + VNNI_PREFETCH_RECORDS * record + l);
         __m512i c[8];
-        for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_si512((const void *)(rec + 64 * t));
-        const __m512 scale = _mm512_loadu_ps((const void *)(rec + 512));
+        __m512 scale, zero = _mm512_setzero_ps();
+        if (eight) {
+            for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_si512((const void *)(rec + 64 * t));
+            scale = _mm512_loadu_ps((const void *)(rec + 512));
+        } else {
+            for (int t = 0; t < 4; t++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * t));
+                c[2 * t] = _mm512_and_si512(v, low_nibbles);
+                c[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+            }
+            const __m512i sz = _mm512_loadu_si512((const void *)(rec + 256));
+            scale = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
+            zero = _mm512_castsi512_ps(_mm512_and_si512(sz, high_halves));
+        }
         for (int m = 0; m < M; m++) {
             const int64_t i = m * groups + g;
             const int32_t *x4 = (const int32_t *)(j->xq + m * j->k + g * GROUP);
-            __m512i acc = _mm512_set1_epi32(-128 * j->sq[i]);
+            /* the codes' offset: sum (c - offset) xq */
+            __m512i acc = _mm512_set1_epi32(-(eight ? 128 : 8) * j->sq[i]);
             if (M < 3) { /* two chains: a lone row would wait on vpdpbusd's latency */
                 __m512i acc2 = _mm512_setzero_si512();
                 for (int t = 0; t < 8; t += 2) {
@@ -604,8 +524,9 @@ static inline __attribute__((always_inline)) void vnni8_block(const vnni_job *j,
             } else {
                 for (int t = 0; t < 8; t++) acc = dot_broadcast(acc, c[t], x4 + t);
             }
-            y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc),
-                                   _mm512_mul_ps(scale, _mm512_set1_ps(j->d[i])), y[m]);
+            const __m512 step = _mm512_mul_ps(scale, _mm512_set1_ps(j->d[i]));
+            y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), step, y[m]);
+            if (!eight) y[m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(j->xs[i]), y[m]);
         }
     }
     const int64_t row0 = 16 * b;
@@ -616,29 +537,34 @@ static inline __attribute__((always_inline)) void vnni8_block(const vnni_job *j,
                                  (__m256i)_mm512_cvtneps_pbh(y[m]));
 }
 
-static void vnni8_run_block(const vnni_job *j, int64_t b, int M) {
+static inline __attribute__((always_inline)) void vnni_rows(const vnni_job *j, int64_t b, int M,
+                                                            int eight) {
     switch (M) {
-    case 1: vnni8_block(j, b, 1); break;
-    case 2: vnni8_block(j, b, 2); break;
-    case 3: vnni8_block(j, b, 3); break;
-    case 4: vnni8_block(j, b, 4); break;
-    case 5: vnni8_block(j, b, 5); break;
-    case 6: vnni8_block(j, b, 6); break;
-    case 7: vnni8_block(j, b, 7); break;
-    default: vnni8_block(j, b, 8); break;
+    case 1: vnni_block(j, b, 1, eight); break;
+    case 2: vnni_block(j, b, 2, eight); break;
+    case 3: vnni_block(j, b, 3, eight); break;
+    case 4: vnni_block(j, b, 4, eight); break;
+    case 5: vnni_block(j, b, 5, eight); break;
+    case 6: vnni_block(j, b, 6, eight); break;
+    case 7: vnni_block(j, b, 7, eight); break;
+    default: vnni_block(j, b, 8, eight); break;
     }
 }
 
-/* y[M, n_out] bf16 = x[M, k / 2] bf16 @ W^T over the records of int8_vnni_repack (w: the split
- * matrix they came from); 1 <= M <= 16. Returns 0, or -1 for what it does not take. */
-int int8_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t *x, uint16_t *y,
-                   int64_t M) {
-    const int64_t n_rows = w->n_rows, k = w->k / 2, groups = k / GROUP;
-    if (M < 1 || M > MAX_CALL_ROWS || n_rows % 16 || k <= 0 || w->k % (2 * GROUP) ||
-        w->n_out > n_rows)
+static void vnni4_run_block(const vnni_job *j, int64_t b, int M) { vnni_rows(j, b, M, 0); }
+static void vnni8_run_block(const vnni_job *j, int64_t b, int M) { vnni_rows(j, b, M, 1); }
+
+/* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over `records` (n_rows / 16 blocks, k / 32 records
+ * each), every block run by `run_block`. Returns 0, or -1 for what it does not take. */
+static int vnni_matmul(const uint8_t *records, int64_t n_rows, int64_t n_out, int64_t k,
+                       int64_t parallel_work, const uint16_t *x, uint16_t *y, int64_t M,
+                       void (*run_block)(const vnni_job *, int64_t, int)) {
+    const int64_t groups = k / GROUP;
+    if (M < 1 || M > MAX_CALL_ROWS || n_rows % 16 || k <= 0 || k % GROUP || n_out > n_rows)
         return -1;
     int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * 3 * (size_t)(M * groups));
     if (!xq) return -1;
+    /* the floats after the int8 rows: M k is a multiple of 32, so they are 4-byte aligned */
     float *d = (float *)(xq + M * k), *xs = d + M * groups;
     int32_t *sq = (int32_t *)(xs + M * groups);
     quantize_rows(x, M, k, xq, d, xs, sq);
@@ -648,20 +574,36 @@ int int8_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t 
     for (int c = 0; c < chunks; c++) {
         const int64_t m0 = (int64_t)c * VNNI_CHUNK;
         parts[c] = (vnni_job){records, xq + m0 * k, d + m0 * groups, xs + m0 * groups,
-                              sq + m0 * groups, y + m0 * w->n_out, w->n_out, k};
+                              sq + m0 * groups, y + m0 * n_out, n_out, k};
         rows_of[c] = (int)(M - m0 < VNNI_CHUNK ? M - m0 : VNNI_CHUNK);
     }
-    const int64_t blocks = (w->n_out + 15) / 16;
-    if (n_rows * k * M <= w->parallel_work) {
+    const int64_t blocks = (n_out + 15) / 16;
+    if (n_rows * k * M <= parallel_work) {
         for (int64_t b = 0; b < blocks; b++)
-            for (int c = 0; c < chunks; c++) vnni8_run_block(&parts[c], b, rows_of[c]);
+            for (int c = 0; c < chunks; c++) run_block(&parts[c], b, rows_of[c]);
     } else {
 #pragma omp parallel for schedule(static)
         for (int64_t b = 0; b < blocks; b++)
-            for (int c = 0; c < chunks; c++) vnni8_run_block(&parts[c], b, rows_of[c]);
+            for (int c = 0; c < chunks; c++) run_block(&parts[c], b, rows_of[c]);
     }
     free(xq);
     return 0;
+}
+
+/* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over the records of int4_vnni_repack; 1 <= M <= 16.
+ * Returns 0, or -1 for what it does not take (nothing written). */
+int int4_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t *x, uint16_t *y,
+                   int64_t M) {
+    return vnni_matmul(records, w->n_rows, w->n_out, w->k, w->parallel_work, x, y, M,
+                       vnni4_run_block);
+}
+
+/* The same over the records of int8_vnni_repack (w: the split matrix they came from), x [M, k / 2]. */
+int int8_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t *x, uint16_t *y,
+                   int64_t M) {
+    if (w->k % (2 * GROUP)) return -1;
+    return vnni_matmul(records, w->n_rows, w->n_out, w->k / 2, w->parallel_work, x, y, M,
+                       vnni8_run_block);
 }
 #else
 int int4_vnni_available(void) { return 0; }

@@ -309,6 +309,7 @@ def int4_vnni_available() -> bool:
 
 
 VNNI_RECORD_BYTES = 320  # int4_gemv.c: 16 rows x 32 k of codes + their scale/zero pairs
+VNNI8_RECORD_BYTES = 576  # int4_gemv.c: 16 rows x 32 k of 8-bit codes + their fp32 scales
 
 
 def int4_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
@@ -316,29 +317,7 @@ def int4_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int
     """int4_gemv's call with int8 dot products: the matrix repacked once into int4_gemv.c's VNNI
     records (as many bytes as `packed` and `scale_zeros`, kept by the function), x quantized
     per group of 32 to int8 on each call. None where the CPU or the library lacks it."""
-    found = _int4_matrix(packed, scale_zeros, out_features, block, parallel_work)
-    if found is None or not int4_vnni_available():
-        return None
-    lib, matrix = found
-    rows, k = matrix.n_rows, matrix.k
-    records = torch.empty(rows // 16 * (k // 32) * VNNI_RECORD_BYTES, dtype=torch.uint8)
-    if lib.int4_vnni_repack(ctypes.addressof(matrix), records.data_ptr()) != 0:
-        return None
-    matrix.packed = matrix.scale_zeros = None  # the call reads the records only
-    address, fn, empty, bf16 = ctypes.addressof(matrix), lib.int4_vnni_bf16, torch.empty, \
-        torch.bfloat16
-    records_ptr = records.data_ptr()
-
-    def call(x: torch.Tensor, _keep: tuple = (matrix, records)) -> torch.Tensor:
-        y = empty(x.shape[0], out_features, dtype=bf16)
-        rc = fn(address, records_ptr, x.data_ptr(), y.data_ptr(), x.shape[0])
-        assert rc == 0, f"int4_vnni_bf16 rejected {tuple(x.shape)} x {rows}x{k}"
-        return y
-
-    return call
-
-
-VNNI8_RECORD_BYTES = 576  # int4_gemv.c: 16 rows x 32 k of 8-bit codes + their fp32 scales
+    return _vnni_call(packed, scale_zeros, out_features, block, parallel_work, eight_bit=False)
 
 
 def int8_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
@@ -347,25 +326,34 @@ def int8_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int
     codes joined again into 8-bit records (about as many bytes as `packed` and `scale_zeros`),
     so the call takes x [M, K] as it is, not repeated along the doubled K', and does half the
     dot products. None where the CPU or library lacks it, or the matrix is not of that form."""
+    return _vnni_call(packed, scale_zeros, out_features, block, parallel_work, eight_bit=True)
+
+
+def _vnni_call(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+               parallel_work: int | None, eight_bit: bool
+               ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """int4_vnni (int4 records over K') or int8_vnni (8-bit records over K' / 2)."""
     found = _int4_matrix(packed, scale_zeros, out_features, block, parallel_work)
     if found is None or not int4_vnni_available():
         return None
     lib, matrix = found
-    rows, k = matrix.n_rows, matrix.k // 2
-    if matrix.k % 64:
+    rows, k = matrix.n_rows, matrix.k // (2 if eight_bit else 1)
+    if eight_bit and matrix.k % 64:
         return None
-    records = torch.empty(rows // 16 * (k // 32) * VNNI8_RECORD_BYTES, dtype=torch.uint8)
-    if lib.int8_vnni_repack(ctypes.addressof(matrix), records.data_ptr()) != 0:
+    repack, fn, record_bytes = ((lib.int8_vnni_repack, lib.int8_vnni_bf16, VNNI8_RECORD_BYTES)
+                                if eight_bit else
+                                (lib.int4_vnni_repack, lib.int4_vnni_bf16, VNNI_RECORD_BYTES))
+    records = torch.empty(rows // 16 * (k // 32) * record_bytes, dtype=torch.uint8)
+    if repack(ctypes.addressof(matrix), records.data_ptr()) != 0:
         return None
     matrix.packed = matrix.scale_zeros = None  # the call reads the records only
-    address, fn, empty, bf16 = ctypes.addressof(matrix), lib.int8_vnni_bf16, torch.empty, \
-        torch.bfloat16
+    address, empty, bf16 = ctypes.addressof(matrix), torch.empty, torch.bfloat16
     records_ptr = records.data_ptr()
 
     def call(x: torch.Tensor, _keep: tuple = (matrix, records)) -> torch.Tensor:
         y = empty(x.shape[0], out_features, dtype=bf16)
         rc = fn(address, records_ptr, x.data_ptr(), y.data_ptr(), x.shape[0])
-        assert rc == 0, f"int8_vnni_bf16 rejected {tuple(x.shape)} x {rows}x{k}"
+        assert rc == 0, f"{fn.__name__} rejected {tuple(x.shape)} x {rows}x{k}"
         return y
 
     return call

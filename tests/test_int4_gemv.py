@@ -181,19 +181,24 @@ needs_vnni = pytest.mark.skipif(not native_kernels.int4_vnni_available(),
                                 reason="no AVX512-VNNI/BW/BF16 on this CPU")
 
 
+def quantize_like_the_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, k] quantized per group of 32 as the int8 kernels do: (xq [rows, k / 32, 32],
+    d [rows, k / 32, 1]) with d = max|x| / 127, xq = rint(x / d), in fp32."""
+    xf = x.float().view(x.shape[0], -1, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # tensor / tensor: one IEEE division, as the kernel's (a scalar / tensor is computed as a
+    # reciprocal times the scalar, which moves a few x / d onto the other side of a .5)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(xf * inv), amax / 127.0  # round half to even, like cvtps2dq
+
+
 def int8_reference(x: torch.Tensor, linear: QuantizedLinear) -> tuple[torch.Tensor, torch.Tensor]:
     """What the int8 kernel computes, in float64: x quantized per group of 32 (d = max|x| / 127,
     xq = rint(x / d)), integer sums of (c - 8) xq, then scale d isum + zero * sum(x) per group;
     and the sum of those terms' magnitudes (the scale of the kernel's fp32 rounding)."""
     matrix = linear.matrices[0]
-    rows, k = x.shape
-    xf = x.float().view(rows, -1, 32)
-    amax = xf.abs().amax(-1, keepdim=True)
-    # tensor / tensor: one IEEE division, as the kernel's (a scalar / tensor is computed as a
-    # reciprocal times the scalar, which moves a few x / d onto the other side of a .5)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    xq = torch.round(xf * inv)  # round half to even, like cvtps2dq
-    d = amax / 127.0
+    xf = x.float().view(x.shape[0], -1, 32)
+    xq, d = quantize_like_the_kernel(x)
     codes = _unpack_codes(matrix).float().view(matrix.packed.shape[0], -1, 32)  # [N, G, 32]
     isum = torch.einsum("mgk,ngk->mng", xq.double(), codes.double() - 8)  # exact integers
     scale = matrix.scale_zeros[..., 0].float().T  # [N, G]
@@ -280,11 +285,9 @@ def test_int8_kernel_on_q8_0_records_computes_the_quantized_product(out_features
         x[:, 3] *= 50  # an outlier channel
         y = int8(x)
         assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
-        xf = x.float().view(rows, -1, 32)
-        amax = xf.abs().amax(-1, keepdim=True)
-        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-        xq, d = torch.round(xf * inv).double(), (amax / 127.0).double()  # [rows, G, 32], [.., 1]
-        terms = torch.einsum("mgk,ngk->mng", xq * d, w.view(out_features, -1, 32))
+        xq, d = quantize_like_the_kernel(x)
+        terms = torch.einsum("mgk,ngk->mng", xq.double() * d.double(),
+                             w.view(out_features, -1, 32))
         expected, magnitude = terms.sum(-1), terms.abs().sum(-1)
         err = (y.double() - expected).abs()
         assert (err <= 2.0**-8 * expected.abs() + 2.0**-20 * magnitude).all(), rows

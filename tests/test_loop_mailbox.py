@@ -11,19 +11,24 @@ import pytest
 from forklm.runtime.loop_mailbox import LoopMailbox, mailbox_for
 
 
+def count_wake_ups(loop: asyncio.AbstractEventLoop) -> list[None]:
+    """A list that grows by one per call_soon_threadsafe on `loop` from now on."""
+    calls: list[None] = []
+    real = loop.call_soon_threadsafe
+
+    def counting(*args):
+        calls.append(None)
+        return real(*args)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign, assignment]
+    return calls
+
+
 def test_events_from_threads_arrive_in_order_with_one_wake_up_per_burst():
     async def main() -> tuple[dict[int, list[int]], int]:
         loop = asyncio.get_running_loop()
         box = LoopMailbox(loop)
-        wake_ups = 0
-        real = loop.call_soon_threadsafe
-
-        def counting(*args):
-            nonlocal wake_ups
-            wake_ups += 1
-            return real(*args)
-
-        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        wake_ups = count_wake_ups(loop)
         got: dict[int, list[int]] = {0: [], 1: []}
         burst = threading.Event()
 
@@ -38,7 +43,7 @@ def test_events_from_threads_arrive_in_order_with_one_wake_up_per_burst():
         burst.set()
         while any(t.is_alive() for t in threads) or sum(map(len, got.values())) < 1000:
             await asyncio.sleep(0.001)
-        return got, wake_ups
+        return got, len(wake_ups)
 
     got, wake_ups = asyncio.run(main())
     assert got == {0: list(range(500)), 1: list(range(500))}
@@ -49,21 +54,13 @@ def test_a_burst_posted_before_the_loop_runs_is_one_drain():
     async def main() -> tuple[list[int], int]:
         loop = asyncio.get_running_loop()
         box, seen = LoopMailbox(loop), []
-        scheduled = 0
-        real = loop.call_soon_threadsafe
-
-        def counting(*args):
-            nonlocal scheduled
-            scheduled += 1
-            return real(*args)
-
-        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        scheduled = count_wake_ups(loop)
         thread = threading.Thread(target=lambda: [box.post(seen.append, i) for i in range(16)])
         thread.start()
         thread.join()  # the loop has not run since: all 16 wait for one drain
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        return seen, scheduled
+        return seen, len(scheduled)
 
     seen, scheduled = asyncio.run(main())
     assert seen == list(range(16)) and scheduled == 1

@@ -70,14 +70,13 @@ class FusedDecodeLayers:
                                                         layer.mlp.gate_up_proj,
                                                         layer.mlp.down_proj))
                         for layer in self.layers]
-        # Qwen3's per-head q/k norm weights (None: no such norm), per layer
-        self.qk_norms = [_qk_norm_weights(layer) for layer in self.layers]
         # Per layer, what its C calls read, as plain ints (attribute lookups and data_ptr()
-        # calls were ~0.6 ms of a batch-16 forward): the norm weights, the pool's K/V layers,
-        # the attention kernel's arguments.
+        # calls were ~0.6 ms of a batch-16 forward): the norm weights, Qwen3's per-head q/k norm
+        # weights (None: no such norm), the pool's K/V layers, the attention kernel's arguments.
         self.layer_args = [(layer.self_attn.rotary,
                             _norm_weight(layer.input_layernorm, attn.pool.k_buffer.dtype),
                             _norm_weight(layer.post_attention_layernorm, attn.pool.k_buffer.dtype),
+                            _qk_norm_weights(layer),
                             attn.k_layers[layer.self_attn.layer_id].data_ptr(),
                             attn.v_layers[layer.self_attn.layer_id].data_ptr(),
                             attn.kernel_specs[layer.self_attn.layer_id])
@@ -113,14 +112,15 @@ class FusedDecodeLayers:
         run_attention, positions = meta.plan.run_addresses, batch.positions
         out_ptr, kernel_dtype = attn_out.data_ptr(), attn.dtype_code
         h: torch.Tensor | None = None
-        for (qkv_proj, o_proj, gate_up_proj, down_proj), (q_norm, k_norm), (
-                rotary, in_norm, post_norm, k_layer, v_layer, (scale, softcap, window)) in zip(
-                self.matmuls, self.qk_norms, self.layer_args):
+        for (qkv_proj, o_proj, gate_up_proj, down_proj), (
+                rotary, in_norm, post_norm, (q_norm, k_norm), k_layer, v_layer,
+                (scale, softcap, window)) in zip(self.matmuls, self.layer_args):
             add_rms_norm(num_tokens, hidden, res_ptr, _ptr_of(h, residual), in_norm, normed_ptr,
                          eps, offset, dtype)
             qkv = qkv_proj(normed).contiguous()  # [T, (heads + 2 kv_heads) * d]
             # [T, 1, d] rows, looked up once per forward and table (tables_for keeps them)
             cos, sin = rotary.tables_for(positions, x.dtype)
+            assert cos.is_contiguous() and sin.is_contiguous()
             rope_store(num_tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
                        cos.data_ptr(), sin.data_ptr(), slots_ptr, k_layer, v_layer, q_ptr,
                        q_norm, k_norm, eps, offset, dtype)

@@ -122,11 +122,11 @@ class Int4Matrix(nn.Module):
             matmul = None
             if self.int8_activations and self.lo_bits == 4 and self.chunk == KERNEL_GROUP:
                 matmul = native_kernels.int8_vnni(*args)  # Q8_0: x as it is, 8-bit codes
-            if matmul is None:
-                on_k_prime = (native_kernels.int4_vnni(*args) if self.int8_activations else None
-                              ) or native_kernels.int4_gemv(*args)
-                matmul = on_k_prime if not self.lo_bits or on_k_prime is None else \
-                    functools.partial(_on_expanded, self, on_k_prime)
+            if matmul is None:  # the int4 records or codes, over K' (x expanded for a split)
+                kernel = (native_kernels.int4_vnni(*args) if self.int8_activations else None
+                          ) or native_kernels.int4_gemv(*args)
+                matmul = (functools.partial(_on_expanded, self, kernel) if self.lo_bits and kernel
+                          else kernel)
             self._native = (ptr, matmul,
                             native_kernels.int4_rows(*args, self.lo_bits, self.chunk))
         return self._native
