@@ -4,8 +4,8 @@ CUDA graphs and the overlap scheduler on/off (same tokens, tokens/s at batch 1/1
 pool's size), W1-W3 on the default model (overlap on/off), and one timing table against torch's
 scaled_dot_product_attention on gathered K/V. A few minutes on an H100.
 
-Run on a CUDA machine, from the repository root (forklm.kernels maps to kernels/ only once the
-project is installed; the engine section also needs the engine's imports, e.g. xgrammar):
+Run on a CUDA machine, from the repository root (forklm.kernels.triton maps to kernels/triton/ only once
+the project is installed; the engine section also needs the engine's imports, e.g. xgrammar):
     python3 -m pip install --no-deps --no-build-isolation -e . && python3 -m benchmarks.gpu_check
 `--compile-only` compiles every kernel for sm_90 with Triton's bundled ptxas and needs no GPU.
 Exits 1 if any check failed.
@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from forklm.kernels.decode_attention import decode_attention, decode_attention_ref
-from forklm.kernels.extend_attention import extend_attention, extend_attention_ref
-from forklm.kernels.store_kv import store_kv, store_kv_ref
+from forklm.kernels.triton.decode_attention import decode_attention, decode_attention_ref
+from forklm.kernels.triton.extend_attention import extend_attention, extend_attention_ref
+from forklm.kernels.triton.store_kv import store_kv, store_kv_ref
 
 BATCH, CONTEXT, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 64, 4096, 32, 8, 128
 GROUP = NUM_HEADS // NUM_KV_HEADS
@@ -335,9 +335,9 @@ def _row(name: str, triton_ms: float, sdpa_ms: float, gather_ms: float,
 
 def compile_only() -> None:
     """Compile each kernel for sm_90 (bf16, fp16, fp32; head_dim 64 and 128) without a GPU."""
-    from forklm.kernels import decode_attention as da
-    from forklm.kernels import extend_attention as ea
-    from forklm.kernels import store_kv as sk
+    from forklm.kernels.triton import decode_attention as da
+    from forklm.kernels.triton import extend_attention as ea
+    from forklm.kernels.triton import store_kv as sk
 
     for dt, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
         for d in (64, 128):

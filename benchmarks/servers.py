@@ -8,12 +8,13 @@ import os
 import pathlib
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from forklm.runtime.child_process import forklm_command
 
 
 def free_port() -> int:
@@ -154,6 +155,5 @@ def forklm_server(engine_flags: list[str] | None = None, port: int | None = None
     """`forklm serve` in a child process with this interpreter; engine_flags are EngineConfig
     flags such as ["--dtype", "bfloat16"]."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "forklm", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *(engine_flags or [])]
+    cmd = forklm_command("serve", "--host", "127.0.0.1", "--port", str(port), *(engine_flags or []))
     return ServerProcess(cmd, port, health_path="/health")

@@ -7,14 +7,13 @@ They load on first use (PEP 562), so importing one runtime module does not load 
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
 
-from forklm.runtime.cpu_threads import default_wait_policy
+from forklm.runtime.cpu_threads import preload_openmp
 
-# OpenMP threads that spin a bounded while between ops (runtime/cpu_threads.py): set before
-# torch is imported, unless the user chose a wait policy.
-default_wait_policy(os.environ)
+# OpenMP threads that spin a bounded while between ops, unless the user chose a wait policy: torch's
+# libgomp loads now, before torch, and the environment stays as it was (runtime/cpu_threads.py).
+preload_openmp()
 
 # name -> the module that defines it; every other public name is the language's (frontend_dsl).
 _RUNTIME_NAMES = {

@@ -1,5 +1,5 @@
 """TritonAttention: the attention backend for CUDA, reading K/V straight from the paged pool
-through each request's slot table with the kernels in forklm.kernels (no gather, no padding)."""
+through each request's slot table with the kernels in forklm.kernels.triton (no gather, no padding)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import torch
 
-from forklm.kernels.decode_attention import decode_attention
-from forklm.kernels.extend_attention import extend_attention
-from forklm.kernels.store_kv import store_kv
+from forklm.kernels.triton.decode_attention import decode_attention
+from forklm.kernels.triton.extend_attention import extend_attention
+from forklm.kernels.triton.store_kv import store_kv
 from forklm.runtime.attention import AttentionLayerSpec, layer_specs
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.forward_batch import ForwardBatch

@@ -5,19 +5,23 @@ step. With libgomp's PASSIVE policy each barrier puts the other thread to sleep 
 the next op, which on a 2-vCPU VM costs more than the op: the batch-1 forward takes 2-2.5x as long
 as with threads that spin briefly (benchmarks/NOTES.md, session 11). But spinning threads that
 share their cores with another busy process wait out whole time slices at every barrier (up to
-10x slower). So forklm spins a bounded while by default, and the engine thread watches whether it
-gets its core (`ThreadGovernor`): when it does not, it drops to one thread, which has no barriers
-to wait at, and tries again later.
+10x slower). So forklm spins a bounded while by default (`preload_openmp`, at `import forklm`),
+and the engine thread watches whether it gets its core (`ThreadGovernor`): when it does not, it
+drops to one thread, which has no barriers to wait at, and tries again later.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import importlib.util
 import os
+import sys
 import time
 import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # libgomp spins this many pause loops (libgomp reckons 100 per microsecond: about 0.3 ms) before a
 # waiting thread sleeps: longer than the gap between two ops of a forward, shorter than a
@@ -25,21 +29,53 @@ from dataclasses import dataclass, field
 DEFAULT_SPIN_COUNT = "30000"
 
 
-def default_wait_policy(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Choose the bounded spin unless the user chose a policy; must run before torch is
-    imported (libgomp reads its environment once, when it loads)."""
-    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
-        environ["GOMP_SPINCOUNT"] = DEFAULT_SPIN_COUNT
+def preload_openmp(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Load torch's libgomp now, with the bounded spin, unless the user chose a policy. libgomp
+    reads its environment once, when it loads; torch then reuses this copy (the loader matches
+    its SONAME), so the spin count is set only while it loads and the process environment, which
+    child processes inherit, stays the caller's. True when it loaded one."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ or "torch" in sys.modules:
+        return False  # the user's choice, or too late: torch's libgomp has read its environment
+    library = _openmp_library()
+    if library is None or _is_loaded(library):
+        return False  # none to load, or another library loaded it already
+    environ["GOMP_SPINCOUNT"] = DEFAULT_SPIN_COUNT
+    try:
+        ctypes.CDLL(library)
+    except OSError:
+        return False
+    finally:
+        del environ["GOMP_SPINCOUNT"]
+    return True
+
+
+def _openmp_library() -> str | None:
+    """The libgomp torch will load, found without importing torch: the copy its wheel bundles
+    (libtorch_cpu.so needs it by that file's name), else the system's."""
+    spec = importlib.util.find_spec("torch")
+    if spec is not None:
+        for folder in spec.submodule_search_locations or []:
+            bundled = sorted(Path(folder, "lib").glob("libgomp*.so*"))
+            if bundled:
+                return str(bundled[0])
+    return ctypes.util.find_library("gomp")
+
+
+def _is_loaded(library: str) -> bool:
+    """Whether a library of that name (or SONAME) is loaded already: the loader would reuse it."""
+    try:
+        ctypes.CDLL(os.path.basename(library), mode=os.RTLD_NOLOAD)
+    except OSError:
+        return False
+    return True
 
 
 def sleeping_threads_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """A child process's environment for processes that share their cores (replicas on one
-    host, a server beside its client's work): OpenMP threads that sleep at once. A spin count
-    overrides the policy in libgomp, so the one forklm set for this process is dropped."""
+    host, a server beside its client's work): OpenMP threads that sleep at once, unless the user
+    chose a policy (a GOMP_SPINCOUNT of theirs overrides it in libgomp, and stays)."""
     env = dict(environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if env.get("GOMP_SPINCOUNT") == DEFAULT_SPIN_COUNT:
-        del env["GOMP_SPINCOUNT"]
     return env
 
 

@@ -3,9 +3,11 @@ cores are contended (runtime/cpu_threads.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,22 +16,92 @@ from forklm.runtime import cpu_threads
 from forklm.runtime.cpu_threads import (
     DEFAULT_SPIN_COUNT,
     ThreadGovernor,
-    default_wait_policy,
+    preload_openmp,
     sleeping_threads_env,
     thread_governor,
     threads_spin,
 )
 
+# What libgomp prints of its spin count when it loads, with OMP_DISPLAY_ENV=VERBOSE.
+SPIN_30000 = f"GOMP_SPINCOUNT = '{DEFAULT_SPIN_COUNT}'"
 
-def test_default_policy_spins_briefly_unless_the_user_chose_one() -> None:
+
+def _libgomp_spin_counts(code: str, **env: str) -> list[str]:
+    """Run `code` in a child with no wait policy but `env`'s: libgomp's printed spin count, once
+    for each libgomp that loaded."""
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    stderr = subprocess.run([sys.executable, "-c", code],
+                            env={**base, **env, "OMP_DISPLAY_ENV": "VERBOSE"},
+                            capture_output=True, text=True, check=True, timeout=120).stderr
+    return [line.strip() for line in stderr.splitlines()
+            if line.strip().startswith("GOMP_SPINCOUNT =")]
+
+
+# forklm and torch load, the environment stays as it was before either.
+_IMPORT_FORKLM_THEN_TORCH = """
+import os, sys
+before = dict(os.environ)
+import forklm
+assert 'torch' not in sys.modules
+import torch
+torch.ones(4).sum()
+assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+"""
+
+
+def test_importing_forklm_gives_torch_the_bounded_spin_and_leaves_the_environment() -> None:
+    assert _libgomp_spin_counts(_IMPORT_FORKLM_THEN_TORCH) == [SPIN_30000]  # one libgomp: torch's
+    plain = _libgomp_spin_counts("import torch; torch.ones(4).sum()")  # libgomp's own default
+    assert len(plain) == 1 and plain != [SPIN_30000]
+
+
+@pytest.mark.parametrize(("env", "printed"), [
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, "GOMP_SPINCOUNT = '0'"),
+    ({"GOMP_SPINCOUNT": "1000"}, "GOMP_SPINCOUNT = '1000'"),
+])
+def test_importing_forklm_keeps_the_users_policy(env: dict[str, str], printed: str) -> None:
+    assert _libgomp_spin_counts(_IMPORT_FORKLM_THEN_TORCH, **env) == [printed]
+
+
+def _no_load(path: str, *args: object, **kwargs: object) -> None:
+    raise AssertionError(f"loaded {path}")
+
+
+@pytest.mark.parametrize("chosen", [{"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "active"},
+                                    {"GOMP_SPINCOUNT": "0"}])
+def test_preload_leaves_a_users_policy_alone(chosen: dict[str, str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(sys.modules, "torch")  # as before torch is imported
+    monkeypatch.setattr(ctypes, "CDLL", _no_load)
+    env = dict(chosen)
+    assert preload_openmp(env) is False and env == chosen
+
+
+def test_preload_does_nothing_once_libgomp_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     env: dict[str, str] = {}
-    default_wait_policy(env)
-    assert env == {"GOMP_SPINCOUNT": DEFAULT_SPIN_COUNT} and threads_spin(env)
-    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "active"},
-                   {"GOMP_SPINCOUNT": "0"}):
-        env = dict(chosen)
-        default_wait_policy(env)
-        assert env == chosen
+    assert "torch" in sys.modules and preload_openmp(env) is False and env == {}
+    # torch not imported, but its libgomp loaded all the same (this process has it)
+    monkeypatch.delitem(sys.modules, "torch")
+    assert preload_openmp(env) is False and env == {}
+
+
+def test_preload_sets_the_spin_count_only_while_libgomp_loads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    env: dict[str, str] = {"PATH": "/bin"}
+    loads: list[tuple[str, dict[str, str]]] = []
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setattr(cpu_threads, "_is_loaded", lambda library: False)
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: loads.append((path, dict(env))))
+    assert preload_openmp(env) is True and env == {"PATH": "/bin"}
+    torch_libgomp = str(Path(torch.__file__).parent / "lib" / "libgomp.so.1")
+    assert loads == [(torch_libgomp, {"PATH": "/bin", "GOMP_SPINCOUNT": DEFAULT_SPIN_COUNT})]
+
+    def fails(path: str) -> None:
+        assert env["GOMP_SPINCOUNT"] == DEFAULT_SPIN_COUNT
+        raise OSError("cannot load")
+
+    monkeypatch.setattr(ctypes, "CDLL", fails)
+    assert preload_openmp(env) is False and env == {"PATH": "/bin"}
 
 
 @pytest.mark.parametrize(("env", "spins"), [
@@ -45,21 +117,11 @@ def test_threads_spin_reads_the_environment_as_libgomp_does(env: dict[str, str],
 
 
 def test_children_that_share_the_cores_get_sleeping_threads() -> None:
-    env = sleeping_threads_env({"GOMP_SPINCOUNT": DEFAULT_SPIN_COUNT, "PATH": "/bin"})
+    env = sleeping_threads_env({"PATH": "/bin"})
     assert env == {"OMP_WAIT_POLICY": "PASSIVE", "PATH": "/bin"} and not threads_spin(env)
     # a user's own choice stays
     assert sleeping_threads_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
     assert sleeping_threads_env({"GOMP_SPINCOUNT": "5"})["GOMP_SPINCOUNT"] == "5"
-
-
-def test_importing_forklm_sets_the_spin_before_torch_loads() -> None:
-    code = ("import os, sys; import forklm; assert 'torch' not in sys.modules; "
-            "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
-    env = {k: v for k, v in sleeping_threads_env().items()
-           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True, timeout=60).stdout.split()
-    assert out == [DEFAULT_SPIN_COUNT, "None"]
 
 
 def test_no_governor_where_threads_sleep_or_there_is_one() -> None:

@@ -15,9 +15,9 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from forklm.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
-from forklm.kernels.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
-from forklm.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+from forklm.kernels.triton.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
+from forklm.kernels.triton.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
+from forklm.kernels.triton.store_kv import store_kv, store_kv_ref  # noqa: E402
 
 NUM_KV_HEADS = 2
 # Atol vs the fp32 twin / vs float64 dense; fp16 rounds q, k, v and the softmax weights.
@@ -186,7 +186,7 @@ def test_launchers_reject_bad_arguments():
 
 
 def test_import_forklm_does_not_import_triton():
-    code = "import sys, forklm, forklm.kernels; assert 'triton' not in sys.modules, 'imported'"
+    code = "import sys, forklm, forklm.kernels.triton; assert 'triton' not in sys.modules, 'imported'"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 

@@ -9,12 +9,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from forklm.runtime.child_process import forklm_command
 from forklm.runtime.cpu_threads import sleeping_threads_env
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def replica_threads(dp_size: int, num_threads: int | None) -> int:
 
 def replica_command(port: int, flags: dict[str, Any]) -> list[str]:
     """`python -m forklm serve` on 127.0.0.1:port with `flags` (field name -> value) as options."""
-    cmd = [sys.executable, "-m", "forklm", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = forklm_command("serve", "--host", "127.0.0.1", "--port", str(port))
     for name, value in flags.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -16,6 +15,7 @@ import httpx
 
 from forklm.frontend_dsl.backends.base import BackendError
 from forklm.frontend_dsl.backends.runtime_endpoint import RuntimeEndpoint
+from forklm.runtime.child_process import forklm_command
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.cpu_threads import sleeping_threads_env
 from forklm.runtime.errors import InvalidArgumentError
@@ -123,7 +123,7 @@ def _serve_argv(model_path: str | None, flags: dict[str, Any]) -> list[str]:
         engine_flags["model_path"] = model_path
     EngineConfig.from_kwargs(**engine_flags)
     ServerConfig.from_kwargs(**{k: v for k, v in flags.items() if k in server_names})
-    argv = [sys.executable, "-m", "forklm", "serve"]
+    argv = forklm_command("serve")
     for name, value in {**flags, **engine_flags}.items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from forklm.kernels._common import (
+from forklm.kernels.triton._common import (
     FLOAT_DTYPES,
     check,
     check_index,

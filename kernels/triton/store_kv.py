@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from forklm.kernels._common import (
+from forklm.kernels.triton._common import (
     FLOAT_DTYPES,
     check_index,
     check_tensor,
