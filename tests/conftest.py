@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The Triton kernels are tested under the interpreter, which Triton reads when it is imported;
@@ -19,6 +20,9 @@ from forklm.runtime.engine import Engine
 from forklm.runtime.model_loader import LoadedModel, load_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Where servers and programs under test start: the repository root puts the checkout first on
+# sys.path, the case tests/test_import_isolation.py is about.
+REPO_ROOT = Path(__file__).resolve().parent.parent
 # Prompts of the full-model comparisons: chat and raw text, a few tokens to ~50.
 EVAL_QUESTIONS = [
     "What is the capital of France?",

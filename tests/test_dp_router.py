@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from conftest import REPO_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -198,7 +199,7 @@ def dp_server():
     cmd = [sys.executable, "-m", "forklm", "serve", "--dp-size", "2", "--port", str(port),
            "--dtype", "float32", "--max-total-tokens", "4096", "--graceful-shutdown-s", "2"]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180

@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forklm.runtime.child_process import forklm_command
+from conftest import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from forklm.runtime.child_process import forklm_command
 
 
 def _importable_from_root() -> set[str]:

@@ -10,7 +10,7 @@ import re
 from importlib import metadata
 
 import pytest
-from conftest import wait_until
+from conftest import REPO_ROOT, wait_until
 
 import forklm.frontend_dsl as sgl
 from forklm.frontend_dsl import program as program_module
@@ -244,7 +244,8 @@ def test_runtime_reports_a_server_that_dies_or_hangs(monkeypatch):
 
 
 @pytest.mark.slow
-def test_runtime_starts_serves_and_shuts_down():
+def test_runtime_starts_serves_and_shuts_down(monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)  # its server starts where the program runs
     previous = program_module.current_default_backend()
     runtime = sgl.Runtime(dtype="float32", max_total_tokens=4096)
     try:
