@@ -43,7 +43,7 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the abl
     "forklm-dense": {"quantization": "none"},
     # Batch-invariant matmuls and attention: what determinism costs
     "forklm-deterministic": {"enable_deterministic_inference": True},
-    # Each layer's dense steps compiled by inductor (runtime/torch_compile.py)
+    # Each layer's dense steps compiled by inductor (runtime/forward/torch_compile.py)
     "forklm-compile": {"enable_torch_compile": True},
 }
 LLAMA_SERVER_SLOTS = {"llama-server-np8": 8, "llama-server-np16": 16}
@@ -82,7 +82,7 @@ def _hf_runner(system: str, args: argparse.Namespace) -> HFRunner:
     import transformers
 
     from forklm.runtime.config import resolved_dtype_name
-    from forklm.runtime.model_loader import load_model
+    from forklm.runtime.models.loader import load_model
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -136,7 +136,7 @@ def _llama_server_runner(system: str, args: argparse.Namespace,
 
 
 def _gguf_token_counter() -> Any:
-    from forklm.runtime.model_loader import load_model
+    from forklm.runtime.models.loader import load_model
 
     tokenizer = load_model("SmolLM2-135M-Instruct").tokenizer
     return lambda text: len(tokenizer.encode(text))

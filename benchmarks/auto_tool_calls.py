@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument("--bias", type=float, default=100.0,
                         help="logit bias on <tool_call> (makes the random model open calls)")
     args = parser.parse_args()
-    from forklm.runtime.model_loader import load_model
+    from forklm.runtime.models.loader import load_model
 
     tokenizer = load_model("SmolLM2-135M-Instruct").tokenizer
     with tempfile.TemporaryDirectory() as folder:

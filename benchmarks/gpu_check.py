@@ -158,7 +158,7 @@ def _random_llama():
 def check_engine() -> None:
     """The random Llama in fp32 on CUDA: greedy tokens from the engine (Triton backend, chunked
     prefill, radix cache, decode from CUDA graphs) == transformers'."""
-    from forklm.runtime.engine import Engine
+    from forklm.runtime.engine.engine import Engine
 
     model = _random_llama()
     gen = torch.Generator().manual_seed(0)
@@ -190,7 +190,7 @@ def check_cuda_graphs() -> None:
     and the KV pool that --mem-fraction-static (default) sized."""
     import time
 
-    from forklm.runtime.engine import Engine
+    from forklm.runtime.engine.engine import Engine
 
     model = _random_llama()
     gen = torch.Generator().manual_seed(1)
@@ -235,7 +235,7 @@ def check_workloads() -> None:
     overlap on and off: output tokens/s, median TTFT and the prompt tokens computed."""
     from benchmarks import workloads
     from benchmarks.runners import EngineRunner
-    from forklm.runtime.engine import Engine
+    from forklm.runtime.engine.engine import Engine
 
     print("W1-W3, default model, cuda, bf16 (in process)")
     print(f"  {'':12s} {'workload':18s} {'tok/s':>8s} {'TTFT s':>7s} {'computed/sent':>15s}")

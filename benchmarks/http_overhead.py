@@ -36,7 +36,7 @@ MAX_TOKENS = 64
 # Run in the server (and this process) before forklm's engine starts: each ThreadGovernor thread
 # count change is logged as a `GOVERNOR n` line; with --no-governor no governor is made.
 PRELUDE = """
-import sys, forklm.runtime.cpu_threads as c, forklm.runtime.engine_loop as el
+import sys, forklm.runtime.cpu_threads as c, forklm.runtime.engine.loop as el
 use = c.ThreadGovernor._use
 def logged(self, n):
     print("GOVERNOR", n, file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""torch's int4 CPU kernel vs runtime/int4_gemv.c on the default model's decode matmuls
+"""torch's int4 CPU kernel vs kernels/cpu/int4_gemv.c on the default model's decode matmuls
 (SmolLM2-135M: qkv, o_proj, gate_up, down), interleaved in one process; medians.
 --forward: the whole decode forward (the GGUF kept quantized, fused decode layers) with the
 native kernel and with torch's kernel + the dense copy (as where the native one did not build),
@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from forklm.runtime import native_kernels
+from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.quant.linear import KERNEL_GROUP, Int4Matrix, pack_block_n
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

@@ -30,7 +30,7 @@ class KVMemory:
 def measure_kv_memory(engine: Any, wl: Workload, interval_s: float = 0.05) -> KVMemory:
     """Run wl's prompts through engine.generate (one call) and sample the ratio meanwhile."""
     pool = engine.parts.kv.pool
-    # per buffer row (the pool has one scratch row past its capacity, runtime/cuda_graphs.py)
+    # per buffer row (the pool has one scratch row past its capacity, runtime/forward/cuda_graphs.py)
     bytes_per_slot = (pool.k_buffer.nbytes + pool.v_buffer.nbytes) / pool.k_buffer.shape[1]
     bytes_per_token = pool.bytes_per_token(pool.num_layers, pool.num_kv_heads, pool.head_dim,
                                            pool.dtype)

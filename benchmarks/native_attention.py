@@ -48,11 +48,11 @@ def layer_rows(dtypes, quick: bool) -> list[dict]:
     """One layer's forward (store + attention) of both backends on one batch."""
     import torch
 
-    import forklm.runtime.attention_native as attention_native
+    import forklm.runtime.attention.native as attention_native
     from benchmarks.profile_step import decode_batch
-    from forklm.runtime.attention import TorchAttention
-    from forklm.runtime.attention_native import NativeAttention
-    from forklm.runtime.kv_pool import KVPool
+    from forklm.runtime.attention.backends import TorchAttention
+    from forklm.runtime.attention.native import NativeAttention
+    from forklm.runtime.kvcache.pool import KVPool
     from tests.test_triton_backend import make_forward_batch
 
     attention_native.NATIVE_MAX_Q_LEN = 1 << 30  # the kernel at every q_len, to find the limit
@@ -90,7 +90,7 @@ def forward_rows(dtypes, quick: bool) -> list[dict]:
     import torch
 
     from benchmarks.profile_step import build, decode_batch, time_forwards
-    from forklm.runtime.attention import create_attention_backend
+    from forklm.runtime.attention.backends import create_attention_backend
 
     rows = []
     cases = FORWARD_CASES[:2] if quick else FORWARD_CASES
@@ -115,7 +115,7 @@ def forward_rows(dtypes, quick: bool) -> list[dict]:
 def child(quick: bool) -> None:
     import torch
 
-    from forklm.runtime import native_kernels
+    from forklm.kernels.cpu import bindings as native_kernels
 
     assert native_kernels.available(), native_kernels.unavailable_reason()
     dtypes = [torch.bfloat16, torch.float32]

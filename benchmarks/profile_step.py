@@ -21,17 +21,17 @@ import time
 
 import torch
 
-from forklm.runtime.attention import create_attention_backend
-from forklm.runtime.attention_invariant import BatchInvariantAttention
-from forklm.runtime.attention_native import NativeAttention
-from forklm.runtime.builder import build_model
+from forklm.runtime.attention.backends import create_attention_backend
+from forklm.runtime.attention.batch_invariant import BatchInvariantAttention
+from forklm.runtime.attention.native import NativeAttention
 from forklm.runtime.config import EngineConfig, resolved_dtype_name
-from forklm.runtime.forward_batch import ForwardBatch
-from forklm.runtime.kv_pool import KVPool
-from forklm.runtime.model_loader import load_model
+from forklm.runtime.engine.builder import build_model
+from forklm.runtime.forward.batch import ForwardBatch
+from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import CausalLM, spec_from_config
 from forklm.runtime.models.batch_invariant import make_batch_invariant
 from forklm.runtime.models.fused_layers import FusedDecodeLayers, unsupported_reason
+from forklm.runtime.models.loader import load_model
 from forklm.sim.profile import prefill_step
 
 
@@ -107,7 +107,7 @@ def time_forwards(model: CausalLM, attn: object, fb: ForwardBatch, repeats: int,
 def compare_compiled(model: CausalLM, attn: object, fb: ForwardBatch, kind: str, repeats: int,
                      rounds: int = 10) -> None:
     """Eager vs torch.compile'd layer steps on the same batch, alternating rounds."""
-    from forklm.runtime.torch_compile import WARM_UP_TOKENS, enable_torch_compile
+    from forklm.runtime.forward.torch_compile import WARM_UP_TOKENS, enable_torch_compile
 
     eager_logits = model(fb, attn)
     t0 = time.perf_counter()

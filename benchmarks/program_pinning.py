@@ -35,7 +35,7 @@ from benchmarks.workloads import WORDS
 from forklm import Engine
 from forklm.frontend_dsl.global_config import global_config
 from forklm.runtime.config import DEFAULT_MODEL
-from forklm.runtime.model_loader import load_model
+from forklm.runtime.models.loader import load_model
 
 GREEDY = {"temperature": 0.0}
 

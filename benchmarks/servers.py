@@ -100,7 +100,7 @@ class ServerProcess:
 
 def default_gguf() -> pathlib.Path:
     """The default model's GGUF file, located the way the engine's model loader finds it."""
-    from forklm.runtime.model_source import default_model_gguf
+    from forklm.runtime.models.source import default_model_gguf
 
     return default_model_gguf()
 

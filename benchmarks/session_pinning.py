@@ -23,7 +23,7 @@ from typing import Any
 
 from forklm import Engine
 from forklm.runtime.config import DEFAULT_MODEL
-from forklm.runtime.model_loader import load_model
+from forklm.runtime.models.loader import load_model
 
 SYSTEM = ("You are an operations agent. You call tools, read their results and answer briefly. "
           "Keep track of every number the tools report.\n")

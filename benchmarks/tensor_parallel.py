@@ -23,7 +23,7 @@ import torch
 
 from forklm import Engine
 from forklm.runtime.config import cpu_flags
-from forklm.runtime.model_loader import load_model
+from forklm.runtime.models.loader import load_model
 
 PROMPTS = [f"Write a story about a {x} in a harbour town." for x in (
     "fox", "lighthouse", "baker", "storm", "clock", "sailor", "cat", "bridge", "whale", "kite",

@@ -17,9 +17,9 @@ preload_openmp()
 
 # name -> the module that defines it; every other public name is the language's (frontend_dsl).
 _RUNTIME_NAMES = {
-    "Engine": "forklm.runtime.engine",
+    "Engine": "forklm.runtime.engine.engine",
     "EngineConfig": "forklm.runtime.config",
-    "SamplingParams": "forklm.runtime.sampling_params",
+    "SamplingParams": "forklm.runtime.sampling.params",
     **dict.fromkeys(("EngineShutdownError", "ForkLMError", "InvalidArgumentError",
                      "KVCacheFullError", "ModelNotFoundError", "UnsupportedModelError"),
                     "forklm.runtime.errors"),
@@ -29,7 +29,7 @@ _SUBPACKAGES = ("frontend_dsl", "kernels", "runtime", "server")
 if TYPE_CHECKING:  # what __getattr__ gives, for type checkers
     from forklm.frontend_dsl import *  # noqa: F403
     from forklm.runtime.config import EngineConfig  # noqa: F401
-    from forklm.runtime.engine import Engine  # noqa: F401
+    from forklm.runtime.engine.engine import Engine  # noqa: F401
     from forklm.runtime.errors import (  # noqa: F401
         EngineShutdownError,
         ForkLMError,
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what __getattr__ gives, for type checkers
         ModelNotFoundError,
         UnsupportedModelError,
     )
-    from forklm.runtime.sampling_params import SamplingParams  # noqa: F401
+    from forklm.runtime.sampling.params import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

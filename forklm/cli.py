@@ -48,7 +48,7 @@ def _base_type(hint: Any) -> type:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from forklm.runtime.engine import Engine
+    from forklm.runtime.engine.engine import Engine
 
     with Engine(**engine_kwargs(args)) as engine:
         prompt = args.prompt
@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
     import json
 
     from forklm.frontend_dsl.program_file import run_program_file
-    from forklm.runtime.engine import Engine
+    from forklm.runtime.engine.engine import Engine
     from forklm.runtime.errors import ForkLMError
 
     arguments = {}

@@ -59,7 +59,7 @@ def as_backend(backend: Any) -> Backend:
     if isinstance(backend, Backend):
         return backend
     from forklm.frontend_dsl.backends.engine_backend import EngineBackend
-    from forklm.runtime.engine import Engine
+    from forklm.runtime.engine.engine import Engine
 
     if isinstance(backend, Engine):
         return EngineBackend(backend)

@@ -33,7 +33,7 @@ from forklm.frontend_dsl import api, ir
 from forklm.frontend_dsl.ir_codec import check_references
 from forklm.frontend_dsl.limits import MAX_INT_DIGITS, MAX_VALUE_DEPTH, BuildBudget
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling.params import SamplingParams
 
 _GRAMMAR = Path(__file__).with_name("program.lark")
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "\\": "\\"}

@@ -24,7 +24,7 @@ from forklm.frontend_dsl.expr import Expr, flatten
 from forklm.frontend_dsl.ir_codec import node_to_dict
 from forklm.frontend_dsl.state import BranchGroup, ChatBlocks, check_fork
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from forklm.frontend_dsl.program import Program

@@ -10,24 +10,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "Engine": "forklm.runtime.engine",
-    "EngineClient": "forklm.runtime.engine_client",
+    "Engine": "forklm.runtime.engine.engine",
+    "EngineClient": "forklm.runtime.engine.client",
     "EngineConfig": "forklm.runtime.config",
-    "GenerateOutput": "forklm.runtime.results",
-    "ModelInfo": "forklm.runtime.builder",
-    "RequestGroup": "forklm.runtime.intake",
-    "SamplingParams": "forklm.runtime.sampling_params",
+    "GenerateOutput": "forklm.runtime.engine.results",
+    "ModelInfo": "forklm.runtime.engine.builder",
+    "RequestGroup": "forklm.runtime.engine.intake",
+    "SamplingParams": "forklm.runtime.sampling.params",
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # what __getattr__ gives, for type checkers
-    from forklm.runtime.builder import ModelInfo  # noqa: F401
     from forklm.runtime.config import EngineConfig  # noqa: F401
-    from forklm.runtime.engine import Engine  # noqa: F401
-    from forklm.runtime.engine_client import EngineClient  # noqa: F401
-    from forklm.runtime.intake import RequestGroup  # noqa: F401
-    from forklm.runtime.results import GenerateOutput  # noqa: F401
-    from forklm.runtime.sampling_params import SamplingParams  # noqa: F401
+    from forklm.runtime.engine.builder import ModelInfo  # noqa: F401
+    from forklm.runtime.engine.client import EngineClient  # noqa: F401
+    from forklm.runtime.engine.engine import Engine  # noqa: F401
+    from forklm.runtime.engine.intake import RequestGroup  # noqa: F401
+    from forklm.runtime.engine.results import GenerateOutput  # noqa: F401
+    from forklm.runtime.sampling.params import SamplingParams  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -57,18 +57,18 @@ class EngineConfig:
     num_threads: int | None = None
     max_total_tokens_fraction: float = 0.1
     # SGLang's --mem-fraction-static, on a GPU: weights + KV pool use at most this fraction of the
-    # device's memory, the rest is left for activations and CUDA graphs (runtime/kv_sizing.py);
+    # device's memory, the rest is left for activations and CUDA graphs (runtime/kvcache/sizing.py);
     # None = 0.85. On the CPU the pool is max_total_tokens_fraction of free RAM instead.
     mem_fraction_static: float | None = None
     # Check the KV accounting after every step (tests; costs a pass over all slots per step).
     debug_check_invariants: bool = False
     # Constrained requests append the text their grammar forces next (a JSON key, say) without
-    # sampling it token by token. Off by default: see runtime/constrained.py for why.
+    # sampling it token by token. Off by default: see runtime/sampling/constraints.py for why.
     enable_jump_forward: bool = False
     # Seconds a constraint's grammar may take to compile (queueing included) before its request
     # fails with a 400 naming the constraint. Real schemas compile in 1-100 ms; the slowest of
     # JSONSchemaBench takes 47 s, and xgrammar cannot be interrupted, so an overrunning compile
-    # runs on in the background (runtime/grammar_pool.py) and its result is cached.
+    # runs on in the background (runtime/sampling/grammar_pool.py) and its result is cached.
     grammar_compile_timeout_s: float = 10.0
     # SGLang's --speculative-algorithm: None = off, "NGRAM" = prompt lookup (drafts copied from
     # where the sequence's own suffix occurred earlier, verified in one forward; same output).
@@ -90,7 +90,7 @@ class EngineConfig:
     session_pinned_fraction: float = 0.25
     # ... and a session idle this long loses its pins (it stays open).
     session_idle_timeout_s: float = 120.0
-    # SGLang's CUDA graphs for decode (runtime/cuda_graphs.py): captured on CUDA for batch-size
+    # SGLang's CUDA graphs for decode (runtime/forward/cuda_graphs.py): captured on CUDA for batch-size
     # buckets up to cuda_graph_max_bs (None: max_running_requests, at most 160) and replayed
     # with padded batches; --disable-cuda-graph runs every step eagerly. debug_eager_cuda_graph
     # serves decode through the same buffers and padding on any device with eager re-runs in
@@ -99,13 +99,13 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     debug_eager_cuda_graph: bool = False
     # SGLang's --disable-overlap-schedule: with the overlap scheduler consecutive decode steps
-    # pipeline (the next forward runs while this step's samples are applied; runtime/overlap.py;
+    # pipeline (the next forward runs while this step's samples are applied; runtime/engine/overlap.py;
     # same tokens). None = on with a GPU, off on the CPU, where the forward thread competes with
     # the engine thread for the same cores (a tie when quiet, up to 17% slower when busy or at
     # batch 64: benchmarks/NOTES.md); False (--no-disable-overlap-schedule) turns it on anywhere.
     disable_overlap_schedule: bool | None = None
     # SGLang's --enable-torch-compile / --torch-compile-max-bs: each layer's dense work (not
-    # attention) compiled with torch.compile (inductor, runtime/torch_compile.py) for batches of
+    # attention) compiled with torch.compile (inductor, runtime/forward/torch_compile.py) for batches of
     # at most torch_compile_max_bs requests; larger ones, and any model the compiler cannot
     # take, run eagerly. Off by default (20-50 s of compiling at start with a cold cache, about
     # 5-7% off batch-1 decode on a 2-core CPU).
@@ -249,8 +249,8 @@ class EngineConfig:
             return self.attention_backend
         if self.device.startswith("cuda"):
             return "triton"
-        # The C kernel for decode when this machine compiles it (runtime/native_kernels.py).
-        from forklm.runtime import native_kernels
+        # The C kernel for decode when this machine compiles it (kernels/cpu/bindings.py).
+        from forklm.kernels.cpu import bindings as native_kernels
 
         return "native" if native_kernels.available() else "torch"
 

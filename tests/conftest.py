@@ -16,8 +16,8 @@ import pytest
 import torch
 import transformers
 
-from forklm.runtime.engine import Engine
-from forklm.runtime.model_loader import LoadedModel, load_model
+from forklm.runtime.engine.engine import Engine
+from forklm.runtime.models.loader import LoadedModel, load_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # Where servers and programs under test start: the repository root puts the checkout first on

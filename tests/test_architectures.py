@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.runtime.errors import UnsupportedModelError
 from tests.conftest import assert_idle_and_clean, hf_greedy
 from tests.tiny_models import ARCHITECTURES, SLIDING_WINDOW, build_tiny_model
@@ -100,7 +100,7 @@ FUSED = {"llama3", "qwen2", "qwen2_sliding", "qwen3", "mistral", "phi3", "phi3_s
 def test_fused_layers_where_the_model_allows(case):
     """The tests above run the fused decode layers for these models (so their tokens are the
     fused path's): which ones take it is part of what they check."""
-    from forklm.runtime import native_kernels
+    from forklm.kernels.cpu import bindings as native_kernels
 
     if native_kernels.fused_ops() is None:  # no C compiler: every model runs eagerly
         assert case.engine.parts.runner.model.fused_layers is None

@@ -15,8 +15,8 @@ from collections.abc import Callable
 import jsonschema
 import pytest
 
-from forklm.runtime.engine import Engine
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.engine.engine import Engine
+from forklm.runtime.sampling.params import SamplingParams
 from tests.conftest import assert_idle_and_clean, chat_prompt
 
 GREEDY = {"temperature": 0}
@@ -178,7 +178,7 @@ def test_retraction_mid_json_keeps_the_output(make_engine, prompts, runs, caplog
     # the same matcher and random stream, so the outputs equal those of the roomy run. (An engine
     # of its own: retraction changes the scheduler's admission ratio for later tests.)
     tight = make_engine(max_total_tokens=280, schedule_conservativeness=0.3)
-    with caplog.at_level(logging.INFO, logger="forklm.runtime.scheduler"):
+    with caplog.at_level(logging.INFO, logger="forklm.runtime.scheduling.scheduler"):
         results = tight.generate(prompts["json"],
                                  params_for("json", temperature=1.0, n=6, seed=1000))
     assert any("retracted" in r.getMessage() for r in caplog.records), "no retraction happened"

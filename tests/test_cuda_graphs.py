@@ -1,4 +1,4 @@
-"""The decode graph runner (runtime/cuda_graphs.py) on the CPU: bucketing, padding and static
+"""The decode graph runner (runtime/forward/cuda_graphs.py) on the CPU: bucketing, padding and static
 buffers with a fake forward, then the whole engine with eager stand-ins for graph replays, whose
 greedy tokens must equal the plain engine's through changing batch sizes."""
 
@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.cuda_graphs import (
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.forward.batch import ForwardBatch
+from forklm.runtime.forward.cuda_graphs import (
     DecodeGraphRunner,
     EagerGraph,
     StaticDecodeBuffers,
     graph_batch_sizes,
 )
-from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.forward_batch import ForwardBatch
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling.params import SamplingParams
 from tests.conftest import assert_idle_and_clean
 
 SCRATCH = 99

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from forklm.runtime.attention import AttentionLayerSpec, TorchAttention
-from forklm.runtime.attention_invariant import KEY_CHUNK, BatchInvariantAttention
+from forklm.runtime.attention.backends import AttentionLayerSpec, TorchAttention
+from forklm.runtime.attention.batch_invariant import KEY_CHUNK, BatchInvariantAttention
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.forward_batch import ForwardBatch
-from forklm.runtime.kv_pool import KVPool
+from forklm.runtime.forward.batch import ForwardBatch
+from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models.batch_invariant import RowTiled, make_batch_invariant, tiled_rows
 from forklm.runtime.models.fp16_linear import Fp16WeightLinear, fp16_weights_available
 from forklm.runtime.models.moe import SparseMoE

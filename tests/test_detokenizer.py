@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forklm.runtime.detokenizer import IncrementalDetokenizer
+from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -191,7 +191,7 @@ def test_stop_regex_lookbehind_sees_emitted_text(tokenizer):
 def test_stop_regex_work_per_token_is_bounded(tokenizer, monkeypatch):
     """A pattern that partially matches forever: the held text and the searched text stay
     bounded (linear total work), and the stream goes on."""
-    from forklm.runtime import stop_regex
+    from forklm.runtime.sampling import stop_regex
 
     searched: list[int] = []
     search = stop_regex.StopRegexSearch.search

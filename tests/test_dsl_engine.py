@@ -10,7 +10,7 @@ import pytest
 
 import forklm as sgl
 from forklm.frontend_dsl import REGEX_INT
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 import forklm as sgl
 from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
 from forklm.frontend_dsl.choices import mean_logprob
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling.params import SamplingParams
 
 
 class StreamingBackend(Backend):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from tests.conftest import assert_idle_and_clean, chat_prompt
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_retraction_keeps_outputs(make_engine, tokenizer, caplog):
     roomy = make_engine().generate(prompts, params)
 
     tight = make_engine(max_total_tokens=300, schedule_conservativeness=0.3)
-    with caplog.at_level(logging.INFO, logger="forklm.runtime.scheduler"):
+    with caplog.at_level(logging.INFO, logger="forklm.runtime.scheduling.scheduler"):
         results = tight.generate(prompts, params)
 
     assert any("retracted" in r.getMessage() for r in caplog.records), "no retraction happened"

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.runtime.errors import EngineShutdownError, InvalidArgumentError, ModelNotFoundError
 
 VALID = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from tests.conftest import assert_idle_and_clean, chat_prompt
 
 GREEDY = {"temperature": 0}

@@ -9,18 +9,18 @@ import torch
 from torch import nn
 
 from benchmarks.profile_step import decode_batch, prefill_batch
-from forklm.runtime import builder
-from forklm.runtime.attention import create_attention_backend
-from forklm.runtime.builder import build_model, uses_fp16_weights
+from forklm.runtime.attention.backends import create_attention_backend
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.kv_pool import KVPool
-from forklm.runtime.model_loader import load_model
+from forklm.runtime.engine import builder
+from forklm.runtime.engine.builder import build_model, uses_fp16_weights
+from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import spec_from_config
 from forklm.runtime.models.fp16_linear import (
     Fp16WeightLinear,
     fp16_weights_available,
     pack_fp16_linears,
 )
+from forklm.runtime.models.loader import load_model
 from forklm.runtime.models.weights import FusedLinear
 from tests.tiny_models import build_tiny_model
 

@@ -1,4 +1,4 @@
-"""The fused C steps between a layer's matmuls (runtime/fused_layer_ops.c) against the eager torch
+"""The fused C steps between a layer's matmuls (kernels/cpu/fused_layer_ops.c) against the eager torch
 ops they replace, and FusedDecodeLayers against the eager layers on the default model. Greedy
 tokens of the default (fused) engine against the torch-backend engine and transformers are
 checked by test_native_attention.py, test_greedy_equivalence.py and test_architectures.py."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forklm.runtime import native_kernels
-from forklm.runtime.attention import TorchAttention
-from forklm.runtime.attention_native import NativeAttention, NativeAttentionMeta
-from forklm.runtime.forward_batch import ForwardBatch
-from forklm.runtime.kv_pool import KVPool
+from forklm.kernels.cpu import bindings as native_kernels
+from forklm.runtime.attention.backends import TorchAttention
+from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta
+from forklm.runtime.forward.batch import ForwardBatch
+from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models.fused_layers import FusedDecodeLayers, unsupported_reason
 from forklm.runtime.models.layers import RMSNorm, RotaryEmbedding
 

@@ -21,15 +21,15 @@ import pytest
 import xgrammar as xgr
 
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.constrained import GrammarBackend
 from forklm.runtime.errors import (
     EngineShutdownError,
     GrammarCompileTimeoutError,
     InvalidArgumentError,
 )
-from forklm.runtime.grammar_pool import CompilePool
-from forklm.runtime.sampling_checks import MAX_GRAMMAR_CHARS, MAX_GRAMMAR_DEPTH
-from forklm.runtime.sampling_params import Constraint, SamplingParams
+from forklm.runtime.sampling.checks import MAX_GRAMMAR_CHARS, MAX_GRAMMAR_DEPTH
+from forklm.runtime.sampling.constraints import GrammarBackend
+from forklm.runtime.sampling.grammar_pool import CompilePool
+from forklm.runtime.sampling.params import Constraint, SamplingParams
 from tests.conftest import assert_idle_and_clean, serve_in_thread, wait_until
 
 VOCAB = ["</s>", "a", "b", "c", "ab", "1", "2", "{", "}", '"', ":", ",", " ", "x"]

@@ -13,8 +13,8 @@ import regex
 import torch
 import xgrammar as xgr
 
-from forklm.runtime.constrained import GrammarBackend
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling.constraints import GrammarBackend
+from forklm.runtime.sampling.params import SamplingParams
 
 EOS = 0
 # Single characters, multi-character pieces that cross grammar boundaries, a two-byte character,

@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from tests.conftest import EVAL_QUESTIONS, chat_prompt, hf_greedy
 
 pytestmark = pytest.mark.slow

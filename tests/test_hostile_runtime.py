@@ -15,12 +15,13 @@ from conftest import assert_idle_and_clean
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forklm.runtime import output_processor, sampling_params
-from forklm.runtime.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from forklm.runtime.engine import output_processor
+from forklm.runtime.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from forklm.runtime.engine.intake import MAX_TOP_LOGPROBS_NUM
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.intake import MAX_TOP_LOGPROBS_NUM
-from forklm.runtime.sampler import sample
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling import params as sampling_params
+from forklm.runtime.sampling.params import SamplingParams
+from forklm.runtime.sampling.sampler import sample
 
 GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 PROMPTS = ["The capital of France is", "Once upon a time,", "def add(a, b):"]

@@ -1,4 +1,4 @@
-"""runtime/int4_gemv.c vs the float64 product with the dequantized weight and vs torch's int4
+"""kernels/cpu/int4_gemv.c vs the float64 product with the dequantized weight and vs torch's int4
 kernel, on the packed matrices QuantizedLinear builds (4-bit GGUF types, blocks and tails)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from forklm.runtime import native_kernels
+from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.quant.linear import KERNEL_GROUP, QuantizedLinear, pack_block_n
 from tests.test_quant import in_features_for, make_weight
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from forklm.runtime.errors import KVCacheFullError
-from forklm.runtime.kv_pool import KVPool, SlotAllocator
+from forklm.runtime.kvcache.pool import KVPool, SlotAllocator
 
 
 def test_allocate_gives_distinct_free_slots():

@@ -1,4 +1,4 @@
-"""KV pool sizing from device memory (runtime/kv_sizing.py), on given memory figures."""
+"""KV pool sizing from device memory (runtime/kvcache/sizing.py), on given memory figures."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.kv_pool import KVPool
-from forklm.runtime.kv_sizing import GIB, DeviceMemory, capped, cpu_kv_tokens, gpu_kv_tokens
+from forklm.runtime.kvcache.pool import KVPool
+from forklm.runtime.kvcache.sizing import GIB, DeviceMemory, capped, cpu_kv_tokens, gpu_kv_tokens
 
 # The default model in bf16: 30 layers x 3 KV heads x 64 dims x (K + V) x 2 bytes
 SMOL_BF16 = 30 * 3 * 64 * 2 * 2

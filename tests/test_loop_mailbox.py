@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from forklm.runtime.loop_mailbox import LoopMailbox, mailbox_for
+from forklm.runtime.engine.loop_mailbox import LoopMailbox, mailbox_for
 
 
 def count_wake_ups(loop: asyncio.AbstractEventLoop) -> list[None]:

@@ -13,10 +13,11 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from forklm.runtime import gguf_loader, model_source
 from forklm.runtime.errors import ModelNotFoundError, UnsupportedModelError
-from forklm.runtime.model_loader import LoadedModel, load_model
-from forklm.runtime.model_source import default_model_gguf, resolve_model_source
+from forklm.runtime.models import gguf_loader
+from forklm.runtime.models import source as model_source
+from forklm.runtime.models.loader import LoadedModel, load_model
+from forklm.runtime.models.source import default_model_gguf, resolve_model_source
 
 CHAT_HI = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -350,7 +351,7 @@ def test_gguf_rope_freqs_give_llama3_rope_scaling(tmp_path, monkeypatch):
     GGUF load drops that tensor)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from forklm.runtime.engine import Engine
+    from forklm.runtime.engine.engine import Engine
 
     monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
     torch.manual_seed(0)
@@ -403,7 +404,7 @@ def test_quantized_gguf_with_biases_loads_into_quantized_linears(tmp_path, monke
     """A Qwen2 GGUF with Q8_0 linears and float32 q/k/v biases, kept quantized: the fused qkv
     is one QuantizedLinear over the three parts with the three biases, its weights are gguf's
     dequantized values up to bf16 scales, and it generates like transformers on those weights (top-1 agreement)."""
-    from forklm.runtime.engine import Engine
+    from forklm.runtime.engine.engine import Engine
     from forklm.runtime.quant.linear import QuantizedLinear
 
     monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))

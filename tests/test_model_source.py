@@ -15,9 +15,9 @@ from huggingface_hub import errors as hub_errors
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from forklm.runtime import model_source
 from forklm.runtime.errors import ModelNotFoundError
-from forklm.runtime.model_source import (
+from forklm.runtime.models import source as model_source
+from forklm.runtime.models.source import (
     default_model_gguf,
     resolve_model_source,
     resolve_tokenizer_source,
@@ -244,7 +244,7 @@ def test_parse_hub_id():
 
 
 def test_engine_on_a_hub_id_equals_transformers(hub_cache, tiny_files):
-    from forklm.runtime.engine import Engine
+    from forklm.runtime.engine.engine import Engine
 
     snapshot = cache_repo(hub_cache, "org/tiny", tiny_files)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(snapshot).float().eval()

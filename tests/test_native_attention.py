@@ -1,4 +1,4 @@
-"""The native paged-attention kernel (runtime/paged_attention.c) against a float64 reference on
+"""The native paged-attention kernel (kernels/cpu/paged_attention.c) against a float64 reference on
 scattered pools, NativeAttention against TorchAttention, and the engine's greedy tokens with
 attention_backend="native" against "torch"."""
 
@@ -7,11 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forklm.runtime import native_kernels
-from forklm.runtime.attention import AttentionLayerSpec, TorchAttention, create_attention_backend
-from forklm.runtime.attention_native import NativeAttention, NativeAttentionMeta, _token_map
+from forklm.kernels.cpu import bindings as native_kernels
+from forklm.runtime.attention.backends import (
+    AttentionLayerSpec,
+    TorchAttention,
+    create_attention_backend,
+)
+from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta, _token_map
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.kv_pool import KVPool
+from forklm.runtime.kvcache.pool import KVPool
 from tests.conftest import assert_idle_and_clean
 from tests.test_triton_backend import make_forward_batch
 

@@ -9,12 +9,12 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from benchmarks.profile_step import decode_batch, prefill_batch
-from forklm.runtime import builder
-from forklm.runtime.attention import create_attention_backend
-from forklm.runtime.builder import build_model
-from forklm.runtime.kv_pool import KVPool
-from forklm.runtime.model_loader import load_model
+from forklm.runtime.attention.backends import create_attention_backend
+from forklm.runtime.engine import builder
+from forklm.runtime.engine.builder import build_model
+from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import spec_from_config
+from forklm.runtime.models.loader import load_model
 from forklm.runtime.models.onednn_linear import (
     OneDNNLinear,
     attach_dense_copies,
@@ -92,7 +92,7 @@ def test_dense_copies_serve_larger_batches_of_quantized_layers(ggml_type):
     ref = model[0].dequantize().double()
     dense_rows: list[int] = []
     model[0].dense.register_forward_hook(lambda m, args, out: dense_rows.append(args[0].shape[0]))
-    # With runtime/int4_gemv.c the copy takes over after the rows the native kernel does
+    # With kernels/cpu/int4_gemv.c the copy takes over after the rows the native kernel does
     # better (fewer for a split 8-bit matrix); after torch's kernel's 8 rows without it.
     first = model[0].dense_copy_min_rows()
     if model[0].matrices[0].native() is None:

@@ -1,4 +1,4 @@
-"""The overlap scheduler (runtime/overlap.py) gives the plain loop's tokens in every engine mode,
+"""The overlap scheduler (runtime/engine/overlap.py) gives the plain loop's tokens in every engine mode,
 keeps the KV accounting after every step and leaves nothing allocated; sampling stays on the
 logits' device with one host copy per step."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from forklm.runtime import sampler
-from forklm.runtime.engine import Engine
-from forklm.runtime.sampler import SamplingRow, sample_on_device
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.engine.engine import Engine
+from forklm.runtime.sampling import sampler
+from forklm.runtime.sampling.params import SamplingParams
+from forklm.runtime.sampling.sampler import SamplingRow, sample_on_device
 from tests.conftest import assert_idle_and_clean
 from tests.tiny_models import build_tiny_model
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.runtime.quant.linear import QuantizedLinear
 from tests.conftest import EVAL_QUESTIONS, chat_prompt, hf_greedy
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from forklm.runtime.errors import KVCacheFullError
-from forklm.runtime.kv_pool import SlotAllocator
-from forklm.runtime.radix_cache import RadixCache, TreeNode
+from forklm.runtime.kvcache.pool import SlotAllocator
+from forklm.runtime.kvcache.radix_cache import RadixCache, TreeNode
 
 
 def make_cache(capacity: int = 64) -> tuple[SlotAllocator, RadixCache]:

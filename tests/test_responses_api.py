@@ -20,7 +20,7 @@ from conftest import assert_idle_and_clean, serve_in_thread, wait_until
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.server.responses_store import ResponseStore
 
 slow = pytest.mark.slow  # the tests on the live server (the units run in test-fast too)
@@ -261,8 +261,8 @@ HERMES_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments"
 
 def built(plan, text: str, piece_len: int, reason: str = "stop"):
     """`text` read in pieces of `piece_len` chars; the events (validated) and the output."""
-    from forklm.runtime.request import FinishReason
-    from forklm.runtime.results import GenerateOutput
+    from forklm.runtime.engine.request import FinishReason
+    from forklm.runtime.engine.results import GenerateOutput
     from forklm.server.responses_output import OutputBuilder, Sequencer
 
     builder = OutputBuilder(plan.reader(), Sequencer())

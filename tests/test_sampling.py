@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forklm.runtime import sampler
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampler import apply_penalties, sample
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling import sampler
+from forklm.runtime.sampling.params import SamplingParams
+from forklm.runtime.sampling.sampler import apply_penalties, sample
 
 
 @dataclass
@@ -310,7 +310,7 @@ def test_min_new_tokens_lets_a_row_stop_when_nothing_else_is_allowed():
 def test_native_greedy_pick_is_torch_argmax(rows, vocab, spread, bf16, seed):
     """First index of the max, ties included (a small spread rounds many values equal in bf16),
     for every vocab size around the kernel's 64-value steps."""
-    from forklm.runtime import native_kernels
+    from forklm.kernels.cpu import bindings as native_kernels
 
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=gen) * spread).round()
@@ -322,7 +322,7 @@ def test_native_greedy_pick_is_torch_argmax(rows, vocab, spread, bf16, seed):
 
 
 def test_native_greedy_pick_nan_inf_and_strided_rows():
-    from forklm.runtime import native_kernels
+    from forklm.kernels.cpu import bindings as native_kernels
 
     logits = torch.randn(4, 200)
     logits[0, 150] = math.nan  # torch.argmax: the first NaN

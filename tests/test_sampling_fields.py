@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import DEFAULT_MODEL, assert_idle_and_clean, chat_prompt
 
-from forklm.runtime import stop_regex
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling import stop_regex
+from forklm.runtime.sampling.params import SamplingParams
 
 GREEDY = {"temperature": 0.0}
 # What SGLang's frontend (sglang.RuntimeEndpoint, SglSamplingParams.to_srt_kwargs) sends with a

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.kv_manager import KVCacheManager
-from forklm.runtime.kv_pool import KVPool
-from forklm.runtime.radix_cache import RadixCache
-from forklm.runtime.request import FinishReason, Req
-from forklm.runtime.sampling_params import SamplingParams
-from forklm.runtime.scheduler import ScheduledBatch, Scheduler
+from forklm.runtime.engine.request import FinishReason, Req
+from forklm.runtime.kvcache.manager import KVCacheManager
+from forklm.runtime.kvcache.pool import KVPool
+from forklm.runtime.kvcache.radix_cache import RadixCache
+from forklm.runtime.sampling.params import SamplingParams
+from forklm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
 
 
 def make_scheduler(capacity: int = 4096, **config) -> Scheduler:

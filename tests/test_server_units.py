@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from forklm.runtime.engine.intake import RequestIntake
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.intake import RequestIntake
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError
 from forklm.server.generation import Admission

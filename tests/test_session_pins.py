@@ -1,4 +1,4 @@
-"""Sessions pin the prefixes their requests end with (runtime/session_pins.py): pinned paths are
+"""Sessions pin the prefixes their requests end with (runtime/kvcache/session_pins.py): pinned paths are
 never evicted, every pin is released on every exit (close, idle, cap, flush), and the pinned
 total stays within its cap."""
 
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.kv_pool import SlotAllocator
-from forklm.runtime.radix_cache import RadixCache
-from forklm.runtime.session_pins import SessionPins
+from forklm.runtime.kvcache.pool import SlotAllocator
+from forklm.runtime.kvcache.radix_cache import RadixCache
+from forklm.runtime.kvcache.session_pins import SessionPins
 from tests.conftest import assert_idle_and_clean
 
 CAPACITY, CAP = 256, 96

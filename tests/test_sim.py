@@ -9,7 +9,7 @@ import random
 import pytest
 
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.sim.cost_model import CostModel, StepShape, TimedStep, fit_forward, fit_overhead
 from forklm.sim.report import percentile
 from forklm.sim.simulator import ModelFacts, SimConfig, Simulation

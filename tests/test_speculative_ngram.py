@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from forklm.cli import add_engine_flags, engine_kwargs
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.ngram_draft import MAX_CANDIDATES, NgramIndex
+from forklm.runtime.sampling.ngram_draft import MAX_CANDIDATES, NgramIndex
 from tests.conftest import assert_idle_and_clean, chat_prompt
 from tests.tiny_models import ARCHITECTURES, build_tiny_model
 
@@ -239,7 +239,7 @@ def test_kv_shortage_retracts_and_stays_identical(plain, tokenizer, caplog):
                    for i in range(6)]
         params = {**GREEDY, "max_new_tokens": 40, "ignore_eos": True}
         a = plain.generate(prompts, params)
-        with caplog.at_level(logging.INFO, logger="forklm.runtime.scheduler"):
+        with caplog.at_level(logging.INFO, logger="forklm.runtime.scheduling.scheduler"):
             b = engine.generate(prompts, params)
         assert any("retracted" in r.getMessage() for r in caplog.records), "no retraction"
         assert ids(a) == ids(b)

@@ -21,7 +21,7 @@ import pytest
 
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.distributed.sharding import ShardPlan, check_shardable
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.runtime.errors import EngineShutdownError, InvalidArgumentError, UnsupportedModelError
 from forklm.runtime.models.spec import ModelSpec, MoESpec
 from tests.conftest import EVAL_QUESTIONS, assert_idle_and_clean
@@ -151,7 +151,7 @@ def _ids(results) -> list[list[int]]:
 
 def test_batch_with_chunks_and_retraction_matches_tp1(engines, prompts, caplog):
     single, parallel = engines
-    with caplog.at_level(logging.INFO, logger="forklm.runtime.scheduler"):
+    with caplog.at_level(logging.INFO, logger="forklm.runtime.scheduling.scheduler"):
         got = _ids(parallel.generate(input_ids=prompts, sampling_params=GREEDY))
     assert any("retracted" in r.getMessage() for r in caplog.records), "no retraction happened"
     assert max(map(len, prompts)) > ENGINE["chunked_prefill_size"]  # prefilled in chunks

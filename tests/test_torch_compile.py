@@ -1,4 +1,4 @@
-"""--enable-torch-compile (runtime/torch_compile.py): the compiled forward gives eager's greedy
+"""--enable-torch-compile (runtime/forward/torch_compile.py): the compiled forward gives eager's greedy
 tokens and logprobs in float32, batches above torch_compile_max_bs run eagerly, and a compiler
 failure falls back to eager without changing a token. One tiny Llama, one engine of each kind."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forklm.runtime import torch_compile
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
+from forklm.runtime.forward import torch_compile
 from tests.conftest import assert_idle_and_clean
 from tests.tiny_models import build_tiny_model
 

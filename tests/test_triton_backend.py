@@ -12,12 +12,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from forklm.runtime.attention import TorchAttention, create_attention_backend  # noqa: E402
+from forklm.runtime.attention.backends import TorchAttention, create_attention_backend  # noqa: E402
 from forklm.runtime.config import EngineConfig  # noqa: E402
-from forklm.runtime.engine import Engine  # noqa: E402
+from forklm.runtime.engine.engine import Engine  # noqa: E402
 from forklm.runtime.errors import InvalidArgumentError  # noqa: E402
-from forklm.runtime.forward_batch import ForwardBatch  # noqa: E402
-from forklm.runtime.kv_pool import KVPool  # noqa: E402
+from forklm.runtime.forward.batch import ForwardBatch  # noqa: E402
+from forklm.runtime.kvcache.pool import KVPool  # noqa: E402
 from tests.conftest import hf_greedy  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 64
@@ -85,7 +85,7 @@ def test_shared_prefix_split_equals_plain_attention(monkeypatch, kv_lens, q_lens
     """With a common 36-slot prefix TorchAttention gathers it once (split path, with torch's
     flash op and with the plain-ops fallback); the result must equal the plain padded SDPA
     path's (split disabled), to rounding."""
-    import forklm.runtime.attention as attention
+    import forklm.runtime.attention.backends as attention
 
     gen = torch.Generator().manual_seed(7)
     batch = make_forward_batch(gen, kv_lens, q_lens, capacity=400, shared=36)

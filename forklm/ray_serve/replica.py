@@ -21,7 +21,7 @@ class EngineReplica:
     def __init__(self, engine_kwargs: dict[str, Any], server_config: ServerConfig):
         from ray import serve
 
-        from forklm.runtime.engine import Engine
+        from forklm.runtime.engine.engine import Engine
         from forklm.server.app import create_app
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI, HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.server import native_api, openai_api, responses_api
 from forklm.server.config import ServerConfig
 from forklm.server.errors import error_body, install_error_handlers

@@ -14,10 +14,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
+from forklm.runtime.engine.intake import RequestGroup
+from forklm.runtime.engine.results import GenerateOutput, join_chunks
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.intake import RequestGroup
-from forklm.runtime.results import GenerateOutput, join_chunks
 from forklm.server.chat_template import ControlTokenGuard
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError

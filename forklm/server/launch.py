@@ -12,7 +12,7 @@ from types import FrameType
 import uvicorn
 
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from forklm.runtime.results import GenerateOutput
+from forklm.runtime.engine.results import GenerateOutput
 
 # Seconds; CPU prefill of a long prompt can take seconds, a cached one milliseconds.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -15,9 +15,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from forklm.runtime.engine.intake import RequestGroup
+from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.intake import RequestGroup
-from forklm.runtime.results import GenerateOutput
 from forklm.server import openai_convert as conv
 from forklm.server.chat_template import (
     ChatPrompt,

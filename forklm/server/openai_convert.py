@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from forklm.runtime.engine.results import GenerateOutput, token_entries
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.results import GenerateOutput, token_entries
 from forklm.server.errors import ApiError
 from forklm.server.generation import GenerationService, finite
 from forklm.server.protocol import _SamplingFields

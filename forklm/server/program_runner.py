@@ -10,7 +10,7 @@ from typing import Any
 
 from forklm.frontend_dsl.backends.base import BackendError
 from forklm.frontend_dsl.state import ProgramState
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.runtime.errors import InvalidArgumentError
 
 _TOKEN_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")

@@ -57,7 +57,7 @@ from forklm.frontend_dsl.ir import (
 from forklm.frontend_dsl.limits import max_in_flight, value_chars
 from forklm.frontend_dsl.state import ProgramState
 from forklm.frontend_dsl.textual import ProgramSyntaxError, parse_program
-from forklm.runtime.engine import Engine
+from forklm.runtime.engine.engine import Engine
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.server.errors import SSE_DONE, ApiError, sse_event
 from forklm.server.generation import Admission

@@ -20,8 +20,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from forklm.runtime.intake import MAX_TOP_LOGPROBS_NUM as MAX_TOP_LOGPROBS
-from forklm.runtime.sampling_params import MAX_N
+from forklm.runtime.engine.intake import MAX_TOP_LOGPROBS_NUM as MAX_TOP_LOGPROBS
+from forklm.runtime.sampling.params import MAX_N
 from forklm.server.chat_template import RESERVED_TEMPLATE_KWARGS
 
 # Per-request fan-out (n, top logprobs) is bounded by the runtime's limits, which every entry

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling_checks import MAX_STRUCTURES
+from forklm.runtime.sampling.checks import MAX_STRUCTURES
 from forklm.server.parsers.generic import (
     ArgumentsStream,
     CallStream,

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from forklm.runtime.scheduler import ScheduledBatch
+from forklm.runtime.scheduling.scheduler import ScheduledBatch
 
 
 class StepShape(NamedTuple):

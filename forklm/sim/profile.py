@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from forklm.runtime.attention import create_attention_backend
-from forklm.runtime.builder import build_model
+from forklm.runtime.attention.backends import create_attention_backend
 from forklm.runtime.config import resolved_dtype_name
-from forklm.runtime.forward_batch import ForwardBatch
-from forklm.runtime.kv_pool import KVPool
-from forklm.runtime.model_loader import load_model
+from forklm.runtime.engine.builder import build_model
+from forklm.runtime.forward.batch import ForwardBatch
+from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import spec_from_config
+from forklm.runtime.models.loader import load_model
 from forklm.sim.cost_model import StepShape, TimedStep
 
 # Grids around the benchmark workloads' shapes (contexts up to ~1k, batches up to 32, prefill

@@ -7,13 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-from forklm.runtime.builder import build_kv_manager
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.kv_pool import KVPool
-from forklm.runtime.model_runner import LogitsRows
-from forklm.runtime.output_processor import finish, process_logits
-from forklm.runtime.request import FinishReason, Req
-from forklm.runtime.scheduler import ScheduledBatch, Scheduler
+from forklm.runtime.engine.builder import build_kv_manager
+from forklm.runtime.engine.output_processor import finish, process_logits
+from forklm.runtime.engine.request import FinishReason, Req
+from forklm.runtime.forward.model_runner import LogitsRows
+from forklm.runtime.kvcache.pool import KVPool
+from forklm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
 from forklm.sim.cost_model import CostModel, StepShape
 
 

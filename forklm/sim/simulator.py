@@ -15,8 +15,8 @@ from typing import Any
 from forklm.router.policies import POLICIES, make_policy
 from forklm.router.prompts import prompt_text
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.intake import RequestIntake
-from forklm.runtime.request import Req, ReqOutput
+from forklm.runtime.engine.intake import RequestIntake
+from forklm.runtime.engine.request import Req, ReqOutput
 from forklm.sim.cost_model import CostModel
 from forklm.sim.replica import SimReplica
 from forklm.sim.report import RequestRecord, SimResult
@@ -35,8 +35,8 @@ class ModelFacts:
 
     @classmethod
     def load(cls, model_path: str = "SmolLM2-135M-Instruct") -> ModelFacts:
-        from forklm.runtime.model_loader import load_model
         from forklm.runtime.models import spec_from_config
+        from forklm.runtime.models.loader import load_model
 
         loaded = load_model(model_path)  # config and tokenizer; weights are not read
         spec = spec_from_config(loaded.config)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod
 from forklm.runtime.errors import ForkLMError
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from forklm.frontend_dsl.ir import Graph

@@ -13,9 +13,9 @@ from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, G
 from forklm.frontend_dsl.backends.session_client import SessionClient
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from forklm.frontend_dsl.global_config import __version__
-from forklm.runtime.engine import Engine
-from forklm.runtime.engine_client import EngineClient
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.engine.client import EngineClient
+from forklm.runtime.engine.engine import Engine
+from forklm.runtime.sampling.params import SamplingParams
 
 # Scoring only: prefill with prompt logprobs, no new token.
 _SCORE_PARAMS = SamplingParams(max_new_tokens=0, temperature=0.0)

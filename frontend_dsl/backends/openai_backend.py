@@ -16,7 +16,7 @@ from typing import Any
 from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling.params import SamplingParams
 
 # Models served only on /completions (SGLang's list, and OpenAI's other completion models).
 COMPLETION_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")

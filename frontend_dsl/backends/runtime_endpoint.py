@@ -23,7 +23,7 @@ from forklm.frontend_dsl.executor import Executor
 from forklm.frontend_dsl.ir import ProgramLimits
 from forklm.frontend_dsl.state import ProgramState
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling_params import SamplingParams
+from forklm.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from forklm.frontend_dsl.ir import Graph

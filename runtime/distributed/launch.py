@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from forklm.runtime import builder
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.distributed.group import TPGroup, free_local_address, init_group, leave_group
 from forklm.runtime.distributed.processes import WorkerProcesses
@@ -15,9 +14,10 @@ from forklm.runtime.distributed.runner import TensorParallelRunner
 from forklm.runtime.distributed.shard import ModelShard, connect_shard, load_shard
 from forklm.runtime.distributed.sharding import check_shardable
 from forklm.runtime.distributed.worker import rank_device
-from forklm.runtime.kv_manager import KVCacheManager
-from forklm.runtime.model_loader import LoadedModel
+from forklm.runtime.engine import builder
+from forklm.runtime.kvcache.manager import KVCacheManager
 from forklm.runtime.models import ModelSpec
+from forklm.runtime.models.loader import LoadedModel
 
 
 @dataclass

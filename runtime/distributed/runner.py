@@ -13,9 +13,9 @@ from forklm.runtime.distributed.processes import WorkerProcesses
 from forklm.runtime.distributed.shard import ModelShard
 from forklm.runtime.distributed.step_channel import Command, send_step
 from forklm.runtime.errors import WorkerLostError
-from forklm.runtime.kv_manager import KVCacheManager
-from forklm.runtime.model_runner import LogitsRows, ModelRunner
-from forklm.runtime.scheduler import ScheduledBatch
+from forklm.runtime.forward.model_runner import LogitsRows, ModelRunner
+from forklm.runtime.kvcache.manager import KVCacheManager
+from forklm.runtime.scheduling.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

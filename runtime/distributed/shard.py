@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
-from forklm.runtime import builder
-from forklm.runtime.attention import AttentionBackend
+from forklm.runtime.attention.backends import AttentionBackend
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.distributed.group import TPGroup
 from forklm.runtime.distributed.layers import parallelize
 from forklm.runtime.distributed.sharding import ShardPlan, shard_weights
-from forklm.runtime.kv_pool import KVPool
-from forklm.runtime.model_loader import LoadedModel
+from forklm.runtime.engine import builder
+from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import CausalLM, ModelSpec
+from forklm.runtime.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 

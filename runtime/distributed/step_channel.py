@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from forklm.runtime.distributed.group import TPGroup
-from forklm.runtime.forward_batch import ForwardBatch
+from forklm.runtime.forward.batch import ForwardBatch
 
 
 class Command(enum.IntEnum):

@@ -29,8 +29,8 @@ def main(rank: int, config: EngineConfig, init_addr: str) -> None:
 
 def run_worker(rank: int, config: EngineConfig, init_addr: str) -> int:
     """Serve as `rank` until rank 0 says stop (0) or the group breaks (1)."""
-    from forklm.runtime.model_loader import load_model
     from forklm.runtime.models import spec_from_config
+    from forklm.runtime.models.loader import load_model
 
     device = rank_device(config, rank)
     if config.threads_per_rank:

@@ -1,5 +1,5 @@
 """FusedDecodeLayers: a decoder's layers for decode-like batches on the CPU with the small steps
-between its matmuls fused into C calls (runtime/fused_layer_ops.c), for the batches the native
+between its matmuls fused into C calls (kernels/cpu/fused_layer_ops.c), for the batches the native
 attention kernel takes.
 
 A batch-1 step of the default model spends about as long in ~1700 small torch ops (norms, rotary,
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forklm.runtime import native_kernels
-from forklm.runtime.attention_native import NativeAttention, NativeAttentionMeta
-from forklm.runtime.forward_batch import ForwardBatch
+from forklm.kernels.cpu import bindings as native_kernels
+from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta
+from forklm.runtime.forward.batch import ForwardBatch
 from forklm.runtime.models.layers import RMSNorm
 from forklm.runtime.models.weights import FusedLinear
 

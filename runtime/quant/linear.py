@@ -1,5 +1,5 @@
 """QuantizedLinear: an nn.Linear whose weight stays in GGUF's quantized blocks (w = (c - 8) *
-scale + zero), multiplied by runtime/int4_gemv.c for decode-sized calls of bf16 rows and torch's
+scale + zero), multiplied by kernels/cpu/int4_gemv.c for decode-sized calls of bf16 rows and torch's
 int4 groupwise CPU kernel (`_weight_int4pack_mm_for_cpu`) otherwise."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from forklm.runtime import native_kernels
+from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
 
 _Fn = Callable[[torch.Tensor], torch.Tensor]
@@ -74,7 +74,7 @@ class Int4Matrix(nn.Module):
         # Multiply decode-sized calls with int8 dot products (x quantized per group of 32; see
         # use_int8_activations): set before the first call
         self.int8_activations = False
-        # (packed.data_ptr(), runtime/int4_gemv.c's matmul and row functions on it or None),
+        # (packed.data_ptr(), kernels/cpu/int4_gemv.c's matmul and row functions on it or None),
         # built on first use
         self._native: tuple[int, _Fn | None, _Fn | None] | None = None
 
@@ -106,7 +106,7 @@ class Int4Matrix(nn.Module):
         return self.in_features * (2 if self.lo_bits else 1)
 
     def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """runtime/int4_gemv.c on this matrix: contiguous bf16 x [M, in] with 1 <= M <=
+        """kernels/cpu/int4_gemv.c on this matrix: contiguous bf16 x [M, in] with 1 <= M <=
         INT4_MAX_ROWS -> [M, out] (int8 dot products where int8_activations is set and the CPU
         has them, on 8-bit records for a Q8_0 split; bf16 ones otherwise, on x expanded to K');
         None where it did not build, for an fp32 kernel dtype, and while torch.compile traces
@@ -165,7 +165,7 @@ class Int4Matrix(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: the weight rows `ids`, dequantized from the packed codes
-        (runtime/int4_gemv.c where it built: 32 us for 8 ids of the default model's embedding
+        (kernels/cpu/int4_gemv.c where it built: 32 us for 8 ids of the default model's embedding
         instead of 140)."""
         native_rows = self._native_functions()[2]
         if native_rows is not None and ids.device.type == "cpu":
@@ -374,7 +374,7 @@ def _on_expanded(matrix: Int4Matrix, kernel: _Fn, x: torch.Tensor) -> torch.Tens
 
 def use_int8_activations(model: nn.Module, max_bytes: int = MAX_INT8_RECORD_BYTES) -> int:
     """Have the bf16 int4 matrices under `model` multiply decode-sized calls (1-16 rows) with
-    int8 dot products (AVX512-VNNI, runtime/int4_gemv.c), their activations quantized per
+    int8 dot products (AVX512-VNNI, kernels/cpu/int4_gemv.c), their activations quantized per
     group of 32 to int8 as llama.cpp does: 1.3-1.8x faster than the bf16 dot products
     (benchmarks/NOTES.md), at ~0.5% relative error per matmul instead of bf16's output
     rounding. The repacked records are built here, when all of them fit in `max_bytes`; returns

@@ -1,0 +1,440 @@
+"""Native CPU kernels, compiled on first use with the system C compiler into a cache keyed by
+the source, the compiler and the CPU, and loaded with ctypes: paged decode attention
+(kernels/cpu/paged_attention.c) and the fused steps between a layer's matmuls
+(kernels/cpu/fused_layer_ops.c, used by runtime/models/fused_layers.py), and the int4 matrix times a
+few rows (kernels/cpu/int4_gemv.c, used by quant/linear.py's Int4Matrix), and the sampler's greedy
+pick (kernels/cpu/greedy_pick.c)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from forklm.runtime.cpu_threads import threads_spin
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+# -march=native: the cache key holds the CPU flags. No -ffast-math: results stay IEEE (gnu11,
+# not c11, keeps GCC's default contraction of a * b + c into FMAs; __builtin_shufflevector
+# needs GCC 12 or clang: an older compiler fails and the engine falls back to TorchAttention).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+FUSED_SOURCE = Path(__file__).with_name("fused_layer_ops.c")
+# No contraction into FMAs: each multiply and add rounds where torch's eager ops round.
+FUSED_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
+INT4_SOURCE = Path(__file__).with_name("int4_gemv.c")
+# Contraction on (gnu11): without AVX512-BF16 the group sums are fp32 FMAs, like torch's kernel.
+INT4_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+INT4_MAX_ROWS = 16  # int4_gemv.c's MAX_CALL_ROWS
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+# Multiply-adds above which a call uses all of torch's threads (2 cores, default model). With
+# sleeping OpenMP workers (OMP_WAIT_POLICY=PASSIVE) a parallel call pays ~45 us to wake them:
+# batch 1 at 2000 keys (1.2M) is still faster on one thread, and a whole batch-1 decode step at
+# 450 keys 1 ms faster (26.1 vs 27.2 ms). Spinning workers join at once: two threads win from
+# batch 1 at ~450 keys (0.26M: 17 vs 23 us a layer; 100 keys: even). The int4 matmul's
+# (weights x rows) agrees: with spinning workers two threads win from the smallest decode matrix
+# (576x576 at 1 row, 0.33M: 5.6 vs 7.2 us; benchmarks/int4_gemv.py).
+PARALLEL_WORK = 200_000 if threads_spin() else 2_000_000
+
+_p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+@dataclass
+class _Loaded:
+    """The compiled library, or why there is none."""
+
+    lib: ctypes.CDLL | None
+    reason: str = ""
+    dtypes: frozenset[torch.dtype] = frozenset()
+
+
+# Each library's load, by name, done once (under _lock) on first use.
+_loaded: dict[str, _Loaded] = {}
+_lock = threading.Lock()
+
+
+def available(dtype: torch.dtype | None = None) -> bool:
+    """True when the kernels compiled and loaded (and handle `dtype`, if given)."""
+    state = _load()
+    return state.lib is not None and (dtype is None or dtype in state.dtypes)
+
+
+def unavailable_reason() -> str:
+    """Why available() is False ('' when it is True)."""
+    return _load().reason
+
+
+def num_threads() -> int:
+    """The threads the kernels' OpenMP would use from this thread: torch.get_num_threads() when
+    they share torch's OpenMP runtime."""
+    return int(_load_function("paged_attention_threads")())
+
+
+class _Batch(ctypes.Structure):
+    """pa_batch in paged_attention.c."""
+
+    _fields_ = [("slot_table", _p), ("tok_req", _p), ("tok_end", _p), ("table_stride", _i64),
+                ("num_tokens", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
+                ("head_dim", _i64), ("row_stride", _i64), ("parallel_work", _i64)]
+
+
+@dataclass
+class AttentionPlan:
+    """One batch's token -> request map in the kernel's form, built once per forward and run
+    for every layer (each run is one ctypes call of 9 plain arguments, ~1.5 us)."""
+
+    index: tuple[torch.Tensor, ...]  # what `batch` points into, kept alive with it
+    batch: _Batch
+    address: int  # of `batch`
+    fn: Callable[..., int]  # paged_attention_batch
+
+    def run(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+            out: torch.Tensor, scale: float, softcap: float, window: int, dtype: int) -> None:
+        """out = attention of q over the plan's keys in (k_layer, v_layer). Shapes and dtypes as
+        plan() was told, unchecked here: q, out [num_tokens, num_heads, head_dim] contiguous
+        (out may be [num_tokens, num_heads * head_dim]); k_layer, v_layer [num_slots,
+        num_kv_heads, head_dim] contiguous; all of DTYPES[dtype]. softcap 0 / window 0: none."""
+        self.run_addresses(q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
+                           scale, softcap, window, dtype)
+
+    def run_addresses(self, q: int, k_layer: int, v_layer: int, out: int, scale: float,
+                      softcap: float, window: int, dtype: int) -> None:
+        """run() on the tensors' data_ptr()s (the fused decode layers keep them per layer)."""
+        rc = self.fn(self.address, q, k_layer, v_layer, out, scale, softcap, window, dtype)
+        assert rc == 0, f"paged_attention rejected dtype {dtype}, head_dim {self.batch.head_dim}"
+
+
+def plan(slot_table: torch.Tensor, tok_req: torch.Tensor, tok_end: torch.Tensor,
+         num_heads: int, num_kv_heads: int, head_dim: int,
+         parallel_work: int | None = None) -> AttentionPlan:
+    """The plan for tokens t that see keys [start, tok_end[t]) of request tok_req[t], key j in
+    slot slot_table[tok_req[t], j]. slot_table [batch, width], tok_req and tok_end [num_tokens]:
+    contiguous int64 CPU tensors with tok_end <= width and slots inside the pool (the kernel
+    trusts both: the caller checks them once per batch). parallel_work: see PARALLEL_WORK."""
+    assert head_dim % 16 == 0, f"head_dim {head_dim} is not a multiple of 16"
+    index = (slot_table, tok_req, tok_end)
+    for x in index:
+        assert x.dtype == torch.int64 and x.is_contiguous() and x.device.type == "cpu"
+    batch = _Batch(slot_table.data_ptr(), tok_req.data_ptr(), tok_end.data_ptr(),
+                   slot_table.shape[1], tok_req.numel(), num_heads, num_kv_heads, head_dim,
+                   num_kv_heads * head_dim,
+                   PARALLEL_WORK if parallel_work is None else parallel_work)
+    return AttentionPlan(index, batch, ctypes.addressof(batch),
+                         _load_function("paged_attention_batch"))
+
+
+def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                    out: torch.Tensor, slot_table: torch.Tensor, tok_req: torch.Tensor,
+                    tok_end: torch.Tensor, scale: float, softcap: float | None,
+                    window: int | None) -> None:
+    """One call of plan(...).run(...): out[t] = attention of q[t] over keys [start, tok_end[t])
+    of request tok_req[t] (start = tok_end - window with a sliding window, else 0).
+
+    q, out [num_tokens, num_heads, head_dim], k_layer, v_layer [num_slots, num_kv_heads,
+    head_dim]: contiguous CPU tensors of one dtype; index tensors as plan() takes them."""
+    num_tokens, num_heads, head_dim = q.shape
+    for x in (q, out, k_layer, v_layer):
+        assert x.is_contiguous() and x.device.type == "cpu" and x.dtype == q.dtype
+    assert out.shape == q.shape and k_layer.shape == v_layer.shape
+    p = plan(slot_table, tok_req, tok_end, num_heads, k_layer.shape[1], head_dim)
+    p.run(q, k_layer, v_layer, out, scale, softcap or 0.0, window or 0, DTYPES[q.dtype])
+
+
+def _load_function(name: str) -> Callable[..., int]:
+    state = _load()
+    if state.lib is None:
+        raise RuntimeError(f"native kernels unavailable: {state.reason}")
+    return getattr(state.lib, name)
+
+
+def _load() -> _Loaded:
+    return _load_once("native CPU kernels", _build_and_load)
+
+
+def fused_ops() -> ctypes.CDLL | None:
+    """The fused layer steps' library (fused_layer_ops.c), or None when it did not build; its
+    functions take fp32 (0) or bf16 (1) tensors."""
+    return _load_once("fused native layer steps", _build_and_load_fused).lib
+
+
+def fused_unavailable_reason() -> str:
+    """Why fused_ops() is None ('' when it is not)."""
+    return _load_once("fused native layer steps", _build_and_load_fused).reason
+
+
+GREEDY_SOURCE = Path(__file__).with_name("greedy_pick.c")
+
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor | None:
+    """int64 [B]: each row's argmax, as torch.argmax picks it, of CPU fp32/bf16 logits [B, V]
+    whose rows are contiguous; None where the library did not build or the logits are not of
+    that kind."""
+    if (logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1
+            or logits.dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    lib = _load_once("native greedy pick", _build_and_load_greedy).lib
+    if lib is None:
+        return None
+    ids = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.greedy_pick(logits.shape[0], logits.shape[1], logits.data_ptr(), logits.stride(0),
+                    DTYPES[logits.dtype], ids.data_ptr())
+    return ids
+
+
+def _build_and_load_greedy() -> _Loaded:
+    lib, reason = _open(GREEDY_SOURCE, FUSED_CFLAGS)
+    if lib is None:
+        return _Loaded(None, reason)
+    lib.greedy_pick.restype = None
+    lib.greedy_pick.argtypes = [_i64, _i64, _p, _i64, _int, _p]
+    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)))
+
+
+def _load_once(name: str, build: Callable[[], _Loaded]) -> _Loaded:
+    """build() the first time `name` is asked for (logging why it is off when it is), then the
+    same result."""
+    state = _loaded.get(name)
+    if state is None:
+        with _lock:
+            state = _loaded.get(name)
+            if state is None:
+                state = _loaded[name] = build()
+                if state.lib is None:
+                    logger.info("%s off: %s", name, state.reason)
+    return state
+
+
+def _build_and_load_fused() -> _Loaded:
+    lib, reason = _open(FUSED_SOURCE, FUSED_CFLAGS)
+    if lib is None:
+        return _Loaded(None, reason)
+    lib.fused_add_rms_norm.restype = None
+    lib.fused_add_rms_norm.argtypes = [_i64, _i64, _p, _p, _p, _p, _f32, _f32, _int]
+    lib.fused_rope_store.restype = None
+    lib.fused_rope_store.argtypes = [_i64, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p,
+                                     _p, _p, _f32, _f32, _int]
+    lib.fused_max_head_dim.restype = _int
+    lib.fused_silu_mul.restype = None
+    lib.fused_silu_mul.argtypes = [_i64, _i64, _p, _p, _int]
+    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)))
+
+
+def int4_ops() -> ctypes.CDLL | None:
+    """The int4 library (int4_gemv.c: the matmul of a few bf16 rows and the row lookup), or None
+    when it did not build or FORKLM_NATIVE_INT4=0."""
+    return _load_once("native int4 matmul", _build_and_load_int4).lib
+
+
+class _Int4Matrix(ctypes.Structure):
+    """int4_matrix in int4_gemv.c."""
+
+    _fields_ = [("packed", _p), ("scale_zeros", _p), ("n_rows", _i64), ("n_out", _i64),
+                ("k", _i64), ("block", _i64), ("parallel_work", _i64)]
+
+
+def _int4_matrix(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+                 parallel_work: int | None) -> tuple[ctypes.CDLL, _Int4Matrix] | None:
+    """The library and int4_gemv.c's description of a packed matrix (torch's CPU packing in
+    blocks of `block` rows, bf16 scale_zeros [K' / 32, rows, 2], cut to its first out_features
+    rows); None when the library is off or the scales are not bf16."""
+    lib = int4_ops()
+    if lib is None or scale_zeros.dtype != torch.bfloat16:
+        return None
+    assert packed.is_contiguous() and scale_zeros.is_contiguous()
+    work = PARALLEL_WORK if parallel_work is None else parallel_work
+    return lib, _Int4Matrix(packed.data_ptr(), scale_zeros.data_ptr(), packed.shape[0],
+                            out_features, scale_zeros.shape[0] * 32, block, work)
+
+
+def int4_gemv(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """y = x @ W^T for bf16 x [M, K] contiguous, 1 <= M <= INT4_MAX_ROWS (unchecked), W the
+    int4-packed matrix (see _int4_matrix); None when the kernel is off. The function keeps
+    `packed` and `scale_zeros` alive. parallel_work: see PARALLEL_WORK."""
+    found = _int4_matrix(packed, scale_zeros, out_features, block, parallel_work)
+    if found is None:
+        return None
+    lib, matrix = found
+    rows, k = matrix.n_rows, matrix.k
+    address, fn, empty, bf16 = ctypes.addressof(matrix), lib.int4_gemv_bf16, torch.empty, \
+        torch.bfloat16
+
+    def call(x: torch.Tensor, _keep: tuple = (matrix, packed, scale_zeros)) -> torch.Tensor:
+        y = empty(x.shape[0], out_features, dtype=bf16)
+        rc = fn(address, x.data_ptr(), y.data_ptr(), x.shape[0])
+        assert rc == 0, f"int4_gemv_bf16 rejected {tuple(x.shape)} x {rows}x{k} (block {block})"
+        return y
+
+    return call
+
+
+def int4_rows(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+              lo_bits: int, chunk: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """ids (int64 [n], each < out_features) -> float32 [n, K] weight rows of the int4-packed
+    matrix (as int4_gemv takes it; lo_bits/chunk: split 8- or 6-bit codes, see Int4Matrix),
+    equal to Int4Matrix.rows; None when the kernel is off."""
+    found = _int4_matrix(packed, scale_zeros, out_features, block, 0)
+    if found is None:
+        return None
+    lib, matrix = found
+    address, fn, k = ctypes.addressof(matrix), lib.int4_rows_f32, matrix.k // (2 if lo_bits else 1)
+
+    def call(ids: torch.Tensor, _keep: tuple = (matrix, packed, scale_zeros)) -> torch.Tensor:
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        rc = fn(address, ids.data_ptr(), ids.numel(), lo_bits, chunk, out.data_ptr())
+        if rc != 0:
+            raise IndexError(f"row ids outside [0, {out_features})")
+        return out
+
+    return call
+
+
+def int4_vnni_available() -> bool:
+    """Whether int4_vnni can run here (a CPU with AVX512-VNNI, -BW and -BF16)."""
+    lib = int4_ops()
+    return lib is not None and bool(lib.int4_vnni_available())
+
+
+VNNI_RECORD_BYTES = 320  # int4_gemv.c: 16 rows x 32 k of codes + their scale/zero pairs
+VNNI8_RECORD_BYTES = 576  # int4_gemv.c: 16 rows x 32 k of 8-bit codes + their fp32 scales
+
+
+def int4_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """int4_gemv's call with int8 dot products: the matrix repacked once into int4_gemv.c's VNNI
+    records (as many bytes as `packed` and `scale_zeros`, kept by the function), x quantized
+    per group of 32 to int8 on each call. None where the CPU or the library lacks it."""
+    return _vnni_call(packed, scale_zeros, out_features, block, parallel_work, eight_bit=False)
+
+
+def int8_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """int4_vnni for the split 8/4-bit matrices of Q8_0 (Int4Matrix lo_bits 4, chunk 32): their
+    codes joined again into 8-bit records (about as many bytes as `packed` and `scale_zeros`),
+    so the call takes x [M, K] as it is, not repeated along the doubled K', and does half the
+    dot products. None where the CPU or library lacks it, or the matrix is not of that form."""
+    return _vnni_call(packed, scale_zeros, out_features, block, parallel_work, eight_bit=True)
+
+
+def _vnni_call(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
+               parallel_work: int | None, eight_bit: bool
+               ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """int4_vnni (int4 records over K') or int8_vnni (8-bit records over K' / 2)."""
+    found = _int4_matrix(packed, scale_zeros, out_features, block, parallel_work)
+    if found is None or not int4_vnni_available():
+        return None
+    lib, matrix = found
+    rows, k = matrix.n_rows, matrix.k // (2 if eight_bit else 1)
+    if eight_bit and matrix.k % 64:
+        return None
+    repack, fn, record_bytes = ((lib.int8_vnni_repack, lib.int8_vnni_bf16, VNNI8_RECORD_BYTES)
+                                if eight_bit else
+                                (lib.int4_vnni_repack, lib.int4_vnni_bf16, VNNI_RECORD_BYTES))
+    records = torch.empty(rows // 16 * (k // 32) * record_bytes, dtype=torch.uint8)
+    if repack(ctypes.addressof(matrix), records.data_ptr()) != 0:
+        return None
+    matrix.packed = matrix.scale_zeros = None  # the call reads the records only
+    address, empty, bf16 = ctypes.addressof(matrix), torch.empty, torch.bfloat16
+    records_ptr = records.data_ptr()
+
+    def call(x: torch.Tensor, _keep: tuple = (matrix, records)) -> torch.Tensor:
+        y = empty(x.shape[0], out_features, dtype=bf16)
+        rc = fn(address, records_ptr, x.data_ptr(), y.data_ptr(), x.shape[0])
+        assert rc == 0, f"{fn.__name__} rejected {tuple(x.shape)} x {rows}x{k}"
+        return y
+
+    return call
+
+
+def _build_and_load_int4() -> _Loaded:
+    if os.environ.get("FORKLM_NATIVE_INT4", "1") == "0":
+        return _Loaded(None, "disabled by FORKLM_NATIVE_INT4=0")
+    lib, reason = _open(INT4_SOURCE, INT4_CFLAGS)
+    if lib is None:
+        return _Loaded(None, reason)
+    lib.int4_gemv_bf16.restype = _int
+    lib.int4_gemv_bf16.argtypes = [_p, _p, _p, _i64]
+    lib.int4_rows_f32.restype = _int
+    lib.int4_rows_f32.argtypes = [_p, _p, _i64, _int, _i64, _p]
+    lib.int4_vnni_available.restype = _int
+    lib.int4_vnni_repack.restype = _int
+    lib.int4_vnni_repack.argtypes = [_p, _p]
+    lib.int4_vnni_bf16.restype = _int
+    lib.int4_vnni_bf16.argtypes = [_p, _p, _p, _p, _i64]
+    lib.int8_vnni_repack.restype = _int
+    lib.int8_vnni_repack.argtypes = [_p, _p]
+    lib.int8_vnni_bf16.restype = _int
+    lib.int8_vnni_bf16.argtypes = [_p, _p, _p, _p, _i64]
+    return _Loaded(lib, "", frozenset((torch.bfloat16,)))
+
+
+def _open(source: Path, cflags: list[str]) -> tuple[ctypes.CDLL | None, str]:
+    """The compiled and loaded library of `source`, or None and why not."""
+    if os.environ.get("FORKLM_NATIVE_KERNELS", "1") == "0":
+        return None, "disabled by FORKLM_NATIVE_KERNELS=0"
+    try:
+        return ctypes.CDLL(str(_compiled_library(source, cflags))), ""
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        return None, str(e)
+
+
+def _build_and_load() -> _Loaded:
+    lib, reason = _open(SOURCE, CFLAGS)
+    if lib is None:
+        return _Loaded(None, reason)
+    lib.paged_attention_batch.restype = _int
+    lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int]
+    lib.paged_attention_threads.restype = _int
+    lib.paged_attention_supports.restype = _int
+    lib.paged_attention_supports.argtypes = [_int]
+    dtypes = frozenset(dt for dt, code in DTYPES.items() if lib.paged_attention_supports(code))
+    return _Loaded(lib, "", dtypes)
+
+
+def _compiled_library(source_path: Path, cflags: list[str]) -> Path:
+    """The cached .so for this source, flags, compiler and CPU, compiling it if missing."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"no C compiler ({cc!r} not on PATH)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = source_path.read_text()
+    key = hashlib.sha256("\0".join([source, version, " ".join(cflags), _cpu_flags()]).encode())
+    cache = Path(os.environ.get("FORKLM_CACHE_DIR") or Path.home() / ".cache/forklm/native")
+    target = cache / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # A private temp name, then an atomic rename: concurrent compilers never see a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *cflags, str(source_path), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""

@@ -1,0 +1,357 @@
+/* Paged attention for short queries (decode, speculative verify) that reads K/V in place from
+ * forklm's KV pool through each request's slot-table row: no gather, one pass per kv head.
+ * Built and loaded by kernels/cpu/bindings.py (cc -O3 -march=native -fopenmp); fp32 math
+ * throughout, so a given build's results do not depend on the thread count. */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+#if defined(__FLT16_MAX__)
+#define PA_HAVE_F16 1
+typedef _Float16 f16_t;
+#else
+#define PA_HAVE_F16 0
+typedef uint16_t f16_t; /* placeholder: the fp16 entry reports "unsupported" */
+#endif
+
+/* Scratch floats per (token, kv head) kept on the stack; larger requests malloc. */
+#define PA_STACK_FLOATS 8192
+
+typedef struct {
+    const void *q, *k_pool, *v_pool;
+    void *out;
+    const int64_t *slot_table, *tok_req, *tok_end;
+    int64_t table_stride, num_heads, num_kv_heads, head_dim, row_stride, window;
+    float scale, softcap;
+} pa_job;
+
+/* Round to nearest even, NaN -> 0xffff: what torch's vectorized float -> bfloat16 conversion
+ * (the one tensor.to() takes) does; its scalar path would give 0x7fc0, also a NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void store_elem(void *base, int64_t i, float x, int dtype) {
+    if (dtype == DTYPE_BF16)
+        ((uint16_t *)base)[i] = f32_to_bf16(x);
+    else if (dtype == DTYPE_F16)
+        ((f16_t *)base)[i] = (f16_t)x;
+    else
+        ((float *)base)[i] = x;
+}
+
+/* exp(x) for x <= 0 (scores minus their max), to ~2e-7 relative: Cody-Waite reduction to
+ * |r| <= ln2/2 and a degree-6 Taylor polynomial. Plain arithmetic, so `omp simd` vectorizes it
+ * (libm's expf would not vectorize without -ffast-math). */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x; /* keeps 2^n a normal float; exp(-87) ~ 1.6e-38 */
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+
+/* 16 floats: GCC/clang vector extensions, lowered to one zmm (AVX-512) or two ymm (AVX2). */
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+#if PA_HAVE_F16
+typedef f16_t f16x16 __attribute__((vector_size(32)));
+#endif
+
+/* 16 elements from base[i..i+16) as fp32. */
+static inline v16 load16(const void *base, int64_t i, int dtype) {
+    if (dtype == DTYPE_BF16) {
+        u16x16 h;
+        memcpy(&h, (const uint16_t *)base + i, sizeof h);
+        return (v16)(__builtin_convertvector(h, u32x16) << 16);
+    }
+#if PA_HAVE_F16
+    if (dtype == DTYPE_F16) {
+        f16x16 h;
+        memcpy(&h, (const f16_t *)base + i, sizeof h);
+        return __builtin_convertvector(h, v16);
+    }
+#endif
+    v16 x;
+    memcpy(&x, (const float *)base + i, sizeof x);
+    return x;
+}
+
+/* The lanes' sum by a fixed pairwise tree: the same order on every ISA. */
+static inline float hsum(v16 x) {
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* The lane sums of four vectors, each by hsum's tree (so bit-equal to four hsum calls), with
+ * the shuffles shared: half the work per sum. */
+static inline v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
+    /* [p0 lanes 0-7 + 8-15 | p1 likewise], the same for p2, p3 */
+    v16 a = __builtin_shufflevector(p0, p1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(p0, p1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    v16 b = __builtin_shufflevector(p2, p3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(p2, p3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    /* [p0 0-3 + 4-7 | p1 | p2 | p3] */
+    v16 c = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    /* per vector: (x0 + x2), (x1 + x3), then their sum */
+    v8 d = __builtin_shufflevector(c, c, 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(c, c, 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(d, d, 0, 2, 4, 6) + __builtin_shufflevector(d, d, 1, 3, 5, 7);
+}
+
+/* Keys ahead that a pass asks the memory system for: slots scatter over the pool, so the
+ * hardware prefetcher cannot guess the next row. The scores pass asks for the V rows too, so
+ * the weighted sum finds them in L2: decode attention is bound by DRAM (batch 16 x 300 keys
+ * reads 3.7 MB a layer), and this took batch 16 / 8 to 0.87-0.94x the time (16 keys ahead,
+ * K only: 8). */
+#define PA_PREFETCH 16
+
+static inline void prefetch_row(const void *base, int64_t i, int dtype, int64_t bytes) {
+    const char *p = (const char *)base + i * (dtype == DTYPE_F32 ? 4 : 2);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+}
+
+/* One (token, kv head): the group's query heads against keys [start, end) of the token's
+ * request, each K and V row read once for the whole group. `d` (a multiple of 16) is a
+ * compile-time constant in the specialized callers below. */
+static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64_t t, int64_t h,
+                                                         int dtype, int64_t d) {
+    const int64_t group = jb->num_heads / jb->num_kv_heads, nc = d / 16;
+    const int64_t end = jb->tok_end[t];
+    const int64_t start = (jb->window > 0 && end > jb->window) ? end - jb->window : 0;
+    const int64_t n = end - start;
+    const int64_t *slots = jb->slot_table + jb->tok_req[t] * jb->table_stride + start;
+    const int64_t q_off = (t * jb->num_heads + h * group) * d; /* first head of the group */
+    if (n <= 0) {
+        for (int64_t i = 0; i < group * d; i++) store_elem(jb->out, q_off + i, 0.0f, dtype);
+        return;
+    }
+    /* scratch (in v16 units): q [group, nc] | acc [group, nc] | scores [group, n] floats */
+    const int64_t need = 2 * group * nc + (group * n + 15) / 16;
+    v16 stack_buf[need <= PA_STACK_FLOATS / 16 ? need : 1];
+    v16 *buf = need <= PA_STACK_FLOATS / 16 ? stack_buf
+                                             : aligned_alloc(64, (size_t)need * sizeof(v16));
+    if (!buf) return; /* out of memory: the output is left as is (never reached in practice) */
+    v16 *q = buf, *acc = buf + group * nc;
+    float *sc = (float *)(acc + group * nc);
+    for (int64_t i = 0; i < group * nc; i++) {
+        q[i] = load16(jb->q, q_off + 16 * i, dtype);
+        acc[i] = (v16){0};
+    }
+    const int64_t kv_off = h * d;
+    const int64_t row_bytes = d * (dtype == DTYPE_F32 ? 4 : 2);
+    /* Pass 1: scores, four keys at a time (their lane sums share the shuffles), then the rest. */
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        int64_t base[4];
+        for (int r = 0; r < 4; r++) {
+            base[r] = slots[j + r] * jb->row_stride + kv_off;
+            if (j + r + PA_PREFETCH < n) {
+                const int64_t ahead = slots[j + r + PA_PREFETCH] * jb->row_stride + kv_off;
+                prefetch_row(jb->k_pool, ahead, dtype, row_bytes);
+                prefetch_row(jb->v_pool, ahead, dtype, row_bytes);
+            }
+        }
+        v16 k[4][nc];
+        for (int r = 0; r < 4; r++)
+            for (int64_t c = 0; c < nc; c++) k[r][c] = load16(jb->k_pool, base[r] + 16 * c, dtype);
+        for (int64_t g = 0; g < group; g++) {
+            v16 part[4];
+            for (int r = 0; r < 4; r++) {
+                part[r] = q[g * nc] * k[r][0];
+                for (int64_t c = 1; c < nc; c++) part[r] += q[g * nc + c] * k[r][c];
+            }
+            v4 sums4 = hsum4(part[0], part[1], part[2], part[3]) * jb->scale;
+            memcpy(sc + g * n + j, &sums4, sizeof sums4);
+        }
+    }
+    for (; j < n; j++) {
+        const int64_t base = slots[j] * jb->row_stride + kv_off;
+        if (j + PA_PREFETCH < n) prefetch_row(jb->k_pool, slots[j + PA_PREFETCH] * jb->row_stride + kv_off, dtype, row_bytes);
+        v16 k[nc];
+        for (int64_t c = 0; c < nc; c++) k[c] = load16(jb->k_pool, base + 16 * c, dtype);
+        for (int64_t g = 0; g < group; g++) {
+            v16 part = q[g * nc] * k[0];
+            for (int64_t c = 1; c < nc; c++) part += q[g * nc + c] * k[c];
+            sc[g * n + j] = hsum(part) * jb->scale;
+        }
+    }
+    /* Softmax numerators in place, with soft-capping first when the layer has it. */
+    float sums[group];
+    for (int64_t g = 0; g < group; g++) {
+        float *s = sc + g * n;
+        if (jb->softcap > 0.0f)
+            for (int64_t j = 0; j < n; j++) s[j] = jb->softcap * tanhf(s[j] / jb->softcap);
+        float m = s[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; j++) {
+            float p = exp_nonpos(s[j] - m);
+            s[j] = p;
+            sum += p;
+        }
+        sums[g] = sum;
+    }
+    /* Pass 2: weighted sum of the V rows, two keys per step so each accumulator is loaded and
+     * stored once per two multiply-adds (the same additions in the same order as one by one). */
+    for (j = 0; j + 2 <= n; j += 2) {
+        const int64_t base0 = slots[j] * jb->row_stride + kv_off;
+        const int64_t base1 = slots[j + 1] * jb->row_stride + kv_off;
+        if (j + PA_PREFETCH + 1 < n) {
+            prefetch_row(jb->v_pool, slots[j + PA_PREFETCH] * jb->row_stride + kv_off, dtype, row_bytes);
+            prefetch_row(jb->v_pool, slots[j + PA_PREFETCH + 1] * jb->row_stride + kv_off, dtype, row_bytes);
+        }
+        v16 v0[nc], v1[nc];
+        for (int64_t c = 0; c < nc; c++) {
+            v0[c] = load16(jb->v_pool, base0 + 16 * c, dtype);
+            v1[c] = load16(jb->v_pool, base1 + 16 * c, dtype);
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const float p0 = sc[g * n + j], p1 = sc[g * n + j + 1];
+            for (int64_t c = 0; c < nc; c++) {
+                v16 a = acc[g * nc + c];
+                a += p0 * v0[c];
+                a += p1 * v1[c];
+                acc[g * nc + c] = a;
+            }
+        }
+    }
+    for (; j < n; j++) {
+        const int64_t base = slots[j] * jb->row_stride + kv_off;
+        v16 v[nc];
+        for (int64_t c = 0; c < nc; c++) v[c] = load16(jb->v_pool, base + 16 * c, dtype);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = sc[g * n + j];
+            for (int64_t c = 0; c < nc; c++) acc[g * nc + c] += p * v[c];
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < nc; c++)
+            for (int l = 0; l < 16; l++)
+                store_elem(jb->out, q_off + (g * nc + c) * 16 + l, acc[g * nc + c][l] / sums[g],
+                           dtype);
+    if (buf != stack_buf) free(buf);
+}
+
+typedef void (*attend_fn)(const pa_job *, int64_t, int64_t);
+
+/* Specializations: dtype and the common head sizes as constants, so the inner loops unroll. */
+#define PA_SPECIALIZE(NAME, DTYPE, D)                                              \
+    static void NAME(const pa_job *jb, int64_t t, int64_t h) {                     \
+        attend(jb, t, h, DTYPE, (D) ? (D) : jb->head_dim);                         \
+    }
+PA_SPECIALIZE(attend_f32_64, DTYPE_F32, 64)
+PA_SPECIALIZE(attend_f32_128, DTYPE_F32, 128)
+PA_SPECIALIZE(attend_f32_any, DTYPE_F32, 0)
+PA_SPECIALIZE(attend_bf16_64, DTYPE_BF16, 64)
+PA_SPECIALIZE(attend_bf16_128, DTYPE_BF16, 128)
+PA_SPECIALIZE(attend_bf16_any, DTYPE_BF16, 0)
+#if PA_HAVE_F16
+PA_SPECIALIZE(attend_f16_64, DTYPE_F16, 64)
+PA_SPECIALIZE(attend_f16_128, DTYPE_F16, 128)
+PA_SPECIALIZE(attend_f16_any, DTYPE_F16, 0)
+#endif
+
+static attend_fn pick(int dtype, int64_t d) {
+    static const attend_fn table[3][3] = {
+        {attend_f32_64, attend_f32_128, attend_f32_any},
+        {attend_bf16_64, attend_bf16_128, attend_bf16_any},
+#if PA_HAVE_F16
+        {attend_f16_64, attend_f16_128, attend_f16_any},
+#else
+        {0, 0, 0},
+#endif
+    };
+    if (dtype < 0 || dtype > 2) return 0;
+    return table[dtype][d == 64 ? 0 : d == 128 ? 1 : 2];
+}
+
+/* The OpenMP team size a parallel call would use: torch.get_num_threads() when this library
+ * shares torch's libgomp (the dynamic linker binds libgomp.so.1 to the copy torch loaded). */
+int paged_attention_threads(void) { return omp_get_max_threads(); }
+
+/* 1 when this build handles `dtype` (fp16 needs the compiler's _Float16). */
+int paged_attention_supports(int dtype) { return pick(dtype, 64) != 0; }
+
+/* One batch's token -> request map, shared by all its layers' calls. */
+typedef struct {
+    const int64_t *slot_table, *tok_req, *tok_end;
+    int64_t table_stride, num_tokens, num_heads, num_kv_heads, head_dim, row_stride;
+    /* Up to this many multiply-adds (keys x query heads x head_dim, over the batch) the call
+     * stays on the calling thread: below it, waking the other OpenMP threads costs more than
+     * they save (it depends on the wait policy: native_kernels.py picks it). */
+    int64_t parallel_work;
+} pa_batch;
+
+/* Attention of the batch's queries over one layer's pool; returns 0, or -1 for an unsupported
+ * dtype / shape (nothing written).
+ *   q, out   [num_tokens, num_heads, head_dim] contiguous, the pool's dtype
+ *   k_pool, v_pool  [num_slots, num_kv_heads, head_dim] contiguous (row_stride elements a slot)
+ *   token t belongs to request tok_req[t] and sees keys [start, tok_end[t]), start = 0 or
+ *   tok_end[t] - window with a sliding window; key j lives in slot
+ *   slot_table[tok_req[t] * table_stride + j]. softcap 0 = none, window 0 = none.
+ * The caller guarantees tok_end[t] <= table_stride and every slot read < num_slots. */
+int paged_attention_batch(const pa_batch *b, const void *q, const void *k_pool,
+                          const void *v_pool, void *out, float scale, float softcap,
+                          int64_t window, int dtype) {
+    const int64_t kvh = b->num_kv_heads, d = b->head_dim;
+    attend_fn fn = pick(dtype, d);
+    if (!fn || kvh <= 0 || b->num_heads % kvh || d <= 0 || d % 16) return -1;
+    const pa_job jb = {q, k_pool, v_pool, out, b->slot_table, b->tok_req, b->tok_end,
+                       b->table_stride, b->num_heads, kvh, d, b->row_stride, window, scale,
+                       softcap};
+    int64_t keys = 0;
+    for (int64_t t = 0; t < b->num_tokens; t++) {
+        int64_t end = b->tok_end[t];
+        keys += (window > 0 && end > window) ? window : end;
+    }
+    if (keys * b->num_heads * d <= b->parallel_work) { /* no OpenMP team at all: ~2 us saved */
+        for (int64_t t = 0; t < b->num_tokens; t++)
+            for (int64_t h = 0; h < kvh; h++) fn(&jb, t, h);
+        return 0;
+    }
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t t = 0; t < b->num_tokens; t++)
+        for (int64_t h = 0; h < kvh; h++) fn(&jb, t, h);
+    return 0;
+}
+
+/* The same with the batch's fields as arguments (see paged_attention_batch), parallel above
+ * PA_PARALLEL_WORK multiply-adds. */
+#ifndef PA_PARALLEL_WORK
+#define PA_PARALLEL_WORK 2000000
+#endif
+int paged_attention(const void *q, const void *k_pool, const void *v_pool, void *out,
+                    const int64_t *slot_table, int64_t table_stride, const int64_t *tok_req,
+                    const int64_t *tok_end, int64_t num_tokens, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, int64_t row_stride, float scale,
+                    float softcap, int64_t window, int dtype) {
+    const pa_batch b = {slot_table, tok_req, tok_end, table_stride, num_tokens, num_heads,
+                        num_kv_heads, head_dim, row_stride, PA_PARALLEL_WORK};
+    return paged_attention_batch(&b, q, k_pool, v_pool, out, scale, softcap, window, dtype);
+}

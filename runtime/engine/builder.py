@@ -1,0 +1,296 @@
+"""Builds an engine's parts from an EngineConfig: model weights, KV pool, radix cache, scheduler,
+grammar backend."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psutil
+import torch
+
+from forklm.runtime.attention.backends import AttentionBackend, create_attention_backend
+from forklm.runtime.attention.batch_invariant import BatchInvariantAttention
+from forklm.runtime.attention.native import NativeAttention
+from forklm.runtime.config import EngineConfig
+from forklm.runtime.engine.intake import RequestIntake
+from forklm.runtime.forward.model_runner import ModelRunner
+from forklm.runtime.kvcache import sizing as kv_sizing
+from forklm.runtime.kvcache.manager import KVCacheManager
+from forklm.runtime.kvcache.pool import KVPool
+from forklm.runtime.kvcache.radix_cache import RadixCache
+from forklm.runtime.models import CausalLM, ModelSpec, WeightLoader, spec_from_config
+from forklm.runtime.models.batch_invariant import make_batch_invariant
+from forklm.runtime.models.fp16_linear import (
+    fp16_tied_head,
+    fp16_weights_available,
+    pack_fp16_linears,
+)
+from forklm.runtime.models.loader import LoadedModel, load_model
+from forklm.runtime.models.onednn_linear import (
+    attach_dense_copies,
+    can_pack,
+    pack_linears,
+    packed_tied_head,
+)
+from forklm.runtime.sampling.constraints import GrammarBackend
+from forklm.runtime.scheduling.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from forklm.runtime.distributed.processes import WorkerProcesses
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What clients may know of the served model (/get_model_info, /v1/models)."""
+
+    model_path: str
+    tokenizer_path: str
+    context_len: int  # prompt + output tokens of one request, at most
+    vocab_size: int  # the logits' width (may exceed the tokenizer's length)
+    dtype: str  # the weights' and KV cache's torch dtype name
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    model_config: Any
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    context_len: int
+    vocab_size: int
+    kv: KVCacheManager
+    scheduler: Scheduler
+    runner: ModelRunner
+    grammar: GrammarBackend
+    intake: RequestIntake
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(self.config.model_path, self.config.tokenizer_path or self.config.model_path,
+                         self.context_len, self.vocab_size, self.config.torch_dtype_name)
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    if config.tp_size == 1:
+        return _build_parts(config, None)
+    from forklm.runtime.distributed import spawn_workers
+
+    # This process is rank 0; the other ranks of this node start (and load) meanwhile.
+    workers = spawn_workers(config)
+    try:
+        return _build_parts(config, workers)
+    except BaseException:
+        workers.stop(timeout_s=2.0)
+        raise
+
+
+def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> EngineParts:
+    loaded = load_model(config.model_path, config.revision, config.tokenizer_path)
+    hf = loaded.config
+    spec = spec_from_config(hf)
+    dtype = getattr(torch, config.torch_dtype_name)
+    context_len = config.context_length or hf.max_position_embeddings
+    runner: ModelRunner
+    if workers is not None:
+        from forklm.runtime.distributed import start_tensor_parallel
+
+        if config.enable_torch_compile:
+            logger.info("torch.compile off: it compiles single-process models only")
+        tp = start_tensor_parallel(config, loaded, spec, workers)
+        pool, capacity = tp.shard.pool, tp.shard.pool.capacity
+        kv = build_kv_manager(config, pool, context_len)
+        runner = tp.runner(kv, spec.vocab_size)
+    else:
+        model = build_model_for(config, loaded, spec, context_len)
+        capacity = kv_capacity(config, spec, dtype, context_len)
+        pool, attn = build_kv_and_attention(config, spec, model, capacity)
+        kv = build_kv_manager(config, pool, context_len)
+        runner = ModelRunner(model, attn, kv, config.device)
+        _fuse_layers(config, model, attn)
+        _compile_layers(config, model)
+        _capture_decode_graphs(config, runner, context_len)
+    logger.info("model %s (%s, %s), KV capacity %d tokens", loaded.source, spec.model_type, dtype,
+                capacity)
+    eos_token_ids = frozenset(loaded.eos_token_ids)
+    return EngineParts(
+        config=config, model_config=hf, tokenizer=loaded.tokenizer,
+        eos_token_ids=eos_token_ids, context_len=context_len,
+        vocab_size=spec.vocab_size, kv=kv, scheduler=Scheduler(config, kv),
+        runner=runner,
+        # The logits are vocab_size wide, which may exceed the tokenizer's length.
+        grammar=GrammarBackend.for_tokenizer(
+            loaded.tokenizer, spec.vocab_size, loaded.eos_token_ids,
+            jump_forward=config.enable_jump_forward,
+            compile_timeout_s=config.grammar_compile_timeout_s),
+        intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
+                             eos_token_ids, config.random_seed),
+    )
+
+
+def _fuse_layers(config: EngineConfig, model: CausalLM, attn: AttentionBackend) -> None:
+    """Fused C steps between the matmuls for decode-like CPU batches, where the model and the
+    attention backend allow (runtime/models/fused_layers.py); torch.compile's graphs instead
+    when the user asked for those."""
+    if config.disable_fused_layers or config.enable_torch_compile:
+        return
+    from forklm.runtime.models.fused_layers import FusedDecodeLayers, unsupported_reason
+
+    reason = unsupported_reason(model, attn)
+    if reason:
+        logger.info("fused decode layers off: %s", reason)
+        return
+    assert isinstance(attn, NativeAttention)
+    model.fused_layers = FusedDecodeLayers(model, attn)
+
+
+def _compile_layers(config: EngineConfig, model: CausalLM) -> None:
+    """--enable-torch-compile: compile the layers' dense steps (runtime/forward/torch_compile.py), at
+    start. Not under deterministic inference, whose fixed matmul tiles a compiled graph would
+    not keep."""
+    if not config.enable_torch_compile:
+        return
+    if config.enable_deterministic_inference:
+        logger.info("torch.compile off: deterministic inference runs its own tiled matmuls")
+        return
+    from forklm.runtime.forward.torch_compile import enable_torch_compile
+
+    enable_torch_compile(model, config.torch_compile_max_bs)
+
+
+def _capture_decode_graphs(config: EngineConfig, runner: ModelRunner, context_len: int) -> None:
+    """CUDA graphs for decode on a GPU unless disabled; eager stand-ins when a test asks."""
+    from forklm.runtime.forward.cuda_graphs import CudaGraph, EagerGraph, Graph
+
+    new_graph: Callable[[], Graph]
+    if config.debug_eager_cuda_graph:
+        new_graph = EagerGraph
+    elif torch.device(config.device).type == "cuda" and not config.disable_cuda_graph:
+        from forklm.runtime.attention.triton_backend import TritonAttention
+
+        if not isinstance(runner.attn, TritonAttention):  # the torch path syncs with the host
+            logger.info("decode runs eagerly: CUDA graphs need --attention-backend triton")
+            return
+        memory_pool = torch.cuda.graph_pool_handle()
+        new_graph = lambda: CudaGraph(memory_pool)  # noqa: E731 - one pool for all buckets
+    else:
+        return
+    max_bs = config.cuda_graph_max_bs or min(config.max_running_requests, 160)
+    runner.capture_graphs(max_bs, context_len, new_graph)
+
+
+def build_model_for(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec,
+                    context_len: int) -> CausalLM:
+    """The model `config` asks for (dtype, device, quantized or not) with `loaded`'s weights;
+    under tensor parallelism `spec` and `loaded` are this rank's shard of them."""
+    keep_quantized = keeps_gguf_quantized(config, loaded)
+    return build_model(loaded, spec, getattr(torch, config.torch_dtype_name), config.device,
+                       context_len, keep_quantized=keep_quantized,
+                       dense_copies=config.quantization is None,
+                       fp16_weights=uses_fp16_weights(config, keep_quantized),
+                       int8_activations=not config.disable_int8_activations)
+
+
+def build_kv_and_attention(config: EngineConfig, spec: ModelSpec, model: CausalLM,
+                           capacity: int) -> tuple[KVPool, AttentionBackend]:
+    """The KV pool of `capacity` slots for `spec`'s KV heads and the attention backend over it."""
+    dtype = getattr(torch, config.torch_dtype_name)
+    pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
+    if config.enable_deterministic_inference:
+        make_batch_invariant(model)
+        return pool, BatchInvariantAttention(pool, spec.num_heads, spec.num_kv_heads,
+                                             spec.head_dim, model.attention_layers)
+    return pool, create_attention_backend(config.resolved_attention_backend, pool, spec.num_heads,
+                                          spec.num_kv_heads, spec.head_dim,
+                                          model.attention_layers)
+
+
+def build_kv_manager(config: EngineConfig, pool: KVPool, context_len: int) -> KVCacheManager:
+    """The request rows, radix cache and session pins over `pool`, as `config` asks."""
+    cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
+    return KVCacheManager(pool, cache, max_rows=config.max_running_requests + 1,
+                          max_context=min(context_len, pool.capacity),
+                          pinned_fraction=config.session_pinned_fraction,
+                          pin_idle_s=config.session_idle_timeout_s)
+
+
+def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device: str,
+                max_positions: int, keep_quantized: bool = False,
+                dense_copies: bool = False, fp16_weights: bool = False,
+                int8_activations: bool = False) -> CausalLM:
+    """The model on the meta device (no memory), then its weights streamed in one by one.
+    bf16 linears on a CPU with oneDNN bf16 get packed weights; with `dense_copies` a small
+    quantized model also gets packed bf16 copies of its quantized matrices for larger batches;
+    with `fp16_weights` float32 linears keep FBGEMM-packed float16 weights (fp16_linear.py);
+    with `int8_activations` quantized matrices multiply decode-sized calls with int8 dot
+    products where the CPU has them (quant/linear.py)."""
+    with torch.device("meta"):
+        model = CausalLM(spec, loaded.config, max_positions)
+    factory = None
+    if keep_quantized:
+        from forklm.runtime.quant.linear import QuantizedLinear
+
+        factory = QuantizedLinear.from_gguf
+    WeightLoader(model, dtype, device, factory).load(loaded.weights(keep_quantized))
+    if can_pack(dtype, device):
+        pack_linears(model)
+        if keep_quantized and dense_copies:
+            attach_dense_copies(model)
+        if keep_quantized and int8_activations:
+            from forklm.runtime.quant.linear import use_int8_activations
+
+            use_int8_activations(model)
+        table = getattr(model.model.embed_tokens, "weight", None)
+        if spec.tie_word_embeddings and isinstance(table, torch.Tensor):
+            model.tied_head = packed_tied_head(table)
+    if fp16_weights and dtype == torch.float32:
+        pack_fp16_linears(model)
+        table = getattr(model.model.embed_tokens, "weight", None)
+        if spec.tie_word_embeddings and isinstance(table, torch.Tensor):
+            model.tied_head = fp16_tied_head(table)
+    return model.eval()
+
+
+def uses_fp16_weights(config: EngineConfig, keep_quantized: bool) -> bool:
+    """dtype "auto" resolved to float32 on a CPU (no native bf16) with quantization unset: the
+    linears keep float16 weights (2-3x faster matmuls, fp16_linear.py). An explicit
+    dtype="float32" or quantization="none" keeps float32 weights, the token-exact path."""
+    return (config.dtype == "auto" and config.quantization is None and not keep_quantized
+            and config.device == "cpu" and config.torch_dtype_name == "float32"
+            and fp16_weights_available())
+
+
+def keeps_gguf_quantized(config: EngineConfig, loaded: LoadedModel) -> bool:
+    """quantization="gguf" keeps a GGUF's blocks; "none" dequantizes; unset (auto) keeps them
+    where that is faster at batch 1 (see runtime/quant/), never under dtype="float32", which is
+    the exact path (token-identical to transformers' own GGUF load), nor split over ranks."""
+    if not loaded.is_gguf or config.quantization == "none" or config.tp_size > 1:
+        return False
+    if config.quantization == "gguf":
+        return True
+    from forklm.runtime.quant import quantized_is_faster
+
+    return config.dtype != "float32" and quantized_is_faster(config.device)
+
+
+def kv_capacity(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context_len: int) -> int:
+    """KV slots for `spec`'s KV heads (a rank's own under tensor parallelism). Called after the
+    weights are loaded (a GPU's free memory then counts them)."""
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
+    if config.device.startswith("cuda"):
+        device = torch.device(config.device)
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        fraction = config.mem_fraction_static or kv_sizing.DEFAULT_MEM_FRACTION_STATIC
+        tokens = kv_sizing.gpu_kv_tokens(kv_sizing.DeviceMemory(total, free), fraction, per_token)
+    else:
+        tokens = kv_sizing.cpu_kv_tokens(psutil.virtual_memory().available,
+                                         config.max_total_tokens_fraction, per_token)
+    capacity = kv_sizing.capped(tokens, config.max_running_requests, context_len)
+    logger.info("KV pool: %d tokens, %.2f GiB", capacity, capacity * per_token / kv_sizing.GIB)
+    return capacity

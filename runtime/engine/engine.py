@@ -1,0 +1,307 @@
+"""Engine: the in-process serving API (SGLang's offline Engine shape) over a background loop thread.
+A call goes intake (validate, tokenize) -> grammar (compile constraints) -> submit."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from forklm.runtime.config import EngineConfig
+from forklm.runtime.cpu_threads import release_openmp_threads
+from forklm.runtime.engine.builder import EngineParts, ModelInfo, build_engine_parts
+from forklm.runtime.engine.client import EngineClient
+from forklm.runtime.engine.intake import RequestGroup
+from forklm.runtime.engine.loop import EngineLoop
+from forklm.runtime.engine.loop_mailbox import mailbox_for
+from forklm.runtime.engine.request import Req, ReqOutput
+from forklm.runtime.engine.results import GenerateOutput
+from forklm.runtime.errors import InvalidArgumentError
+
+
+class Engine:
+    """An LLM engine in this process: continuous batching over a radix-cached paged KV pool.
+
+    `Engine(model_path=None, **config)`; None means the default model. Every EngineConfig field is
+    accepted as a keyword. The loop runs in a daemon thread; all methods are thread-safe.
+    """
+
+    def __init__(self, model_path: str | None = None, **config: Any):
+        if model_path is not None:
+            config["model_path"] = model_path
+        self.config = EngineConfig.from_kwargs(**config)
+        self.parts: EngineParts = build_engine_parts(self.config)
+        if self.config.device == "cpu":  # the forwards run on the engine thread's own team
+            release_openmp_threads()
+        self.tokenizer = self.parts.tokenizer
+        self.model_info: ModelInfo = self.parts.model_info()
+        self._loop = EngineLoop(self.parts)
+        self._opening: set[str] = set()  # sessions opened without waiting, not yet open
+
+    @property
+    def last_error(self) -> Exception | None:
+        """The exception of the last engine step that failed (its requests were aborted)."""
+        return self._loop.last_error
+
+    @property
+    def closed(self) -> bool:
+        """Whether the engine can run nothing more: shut down, or its loop thread has died."""
+        return not self._loop.alive
+
+    # -- public API ----------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | list[int] | None = None,
+                 sampling_params: Any = None, input_ids: list[int] | list[list[int]] | None = None,
+                 return_logprob: bool = False, logprob_start_len: int | None = None,
+                 top_logprobs_num: int | None = None, stream: bool = False,
+                 rid: str | list[str] | None = None,
+                 return_text_in_logprobs: bool = True, session_params: Any = None) -> Any:
+        """Generate for one prompt (a dict result) or a list, or n > 1 (a list of results, in
+        prompt-major order).
+
+        With stream=True (single prompt), returns an iterator of chunk dicts whose `text` and
+        `output_ids` are the increments; the last chunk of each sample carries the finish_reason
+        in meta_info, and with n > 1 every chunk names its sample in `index`.
+        A constraint (regex, json_schema, ebnf, choices, structural_tag) is compiled before
+        anything is submitted, on the grammar thread pool while this call waits; one that does
+        not compile raises a ValueError carrying xgrammar's reason, and no request of the call
+        runs.
+        Logprob entries are [logprob, token_id, text]; text is None with
+        return_text_in_logprobs=False (and then never decoded).
+        session_params={"id": sid} (a session from open_session) pins what each request ends
+        with for that session.
+        """
+        return self.run(self.prepare(
+            prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
+            return_text_in_logprobs=return_text_in_logprobs, session_params=session_params))
+
+    async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
+                             input_ids: Any = None, return_logprob: bool = False,
+                             logprob_start_len: int | None = None,
+                             top_logprobs_num: int | None = None, stream: bool = False,
+                             rid: Any = None, return_text_in_logprobs: bool = True,
+                             session_params: Any = None) -> Any:
+        """Awaitable twin of generate; with stream=True returns an async iterator of chunks."""
+        group = self.prepare(
+            prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
+            return_text_in_logprobs=return_text_in_logprobs, session_params=session_params)
+        if group.stream:
+            return self._dicts_async(group, await self.async_stream(group))
+        await self._compile_async(group)
+        futures = [asyncio.wrap_future(f) for f in self._submit_collect(group)]
+        return self._shaped(group, list(await asyncio.gather(*futures)))
+
+    def prepare(self, **call: Any) -> RequestGroup:
+        """The intake alone: generate()'s keywords validated and tokenized into a RequestGroup
+        (raises InvalidArgumentError naming the bad argument). Nothing is submitted yet: `run`
+        or `async_stream` does that, so a caller can count and track the requests first."""
+        group = self.parts.intake.build(**call)
+        session = group.reqs[0].session_id if group.reqs else None
+        pins = self.parts.kv.pins
+        if session is not None and (pins is None or (
+                session not in pins.sessions and session not in self._opening)):
+            raise InvalidArgumentError("session_params", session,
+                                       "no open session of that id (open_session first)")
+        return group
+
+    def run(self, group: RequestGroup) -> Any:
+        """Compile the group's constraints, submit it, and answer as generate() does."""
+        compiling = self.parts.grammar.compile_all(group.reqs)
+        self.parts.grammar.attach(group.reqs, compiling)  # waits here, not in the loop
+        if group.stream:
+            return self._dicts(group, self._stream_sync(group))
+        return self._shaped(group, [f.result() for f in self._submit_collect(group)])
+
+    async def async_stream(self, group: RequestGroup) -> AsyncGenerator[GenerateOutput, None]:
+        """Compile the group's constraints, submit it, and return the async iterator of its
+        chunks as GenerateOutputs (any number of prompts and samples; `index` names each chunk's
+        result). Leaving the iterator early aborts the requests still running."""
+        await self._compile_async(group)
+        return self._stream_async(group)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request by id: it finishes with finish_reason abort and frees its KV."""
+        self._loop.abort(rid, "aborted by the caller")
+
+    def open_session(self, session_id: str | None = None, wait: bool = True) -> str:
+        """Open a session (SGLang's open_session): requests sent with session_params={"id": it}
+        leave the sequence they end with pinned in the radix cache until the session closes or
+        idles (EngineConfig.session_idle_timeout_s). Returns its id (a fresh one by default).
+        wait=False (a fresh id only) returns at once: the open is queued ahead of any request
+        that uses it."""
+        if not wait and session_id is not None:
+            raise InvalidArgumentError("session_id", session_id,
+                                       "only a fresh session opens without waiting")
+        sid, opened = self._open_session_on_loop(session_id)
+        if wait and not opened.result():
+            raise InvalidArgumentError("session_id", sid, "a session of that id is already open")
+        return sid
+
+    async def async_open_session(self, session_id: str | None = None) -> str:
+        """open_session on the caller's event loop: a fresh one at once (wait=False), a named
+        one awaited (no thread waits for the step)."""
+        if session_id is None:
+            return self.open_session(wait=False)
+        sid, opened = self._open_session_on_loop(session_id)
+        if not await asyncio.wrap_future(opened):
+            raise InvalidArgumentError("session_id", sid, "a session of that id is already open")
+        return sid
+
+    def _open_session_on_loop(self, session_id: str | None) -> tuple[str, Future]:
+        pins = self.parts.kv.pins
+        if pins is None:
+            raise InvalidArgumentError("session", session_id, "sessions pin prefixes in the radix "
+                                       "cache, which this engine runs without")
+        sid = uuid.uuid4().hex if session_id is None else session_id
+        if not isinstance(sid, str) or not sid or len(sid) > 256:
+            raise InvalidArgumentError("session_id", session_id, "expected a non-empty string")
+        self._opening.add(sid)
+
+        def open_now() -> bool:
+            try:
+                return pins.open(sid)
+            finally:
+                self._opening.discard(sid)
+
+        return sid, self._loop.call_soon(open_now)
+
+    def close_session(self, session_id: str, wait: bool = True) -> bool:
+        """Release a session's pinned prefixes and forget it; False when it was not open. With
+        wait=False the release is queued for the engine thread and this returns True at once."""
+        pins = self.parts.kv.pins
+        if pins is None:
+            return False
+        closed = self._loop.call_soon(lambda: pins.close(session_id))
+        return bool(closed.result()) if wait else True
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are in flight."""
+        return self._loop.call(self._loop.flush_now)
+
+    def stats(self) -> dict[str, Any]:
+        """Running/waiting requests, KV slots used/cached/free, cache hits, throughput."""
+        return self._loop.call(self._loop.stats_now)
+
+    def check_invariants(self) -> None:
+        """Assert the KV accounting (free + cached + in use == capacity, nothing owned twice)."""
+        self._loop.call(lambda: self.parts.kv.check_invariants(self.parts.scheduler.active_reqs()))
+
+    def shutdown(self) -> None:
+        """Stop the loop; pending requests finish with an abort. Also after the loop closed
+        itself: it waits for the loop to release its runner (tensor-parallel workers)."""
+        self._loop.stop()
+        self.parts.grammar.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- submission ----------------------------------------------------------------------------
+    async def _compile_async(self, group: RequestGroup) -> None:
+        compiling = self.parts.grammar.compile_all(group.reqs)
+        if compiling:  # attach() raises a compile error; gathering here marks it retrieved.
+            # Cancelled (the caller left), the gather cancels these futures: the compiles
+            # no one else awaits are dropped or stop holding their place in the pool.
+            await asyncio.gather(*map(asyncio.wrap_future, compiling.values()),
+                                 return_exceptions=True)
+        self.parts.grammar.attach(group.reqs, compiling)
+
+    def _shaped(self, group: RequestGroup, results: list[GenerateOutput]) -> Any:
+        dicts = [group.to_dict(r, self.tokenizer) for r in results]
+        return dicts[0] if group.single else dicts
+
+    def _dicts(self, group: RequestGroup,
+               chunks: Generator[GenerateOutput, None, None]) -> Iterator[dict[str, Any]]:
+        try:
+            for chunk in chunks:
+                yield group.to_dict(chunk, self.tokenizer, chunk=True)
+        finally:
+            chunks.close()  # aborts what still runs when the caller stops early
+
+    async def _dicts_async(self, group: RequestGroup, chunks: AsyncGenerator[GenerateOutput, None]
+                           ) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for chunk in chunks:
+                yield group.to_dict(chunk, self.tokenizer, chunk=True)
+        finally:
+            await chunks.aclose()
+
+    def _submit_collect(self, group: RequestGroup) -> list[Future]:
+        """Submit the group; each future resolves to its request's GenerateOutput when it
+        finishes. Cancelling a future aborts its request."""
+        futures = [self._collector(req) for req in group.reqs]
+        self._loop.submit(group.reqs)
+        return futures
+
+    def _collector(self, req: Req) -> Future:
+        fut: Future = Future()
+        text_parts: list[str] = []
+
+        def sink(out: ReqOutput) -> None:
+            text_parts.append(out.delta_text)
+            if out.finished and not fut.done():
+                fut.set_result(GenerateOutput.of(out.req, "".join(text_parts)))
+
+        def on_done(f: Future) -> None:
+            if f.cancelled() and not self._loop.closed:  # the caller gave up: stop computing
+                self.abort(req.rid)
+
+        req.sink = sink
+        fut.add_done_callback(on_done)
+        return fut
+
+    def _stream_sync(self, group: RequestGroup) -> Generator[GenerateOutput, None, None]:
+        events: queue.Queue[ReqOutput] = queue.Queue()
+        for req in group.reqs:
+            req.sink = events.put
+        self._loop.submit(group.reqs)
+
+        def chunks() -> Generator[GenerateOutput, None, None]:
+            try:
+                remaining = len(group)
+                while remaining:
+                    out = events.get()
+                    remaining -= out.finished
+                    yield _chunk(out)
+            finally:
+                self._abort_unfinished(group)
+
+        return chunks()
+
+    async def _stream_async(self, group: RequestGroup) -> AsyncGenerator[GenerateOutput, None]:
+        mailbox = mailbox_for(asyncio.get_running_loop())
+        events: asyncio.Queue[ReqOutput] = asyncio.Queue()
+        for req in group.reqs:
+            req.sink = lambda out: mailbox.post(events.put_nowait, out)
+        self._loop.submit(group.reqs)
+        try:
+            remaining = len(group)
+            while remaining:
+                out = await events.get()
+                remaining -= out.finished
+                yield _chunk(out)
+        finally:
+            self._abort_unfinished(group)
+
+    def _abort_unfinished(self, group: RequestGroup) -> None:
+        """The caller stopped reading: the requests still running are aborted."""
+        for req in group.reqs:
+            if not req.finished and not self._loop.closed:
+                self.abort(req.rid)
+
+
+def _chunk(out: ReqOutput) -> GenerateOutput:
+    return GenerateOutput.of(out.req, out.delta_text, out.delta_ids, final=out.finished)
+
+
+if TYPE_CHECKING:  # Engine fulfils the client contract (checked by mypy)
+    def _as_client(engine: Engine) -> EngineClient:
+        return engine

@@ -1,0 +1,252 @@
+"""Request intake: one generate() call (prompts, sampling parameters, samples, logprob options,
+rids) validated and tokenized into the engine's Reqs, before anything is submitted."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
+from forklm.runtime.engine.request import Req
+from forklm.runtime.engine.results import GenerateOutput
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestGroup:
+    """The Reqs of one generate() call, prompt-major: the n samples of prompt 0, then prompt 1's.
+    `reqs[i].index == i`; `single`: one prompt and one sample, answered by one result (not a list).
+    """
+
+    reqs: list[Req]
+    single: bool
+    prompts: list[str | list[int]]  # as given, one per prompt
+    num_samples: list[int]  # n of each prompt
+    stream: bool = False
+    return_text_in_logprobs: bool = True
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def rids(self) -> list[str]:
+        return [req.rid for req in self.reqs]
+
+    def to_dict(self, output: GenerateOutput, tokenizer: Any, chunk: bool = False) -> dict[str, Any]:
+        """An output of this call in SGLang's shape: logprob text decoded only when the call
+        asked for it; a chunk names its result's `index` when the call has several."""
+        return output.to_dict(tokenizer if self.return_text_in_logprobs else None,
+                              with_index=chunk and len(self.reqs) > 1)
+
+    def prompt_index(self, index: int) -> int:
+        """The prompt that result `index` continues."""
+        ends = itertools.accumulate(self.num_samples)
+        return next(i for i, end in enumerate(ends) if index < end)
+
+
+# Top logprobs per position: each costs a topk and a Python pair per generated token, so a large
+# one multiplies a request's memory (OpenAI's bound, and the HTTP server's: protocol.py).
+MAX_TOP_LOGPROBS_NUM = 20
+# torch.Generator seeds are 64-bit: a seeded request's sample k draws from (seed + k) mod 2**64.
+_SEED_MODULUS = 2**64
+
+
+@dataclass(frozen=True)
+class _LogprobOptions:
+    enabled: bool  # the other two are checked either way, and used only when enabled
+    start_len: int  # -1: output logprobs only
+    top_num: int
+
+
+class RequestIntake:
+    """Builds RequestGroups for one engine: its tokenizer, vocabulary, context length, KV capacity
+    and EOS ids. Seeds: sample k of a request with `seed` draws from seed + k (mod 2**64); an
+    unseeded sample gets the next seed of the engine's own sequence (EngineConfig.random_seed).
+    A call's requests all exist, or (on a bad argument) none does."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, kv_capacity: int,
+                 eos_token_ids: frozenset[int], random_seed: int):
+        self.tokenizer, self.vocab_size, self.context_len = tokenizer, vocab_size, context_len
+        self.kv_capacity, self.eos_token_ids = kv_capacity, eos_token_ids
+        self._random_seed, self._seed_counter = random_seed, itertools.count()
+
+    def build(self, *, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
+              return_logprob: bool = False, logprob_start_len: int | None = None,
+              top_logprobs_num: int | None = None, return_text_in_logprobs: bool = True,
+              rid: Any = None, stream: bool = False, session_params: Any = None) -> RequestGroup:
+        """Raises InvalidArgumentError naming the bad argument; no Req exists then."""
+        given, single = _prompt_list(prompt, input_ids)
+        if stream and len(given) != 1:
+            raise InvalidArgumentError("stream", stream, "streaming takes a single prompt")
+        name = "prompt" if prompt is not None else "input_ids"
+        prompts = [self._token_ids(p, name) for p in given]
+        params_list = _params_list(sampling_params, len(prompts))
+        rids = self._result_rids(rid, params_list)
+        logprobs = _logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
+        session_id = session_of(session_params)
+        for ids, params in zip(prompts, params_list):
+            self._check_prompt(ids, params, logprobs)
+        reqs: list[Req] = []
+        for ids, params in zip(prompts, params_list):
+            for k in range(params.n):
+                reqs.append(self._req(ids, params, rids[len(reqs)], k, len(reqs), logprobs))
+                reqs[-1].session_id = session_id
+        return RequestGroup(reqs, single and params_list[0].n == 1, given,
+                            [p.n for p in params_list], stream, bool(return_text_in_logprobs))
+
+    def new_rid(self) -> str:
+        return uuid.uuid4().hex
+
+    def _result_rids(self, rid: Any, params_list: list[SamplingParams]) -> list[str]:
+        """One rid per result. A list gives each prompt its base rid; a prompt's samples are
+        base-0, base-1, ... when n > 1. One str for a batch names the results rid-0, rid-1, ...
+        in order. Without rids, each prompt gets a fresh base."""
+        if isinstance(rid, str) and rid and len(params_list) > 1:
+            return [f"{rid}-{i}" for i in range(sum(p.n for p in params_list))]
+        bases = [base or self.new_rid() for base in _rid_list(rid, len(params_list))]
+        return [base + (f"-{k}" if p.n > 1 else "")
+                for base, p in zip(bases, params_list) for k in range(p.n)]
+
+    def _req(self, ids: list[int], params: SamplingParams, rid: str, sample: int, index: int,
+             logprobs: _LogprobOptions) -> Req:
+        """Sample `sample` of a prompt; a seeded request's sample k draws from seed + k."""
+        return Req(
+            rid=rid, index=index, origin_input_ids=list(ids), sampling_params=params,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, params.stop or (), params.skip_special_tokens,
+                params.spaces_between_special_tokens, params.no_stop_trim,
+                params.stop_regex or ()),
+            eos_token_ids=self.eos_token_ids, sink=_unset_sink,
+            generator=self._generator(None if params.seed is None else params.seed + sample),
+            return_logprob=logprobs.enabled,
+            logprob_start_len=logprobs.start_len if logprobs.enabled else -1,
+            top_logprobs_num=logprobs.top_num if logprobs.enabled else 0,
+            max_total_len=self.context_len,
+        )
+
+    def _generator(self, seed: int | None) -> torch.Generator:
+        if seed is None:
+            seed = self._random_seed * 1_000_003 + next(self._seed_counter)
+        return torch.Generator().manual_seed(seed % _SEED_MODULUS)
+
+    def _token_ids(self, prompt: str | list[int], name: str) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidArgumentError(name, prompt, "the prompt is empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids, vocab = list(prompt), self.vocab_size
+        if not ids:
+            raise InvalidArgumentError(name, ids, "the prompt is empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgumentError(name, bad[0], f"token ids must be ints in [0, {vocab})")
+        return ids
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams,
+                      logprobs: _LogprobOptions) -> None:
+        if len(ids) >= self.context_len:
+            raise InvalidArgumentError("prompt", f"<{len(ids)} tokens>",
+                                       f"longer than the model's context_length {self.context_len} "
+                                       "(one position must stay free to generate)")
+        if len(ids) + 1 > self.kv_capacity:
+            raise InvalidArgumentError("prompt", f"<{len(ids)} tokens>", "does not fit the KV "
+                                       f"cache (max_total_tokens={self.kv_capacity})")
+        for t in params.stop_token_ids or ():
+            if not 0 <= t < self.vocab_size:
+                raise InvalidArgumentError("stop_token_ids", t, f"must be in [0, {self.vocab_size})")
+        for t in params.logit_bias or ():
+            if t >= self.vocab_size:
+                raise InvalidArgumentError("logit_bias", t,
+                                           f"token ids must be in [0, {self.vocab_size})")
+        if logprobs.start_len >= len(ids):
+            raise InvalidArgumentError("logprob_start_len", logprobs.start_len,
+                                       f"must be < the prompt length ({len(ids)} tokens)")
+
+
+def session_of(session_params: Any) -> str | None:
+    """The session id of SGLang's session_params ({"id": ...}). forklm's sessions pin prefixes
+    and every request sends its whole prompt, so SGLang's continuation fields (rid, offset,
+    replace, drop_previous_output) are refused rather than ignored."""
+    if session_params is None:
+        return None
+    if not isinstance(session_params, dict):
+        raise InvalidArgumentError("session_params", session_params, 'expected {"id": ...}')
+    sid = session_params.get("id")
+    if not isinstance(sid, str) or not sid:
+        raise InvalidArgumentError("session_params.id", sid, "expected an open session's id")
+    for key, value in session_params.items():
+        if key != "id" and value not in (None, False):
+            raise InvalidArgumentError(
+                f"session_params.{key}", value, "not supported: a session here pins the prefix "
+                "its requests end with; send the whole prompt and the radix cache reuses it")
+    return sid
+
+
+def _unset_sink(out: Any) -> None:
+    raise AssertionError("request submitted without a sink")
+
+
+def _prompt_list(prompt: Any, input_ids: Any) -> tuple[list[Any], bool]:
+    """(the prompts, whether a single one was given). `prompt`: a str, a token-id list, or a list
+    of either; `input_ids`: a token-id list or a list of them."""
+    if (prompt is None) == (input_ids is None):
+        raise InvalidArgumentError("prompt", prompt, "give exactly one of prompt or input_ids")
+    if prompt is not None:
+        if isinstance(prompt, str) or _is_id_list(prompt):
+            return [prompt], True
+        if _is_list_of(prompt, lambda p: isinstance(p, str) or _is_id_list(p)):
+            return list(prompt), False
+        raise InvalidArgumentError("prompt", prompt, "expected a str, a token-id list or a list "
+                                   "of them")
+    if _is_id_list(input_ids):
+        return [input_ids], True
+    if _is_list_of(input_ids, lambda p: isinstance(p, Sequence) and not isinstance(p, str)):
+        return list(input_ids), False
+    raise InvalidArgumentError("input_ids", input_ids, "expected a non-empty token-id list or a "
+                               "list of them")
+
+
+def _is_id_list(x: Any) -> bool:
+    return _is_list_of(x, lambda t: isinstance(t, int))
+
+
+def _is_list_of(x: Any, ok: Callable[[Any], bool]) -> bool:
+    return isinstance(x, Sequence) and not isinstance(x, str) and bool(x) and all(map(ok, x))
+
+
+def _params_list(sampling_params: Any, num: int) -> list[SamplingParams]:
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != num:
+            raise InvalidArgumentError("sampling_params", f"<list of {len(sampling_params)}>",
+                                       f"need one per prompt ({num})")
+        return [SamplingParams.coerce(p) for p in sampling_params]
+    return [SamplingParams.coerce(sampling_params)] * num
+
+
+def _rid_list(rid: Any, num: int) -> list[str | None]:
+    if rid is None:
+        return [None] * num
+    rids = [rid] if isinstance(rid, str) else list(rid)
+    if len(rids) != num or not all(isinstance(r, str) and r for r in rids):
+        raise InvalidArgumentError("rid", rid, f"need {num} non-empty string id(s)")
+    return rids
+
+
+def _logprob_options(enabled: bool, start_len: int | None, top_num: int | None) -> _LogprobOptions:
+    top = _check_int("top_logprobs_num", top_num or 0, 0, MAX_TOP_LOGPROBS_NUM)
+    start = -1 if start_len is None else _check_int("logprob_start_len", start_len, -1)
+    return _LogprobOptions(bool(enabled), start, top)
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(name, value, f"must be an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise InvalidArgumentError(name, value, f"must be an int in [{minimum}, {maximum}]")
+    return value

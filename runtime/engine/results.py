@@ -1,0 +1,108 @@
+"""GenerateOutput: one request's result, or one stream chunk of it, as it travels up from the engine;
+`to_dict()` turns it into SGLang's shape (text, output_ids, meta_info) at the edge that speaks it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from forklm.runtime.engine.request import FinishReason, Req
+
+Pair = tuple[Any, int]  # (logprob, token_id); the prompt's first token has logprob None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A request's logprobs, without token text: chosen tokens' (logprob, token_id), and per
+    position the top (logprob, token_id) list when top_logprobs_num was asked for (else None)."""
+
+    input_token: list[Pair]
+    output_token: list[Pair]
+    input_top: list[list[Pair]] | None
+    output_top: list[list[Pair]] | None
+
+    @classmethod
+    def of(cls, req: Req) -> TokenLogprobs:
+        tops = bool(req.top_logprobs_num)
+        return cls([(lp, tid) for lp, tid in req.input_token_logprobs],
+                   [(lp, tid) for lp, tid in req.output_token_logprobs],
+                   list(req.input_top_logprobs) if tops else None,
+                   list(req.output_top_logprobs) if tops else None)
+
+    def to_meta(self, tokenizer: Any = None) -> dict[str, Any]:
+        """SGLang's meta_info keys: [logprob, token_id, text] entries; text is decoded only with
+        a tokenizer, else None."""
+        meta: dict[str, Any] = {"input_token_logprobs": token_entries(self.input_token, tokenizer),
+                                "output_token_logprobs": token_entries(self.output_token, tokenizer)}
+        if self.input_top is not None and self.output_top is not None:
+            meta["input_top_logprobs"] = [token_entries(t, tokenizer) for t in self.input_top]
+            meta["output_top_logprobs"] = [token_entries(t, tokenizer) for t in self.output_top]
+        return meta
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """A result (final) or a stream chunk (text and output_ids are the increments; finish_reason
+    and logprobs only on a request's last chunk). `index`: its place among the call's results."""
+
+    rid: str
+    index: int
+    text: str
+    output_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int  # so far
+    cached_tokens: int
+    logprobs: TokenLogprobs | None = None
+
+    @classmethod
+    def of(cls, req: Req, text: str, output_ids: list[int] | None = None,
+           final: bool = True) -> GenerateOutput:
+        """req's result with `text` (a chunk: its increments `text` and `output_ids`)."""
+        return cls(
+            rid=req.rid, index=req.index, text=text,
+            output_ids=list(req.output_ids) if output_ids is None else output_ids,
+            finish_reason=req.finish_reason if final else None,
+            prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            logprobs=TokenLogprobs.of(req) if final and req.return_logprob else None)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self, tokenizer: Any = None, with_index: bool = False) -> dict[str, Any]:
+        """SGLang's result (or chunk) dict; logprob entries carry token text only when a
+        tokenizer is given; `index` is included when asked (chunks of a call with several)."""
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
+        if self.logprobs is not None:
+            meta.update(self.logprobs.to_meta(tokenizer))
+        out: dict[str, Any] = {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
+        if with_index:
+            out["index"] = self.index
+        return out
+
+
+def join_chunks(chunks: Sequence[GenerateOutput]) -> GenerateOutput:
+    """One request's stream chunks as its result: the texts and ids joined, the rest from the
+    last chunk (which carries the final counts, finish reason and logprobs)."""
+    last = chunks[-1]
+    return GenerateOutput(
+        rid=last.rid, index=last.index, text="".join(c.text for c in chunks),
+        output_ids=[t for c in chunks for t in c.output_ids], finish_reason=last.finish_reason,
+        prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+        cached_tokens=last.cached_tokens, logprobs=last.logprobs)
+
+
+def token_entries(pairs: Sequence[Pair], tokenizer: Any = None) -> list[list[Any]]:
+    """[logprob, token_id, text] per pair; text is None without a tokenizer."""
+    if tokenizer is None:
+        return [[lp, tid, None] for lp, tid in pairs]
+    return [[lp, tid, tokenizer.decode([tid])] for lp, tid in pairs]

@@ -1,0 +1,140 @@
+"""ModelRunner: turns a ScheduledBatch into a ForwardBatch (positions, KV slots, slot table) and runs
+the model, returning the logits rows the engine needs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from forklm.runtime.attention.backends import AttentionBackend
+from forklm.runtime.engine.request import Req
+from forklm.runtime.forward.batch import ForwardBatch
+from forklm.runtime.forward.cuda_graphs import DecodeGraphRunner, Graph
+from forklm.runtime.kvcache.manager import KVCacheManager
+from forklm.runtime.models import CausalLM
+from forklm.runtime.scheduling.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LogitsRows:
+    """Where one request's logits sit in the returned tensor."""
+
+    input_start: int  # first row of prompt-logprob logits
+    input_positions: list[int]  # positions t whose token logprob those rows give (row k -> t = input_positions[k])
+    sample_row: int | None  # row to sample the next token from
+    # Draft tokens verified: rows sample_row + 1 .. sample_row + num_draft give the distributions
+    # after each of them (row sample_row + j follows draft token j).
+    num_draft: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, attn: AttentionBackend, kv: KVCacheManager,
+                 device: str = "cpu"):
+        self.model, self.attn, self.kv = model, attn, kv
+        self.device = torch.device(device)
+        self.graphs: DecodeGraphRunner | None = None  # decode replayed from captured graphs
+
+    def forward(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[LogitsRows]]:
+        """-> (logits [num_rows, vocab] fp32 on the model's device, per-request row layout).
+        Sampling, grammar masks and logprobs run on that device too (output_processor).
+
+        input_ids: a decode batch's tokens where the previous step sampled them (the overlap
+        scheduler runs this step before they reach the host); None = read from the requests."""
+        fb, layout = self._build(batch, input_ids)
+        if self.graphs is not None and self.graphs.can_run(fb):
+            return self.graphs.run(fb), layout
+        return self.model(fb.to(self.device), self.attn), layout
+
+    def capture_graphs(self, max_bs: int, max_context: int, new_graph: Callable[[], Graph]
+                       ) -> None:
+        """Capture decode for every bucket up to max_bs (contexts up to max_context); a capture
+        that fails leaves every step eager, with a warning (a model or attention path that is
+        not capture-safe must not stop the engine)."""
+        runner = DecodeGraphRunner(lambda fb: self.model(fb, self.attn), max_bs, max_context,
+                                   self.kv.pool.scratch_slot, self.device, new_graph)
+        try:
+            with torch.inference_mode():
+                runner.capture()
+        except Exception as e:  # noqa: BLE001 - see above
+            logger.warning("decode graph capture failed (%s); decode runs eagerly", e)
+            return
+        self.graphs = runner
+        logger.info("decode graphs captured for batch sizes %s", runner.sizes)
+
+    def check_health(self) -> None:
+        """Called by the engine loop between steps; raises WorkerLostError when the forward can
+        no longer run (a tensor-parallel rank died). One process: nothing to check."""
+
+    def close(self) -> None:
+        """Release what the runner started (tensor-parallel workers); the engine loop calls it
+        once, when it ends."""
+
+    def _build(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+               ) -> tuple[ForwardBatch, list[LogitsRows]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        layout: list[LogitsRows] = []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        q_index: list[int] = []
+        offset = 0
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            start = req.num_computed - n  # KV for [start, start + n) is computed now
+            draft = batch.drafts(i)  # computed after req's own tokens, not yet part of fill_ids
+            if input_ids is None:
+                ids.extend(req.fill_slice(start, start + n - len(draft)))
+                ids.extend(draft)
+            positions.extend(range(start, start + n))
+            rows = _input_logprob_positions(req, start, n)
+            layout.append(LogitsRows(len(logit_rows), rows, None))
+            logit_rows.extend(offset + t - 1 - start for t in rows)
+            if batch.samples[i]:
+                layout[-1].sample_row, layout[-1].num_draft = len(logit_rows), len(draft)
+                logit_rows.extend(range(offset + n - 1 - len(draft), offset + n))
+            q_lens.append(n)
+            kv_lens.append(req.num_computed)
+            q_index.append(offset)
+            offset += n
+        max_q = max(q_lens)
+        q_lens_t = torch.tensor(q_lens)
+        rows_t = torch.tensor([r.row for r in batch.reqs])
+        kv_lens_t = torch.tensor(kv_lens)
+        slot_table = self.kv.req_to_token[rows_t, : max(kv_lens)]
+        positions_t = torch.tensor(positions)
+        if max_q == 1:  # one token per request (decode): fewer small tensor ops, same tensors
+            q_index_t = torch.arange(len(q_lens))[:, None]
+            out_rows = rows_t
+        else:
+            q_index_t = torch.tensor(q_index)[:, None] + torch.arange(max_q)[None, :]
+            q_index_t = torch.minimum(q_index_t, (torch.tensor(q_index) + q_lens_t - 1)[:, None])
+            out_rows = torch.repeat_interleave(rows_t, q_lens_t)
+        # Built on the CPU (the slot rows live there); forward moves it to the model's device.
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids) if input_ids is None else input_ids,
+            positions=positions_t,
+            out_slots=self.kv.req_to_token[out_rows, positions_t],
+            q_lens=q_lens_t,
+            kv_lens=kv_lens_t,
+            slot_table=slot_table,
+            q_index=q_index_t,
+            logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
+            max_q_len=max_q, is_decode=batch.is_decode,
+        )
+        return fb, layout
+
+
+def _input_logprob_positions(req: Req, start: int, n: int) -> list[int]:
+    """Prompt positions t (>= 1, >= logprob_start_len) whose token logprob the hidden state at t-1,
+    computed in this chunk [start, start + n), gives."""
+    if not req.wants_input_logprobs:
+        return []
+    lo = max(start + 1, req.logprob_start_len, 1)
+    hi = min(start + n, len(req.origin_input_ids) - 1)
+    return list(range(lo, hi + 1))

@@ -1,0 +1,162 @@
+"""KVCacheManager: request rows of KV slots, prefix locking, allocation with eviction, and the one
+release path every request leaves through (finish, abort, retract)."""
+
+from __future__ import annotations
+
+import torch
+
+from forklm.runtime.engine.request import Req
+from forklm.runtime.errors import KVCacheFullError
+from forklm.runtime.kvcache.pool import KVPool
+from forklm.runtime.kvcache.radix_cache import RadixCache
+from forklm.runtime.kvcache.session_pins import SessionPins
+
+
+class KVCacheManager:
+    """Slot ownership: the radix cache owns the slots it holds (a request only locks its path);
+    a request owns the slots of req_to_token[row, prefix_len:num_computed]; the rest are free."""
+
+    def __init__(self, pool: KVPool, cache: RadixCache | None, max_rows: int, max_context: int,
+                 pinned_fraction: float = 0.25, pin_idle_s: float = 120.0):
+        self.pool, self.cache = pool, cache
+        self.allocator = pool.allocator
+        # Sessions' pinned prefixes (session_pins.py); none without a radix cache.
+        self.pins = (SessionPins(cache, int(pool.allocator.capacity * pinned_fraction), pin_idle_s)
+                     if cache is not None else None)
+        self.req_to_token = torch.zeros(max_rows, max_context, dtype=torch.int64)
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+
+    @property
+    def available_tokens(self) -> int:
+        """Slots obtainable now: free ones plus what eviction of unlocked cache leaves would give."""
+        return self.allocator.num_free + (self.cache.evictable_size if self.cache else 0)
+
+    def match_len(self, req: Req) -> int:
+        """Length of req's prefix found in the cache (no lock taken; may split a node)."""
+        if self.cache is None:
+            return 0
+        return len(self.cache.match_prefix(req.fill_ids[: req.max_prefix_len()]).slots)
+
+    def admit(self, req: Req) -> None:
+        """Give req a row and lock its longest cached prefix, which then counts as computed."""
+        assert req.row is None, f"request {req.rid} admitted twice"
+        req.row = self.free_rows.pop()
+        if self.cache is not None:
+            match = self.cache.match_prefix(req.fill_ids[: req.max_prefix_len()])
+            self.cache.lock(match.node)
+            req.last_node, req.prefix_len = match.node, len(match.slots)
+            self.req_to_token[req.row, : req.prefix_len] = match.slots
+        req.num_computed = req.prefix_len
+
+    def extend(self, req: Req, num_tokens: int) -> torch.Tensor:
+        """Allocate num_tokens slots after req's computed part and record them in its row."""
+        slots = self.allocate(num_tokens)
+        start = req.num_computed
+        self.req_to_token[req.row, start : start + num_tokens] = slots
+        req.num_computed += num_tokens
+        return slots
+
+    def extend_all(self, reqs: list[Req], lens: list[int]) -> None:
+        """extend(req, n) for each pair, with one allocation and one scatter into the rows (a
+        decode step of 16 requests: 0.02 ms instead of 0.10-0.16 in 16 rounds of small tensor
+        ops)."""
+        slots = self.allocate(sum(lens))
+        rows: list[int] = []
+        cols: list[int] = []
+        for req, n in zip(reqs, lens, strict=True):
+            rows += [req.row] * n  # type: ignore[list-item]
+            cols += range(req.num_computed, req.num_computed + n)
+            req.num_computed += n
+        self.req_to_token[torch.tensor(rows, dtype=torch.int64),
+                          torch.tensor(cols, dtype=torch.int64)] = slots
+
+    def allocate(self, num_tokens: int) -> torch.Tensor:
+        short = num_tokens - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        if num_tokens > self.allocator.num_free:
+            raise KVCacheFullError(f"need {num_tokens} KV slots, {self.allocator.num_free} free")
+        return self.allocator.allocate(num_tokens)
+
+    def trim(self, req: Req, num_computed: int) -> None:
+        """Free req's slots past num_computed (KV of rejected draft tokens), so they are never
+        inserted into the cache as if they were the sequence's."""
+        assert req.row is not None and req.prefix_len <= num_computed <= req.num_computed, (
+            f"request {req.rid}: cannot trim to {num_computed}")
+        self.allocator.free(self.req_to_token[req.row, num_computed : req.num_computed].clone())
+        req.num_computed = num_computed
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Insert req's computed tokens into the cache (so others can share them while it keeps
+        running) and move its lock and row onto the cache's canonical slots."""
+        if self.cache is None:
+            return
+        ids = req.fill_ids[: req.num_computed]
+        self._insert(req, ids)
+        match = self.cache.match_prefix(ids, count=False)
+        assert len(match.slots) == len(ids), "inserted sequence must match in full"
+        # Lock the new node before unlocking the old one, so the shared path never looks evictable.
+        self.cache.lock(match.node)
+        self.cache.unlock(req.last_node)
+        req.last_node, req.prefix_len = match.node, len(ids)
+        self.req_to_token[req.row, : len(ids)] = match.slots
+
+    def release(self, req: Req, pin: bool = False) -> None:
+        """The single exit: hand computed KV to the cache (or free it), unlock, free the row.
+        pin: a finished request of a session leaves its sequence pinned for the session.
+        Idempotent: a second call does nothing."""
+        if req.row is None:
+            return
+        if req.num_computed > req.fill_len:  # a verify step failed: its draft KV is not fill_ids'
+            self.trim(req, max(req.fill_len - 1, req.prefix_len))
+        if self.cache is not None:
+            ids = req.fill_ids[: req.num_computed]
+            self._insert(req, ids)
+            if pin and req.session_id is not None and self.pins is not None:
+                self.pins.pin(req.session_id, self.cache.match_prefix(ids, count=False).node)
+            self.cache.unlock(req.last_node)
+        else:
+            self.allocator.free(self.req_to_token[req.row, req.prefix_len : req.num_computed].clone())
+        self.free_rows.append(req.row)
+        req.row, req.last_node, req.prefix_len, req.num_computed = None, None, 0, 0
+
+    def _insert(self, req: Req, ids: list[int]) -> None:
+        assert self.cache is not None
+        slots = self.req_to_token[req.row, : len(ids)].clone()
+        present = self.cache.insert(ids, slots)
+        # The cache kept its own slots for [0, present); ours in [prefix_len, present) are duplicates.
+        if present > req.prefix_len:
+            self.allocator.free(slots[req.prefix_len : present])
+
+    def flush(self) -> None:
+        """Drop every cached prefix, sessions' pins included (sessions stay open); only valid
+        when no request holds a lock."""
+        if self.cache is not None:
+            if self.pins is not None:
+                self.pins.release_all()
+            self.cache.reset()
+
+    def check_invariants(self, active: list[Req]) -> None:
+        """free + cached + owned-by-requests == capacity, and no slot is held twice."""
+        held = [self.allocator.free_slots()]
+        rows = [r.row for r in active if r.row is not None]
+        if self.cache is not None:
+            self.cache.check_invariants()
+            held.append(self.cache.all_slots())
+            # Every lock on the tree belongs to an admitted request or a session's pin.
+            pins = 0
+            if self.pins is not None:
+                self.pins.check_invariants()
+                pins = self.pins.num_pins
+            assert self.cache.root.lock_ref == len(rows) + pins, (
+                f"{self.cache.root.lock_ref} locks for {len(rows)} requests and {pins} pins")
+        assert len(rows) == len(set(rows)), "a row is used by two requests"
+        assert len(rows) + len(self.free_rows) == self.req_to_token.shape[0], "request row leaked"
+        for r in active:
+            if r.row is not None:
+                held.append(self.req_to_token[r.row, r.prefix_len : r.num_computed])
+        everything = torch.cat(held)
+        capacity = self.allocator.capacity
+        assert everything.numel() == capacity, (
+            f"KV slots accounted {everything.numel()} != capacity {capacity}: leak or double count")
+        assert torch.unique(everything).numel() == capacity, "a KV slot is owned twice"

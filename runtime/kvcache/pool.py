@@ -1,0 +1,134 @@
+"""Paged KV memory with page size 1: a slot allocator and per-layer K/V buffers addressed by slot.
+
+A slot is one token's K and V in every layer; the radix cache and requests hold slot indices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from forklm.runtime.errors import KVCacheFullError
+
+
+class SlotAllocator:
+    """Free list of KV slot indices in [0, capacity).
+
+    The free slots sit in a stack tensor (`_stack[:_top]`), so `allocate` and `free` are a slice
+    plus a few vectorized ops, O(n) in the number of slots moved. `_is_free` mirrors the stack as
+    a mask so double frees are caught without a Python loop. Slots live on the CPU; callers move
+    them to the device where the KV buffers are.
+    """
+
+    def __init__(self, capacity: int):
+        assert capacity >= 0, f"capacity must be >= 0, got {capacity}"
+        self.capacity = capacity
+        self._stack = torch.empty(capacity, dtype=torch.int64)
+        self._is_free = torch.empty(capacity, dtype=torch.bool)
+        self._top = 0
+        self.reset()
+
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """Take `n` distinct free slots (int64 [n]); raises KVCacheFullError if fewer are free.
+
+        The caller owns the returned slots until it frees them or hands them to the radix cache.
+        """
+        assert n >= 0, f"cannot allocate {n} slots"
+        if n > self._top:
+            raise KVCacheFullError(
+                f"need {n} KV slots but only {self._top} of {self.capacity} are free"
+            )
+        slots = self._stack[self._top - n : self._top].clone()
+        self._top -= n
+        self._is_free[slots] = False
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return owned slots to the free list; a double free or out-of-range slot asserts."""
+        slots = slots.reshape(-1).to(device="cpu", dtype=torch.int64)
+        n = slots.numel()
+        if n == 0:
+            return
+        out_of_range = (slots < 0) | (slots >= self.capacity)
+        assert not bool(out_of_range.any()), (
+            f"freeing slots outside [0, {self.capacity}): {slots[out_of_range].tolist()}"
+        )
+        already_free = self._is_free[slots]
+        assert not bool(already_free.any()), f"double free of slots {slots[already_free].tolist()}"
+        assert n == 1 or torch.unique(slots).numel() == n, (
+            f"slots freed twice in one call: {slots.tolist()}"
+        )
+        self._stack[self._top : self._top + n] = slots
+        self._top += n
+        self._is_free[slots] = True
+
+    def free_slots(self) -> torch.Tensor:
+        """A copy of the free slots (int64), for invariant checks; not for the hot path."""
+        return self._stack[: self._top].clone()
+
+    def reset(self) -> None:
+        """Mark every slot free; any slot held elsewhere becomes invalid."""
+        # Reversed so that a fresh allocator hands out low slot numbers first (easier to read).
+        torch.arange(self.capacity - 1, -1, -1, dtype=torch.int64, out=self._stack)
+        self._is_free.fill_(True)
+        self._top = self.capacity
+
+    def check_invariants(self) -> None:
+        """The stack holds distinct in-range slots and agrees with the free mask."""
+        free = self._stack[: self._top]
+        assert torch.unique(free).numel() == self._top, "free stack holds a slot twice"
+        assert bool(((free >= 0) & (free < self.capacity)).all()), "free stack slot out of range"
+        assert int(self._is_free.sum()) == self._top, (
+            f"free mask counts {int(self._is_free.sum())} slots, stack holds {self._top}"
+        )
+        assert bool(self._is_free[free].all()), "free stack slot not marked free"
+
+
+class KVPool:
+    """Preallocated K/V for all layers, addressed by slot; slot ownership lives in `allocator`."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ):
+        self.num_layers = num_layers
+        self.capacity = capacity
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # One row past the allocatable slots that no request ever owns: the padding rows of a
+        # captured decode batch write their K/V there (runtime/forward/cuda_graphs.py).
+        self.scratch_slot = capacity
+        shape = (num_layers, capacity + 1, num_kv_heads, head_dim)
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.allocator = SlotAllocator(capacity)
+
+    def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v ([n, num_kv_heads, head_dim]) into rows `slots` of layer `layer_id`, in place.
+
+        The caller must own `slots` (allocated, not yet freed); k and v are cast to the pool dtype.
+        """
+        n = slots.numel()
+        expected = (n, self.num_kv_heads, self.head_dim)
+        assert tuple(k.shape) == expected, f"k shape {tuple(k.shape)} != {expected}"
+        assert tuple(v.shape) == expected, f"v shape {tuple(v.shape)} != {expected}"
+        index = slots.reshape(-1).to(device=self.device, dtype=torch.int64)
+        self.k_buffer[layer_id].index_copy_(0, index, k.to(self.k_buffer.dtype))
+        self.v_buffer[layer_id].index_copy_(0, index, v.to(self.v_buffer.dtype))
+
+    @staticmethod
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one slot takes across all layers, K and V together."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize

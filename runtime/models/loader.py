@@ -1,0 +1,106 @@
+"""Load a model's config, tokenizer and weights from a Hugging Face folder, a GGUF file or a Hub id.
+
+Weights are never loaded as a whole: `LoadedModel.weights()` streams (name, tensor) pairs from
+memory-mapped files, so the model can convert and place them one by one (models/weights.py).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+from safetensors import safe_open
+
+from forklm.runtime.errors import ModelNotFoundError
+from forklm.runtime.models.source import resolve_model_source, resolve_tokenizer_source
+
+
+@dataclass
+class LoadedModel:
+    """Config, tokenizer and a weight stream, HF-named. `weights(keep_quantized)` yields each
+    tensor once, as float32/bf16 tensors (HF folders keep their stored dtype) or, for a GGUF with
+    keep_quantized, quantized parts for the formats runtime/quant/ multiplies with."""
+
+    config: transformers.PretrainedConfig
+    tokenizer: transformers.PreTrainedTokenizerBase
+    source: str  # the GGUF file or the folder the weights come from
+    eos_token_ids: list[int]
+    weights: Callable[..., Iterator[tuple[str, Any]]]
+    is_gguf: bool = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight as a float32 tensor in one dict (tests and references, not the engine)."""
+        return {name: tensor.float() for name, tensor in self.weights()}
+
+
+def load_model(model_path: str, revision: str | None = None,
+               tokenizer_path: str | None = None) -> LoadedModel:
+    """Load `model_path` (a path, the default model's name or a Hub id: model_source.py);
+    `tokenizer_path` overrides the tokenizer."""
+    path = resolve_model_source(model_path, revision)
+    if path.is_dir():
+        loaded = _load_hf_dir(path)
+    else:
+        from forklm.runtime.models.gguf_loader import GGUFModel
+
+        gguf = GGUFModel(path)
+        loaded = LoadedModel(gguf.config, gguf.tokenizer, str(path), gguf.eos_token_ids,
+                             gguf.weights, is_gguf=True)
+    if tokenizer_path is not None:
+        folder = resolve_tokenizer_source(tokenizer_path)
+        loaded.tokenizer = transformers.AutoTokenizer.from_pretrained(
+            folder if folder.is_dir() else folder.parent, local_files_only=True,
+            **({} if folder.is_dir() else {"gguf_file": folder.name}))
+    return loaded
+
+
+# ---- Hugging Face folders -------------------------------------------------------------------
+
+
+def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    shards = _safetensors_files(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    eos_ids = _eos_ids_from(_read_json(folder / "generation_config.json"), config, tokenizer)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+
+    def weights(keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        for shard in shards:
+            with safe_open(shard, framework="pt") as f:
+                names = f.keys()  # a safe_open handle is not iterable itself
+                for name in names:
+                    if tied and name == "lm_head.weight":
+                        continue  # one contract for every source: tied models carry no lm_head
+                    yield name, f.get_tensor(name)
+
+    return LoadedModel(config, tokenizer, str(folder), eos_ids, weights)
+
+
+def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    index = _read_json(folder / "model.safetensors.index.json")
+    files = sorted(set(index["weight_map"].values())) if index else None
+    paths = [folder / f for f in files] if files else sorted(folder.glob("*.safetensors"))
+    if not paths:
+        raise ModelNotFoundError(f"{folder}: no *.safetensors weights (other formats unsupported)")
+    return paths
+
+
+def _read_json(path: pathlib.Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _eos_ids_from(generation: dict | None, config, tokenizer) -> list[int]:
+    """The first source that names EOS wins: generation_config.json, then config, then tokenizer."""
+    sources = ((generation or {}).get("eos_token_id"), config.eos_token_id, tokenizer.eos_token_id)
+    for ids in sources:
+        if ids is not None:
+            ids = [ids] if isinstance(ids, int) else list(ids)
+            return list(dict.fromkeys(int(i) for i in ids))
+    return []
+
+

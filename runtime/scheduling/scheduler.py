@@ -1,0 +1,311 @@
+"""Scheduler: picks each step's batch (continuous batching): a prefill batch of waiting requests
+within the token budgets, or one decode step for every running request, retracting on KV shortage."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from forklm.runtime.config import EngineConfig
+from forklm.runtime.engine.request import FinishReason, Req
+from forklm.runtime.kvcache.manager import KVCacheManager
+from forklm.runtime.sampling.ngram_draft import NgramDrafter
+
+logger = logging.getLogger(__name__)
+
+# A request's future tokens counted when admitting others are clipped to this (SGLang's CLIP).
+RESERVE_CLIP = 4096
+# Waiting requests that share at least this many uncached tokens with one already in the batch
+# wait one step, so they hit the cache instead of computing the shared part again.
+IN_BATCH_SHARE_THRESHOLD = 32
+# lpm sorts the queue by cached-prefix length; beyond this many waiting requests it is fcfs.
+LPM_MAX_QUEUE = 128
+# Fraction of a running request's remaining tokens reserved at admission: starts high, decays
+# every decode step, and jumps back after a retraction (SGLang's new_token_ratio).
+INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.001
+
+
+# What a step computes: "prefill" (new requests' prompts, maybe a chunk), "decode" (one token for
+# every running request), or "catch_up" (running requests computing the tokens a jump-forward
+# appended, or the last token plus a speculative draft to verify: several per request, like a
+# prefill, but they stay in the running set).
+Phase = Literal["prefill", "decode", "catch_up"]
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Req]
+    extend_lens: list[int]  # new tokens computed per request this step (1 each for decode)
+    phase: Phase
+    # Per request: this step ends its prefill (or is a decode), so a token is sampled for it.
+    samples: list[bool]
+    # Per request: the speculative draft tokens computed after its last token (their KV is the
+    # tail of extend_lens); empty when no request in the batch has one.
+    draft_ids: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def prefill(cls, reqs: list[Req], extend_lens: list[int]) -> ScheduledBatch:
+        samples = [r.num_computed == r.fill_len for r in reqs]
+        return cls(reqs, extend_lens, "prefill", samples)
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per request: the forward may take the decode path."""
+        return self.phase == "decode"
+
+    def drafts(self, i: int) -> list[int]:
+        return self.draft_ids[i] if self.draft_ids else []
+
+    def part(self, indices: Sequence[int]) -> ScheduledBatch:
+        """The requests at `indices`, each with its own length, sample flag and draft."""
+        return ScheduledBatch([self.reqs[i] for i in indices],
+                              [self.extend_lens[i] for i in indices], self.phase,
+                              [self.samples[i] for i in indices],
+                              [self.draft_ids[i] for i in indices] if self.draft_ids else [])
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config, self.kv = config, kv
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness
+        self.aborted: list[Req] = []  # requests the scheduler had to give up on (drained by the engine)
+        self.drafter = NgramDrafter(config) if config.speculative_algorithm == "NGRAM" else None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def active_reqs(self) -> list[Req]:
+        extra = [self.chunked_req] if self.chunked_req else []
+        return self.running + extra
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Prefill has priority; otherwise decode every running request."""
+        batch = self._schedule_prefill()
+        if batch is None and self.running:
+            batch = self._schedule_decode()
+        return batch
+
+    # -- prefill -------------------------------------------------------------------------------
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        if (not self.waiting or len(self.running) >= self.config.max_running_requests) and self.chunked_req is None:
+            return None
+        reqs, lens = [], []
+        token_budget = self.config.max_prefill_tokens
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            n = self._chunk_len(req, token_budget)
+            if not self._make_room(n):
+                self._give_up(req, "out of KV cache memory during chunked prefill")
+                return None
+            self.kv.extend(req, n)
+            reqs.append(req)
+            lens.append(n)
+            token_budget -= n
+            if req.num_computed < req.fill_len:
+                self.chunked_req = req
+        queue = self._ordered_waiting()
+        in_batch: list[list[int]] = []
+        for req, cached in queue:
+            full = len(self.running) + len(reqs) >= self.config.max_running_requests
+            if full or token_budget <= 0 or self.chunked_req is not None:
+                break
+            if self._shares_with_batch(req, cached, in_batch):
+                continue  # waits one step, then hits the cache
+            n = self._try_admit(req, token_budget, reqs)
+            if n == 0:  # out of KV: stop here, keeping the policy's order for next time
+                break
+            reqs.append(req)
+            lens.append(n)
+            in_batch.append(req.fill_ids)
+            token_budget -= n
+            if req.num_computed < req.fill_len:
+                self.chunked_req = req
+        admitted = {id(r) for r in reqs}
+        self.waiting = [r for r, _ in queue if id(r) not in admitted]
+        return ScheduledBatch.prefill(reqs, lens) if reqs else None
+
+    def _ordered_waiting(self) -> list[tuple[Req, int]]:
+        """Waiting requests in policy order, each with its cached-prefix length (matched once)."""
+        queue = sorted(self.waiting, key=lambda r: r.arrival)
+        use_cache = self.kv.cache is not None and len(queue) <= LPM_MAX_QUEUE
+        pairs = [(r, self.kv.match_len(r) if use_cache else 0) for r in queue]
+        if self.config.schedule_policy == "lpm":
+            pairs.sort(key=lambda p: -p[1])  # stable: fcfs among equals
+        return pairs
+
+    def _shares_with_batch(self, req: Req, cached: int, in_batch: list[list[int]]) -> bool:
+        """Whether req shares >= IN_BATCH_SHARE_THRESHOLD uncached tokens with a request admitted
+        in this batch (it then waits one step, when that prefix is in the cache)."""
+        if self.kv.cache is None:
+            return False
+        n = cached + IN_BATCH_SHARE_THRESHOLD
+        ids = req.fill_ids
+        return len(ids) >= n and any(len(o) >= n and o[:n] == ids[:n] for o in in_batch)
+
+    def _chunk_len(self, req: Req, token_budget: int) -> int:
+        """Tokens of req to compute this step: all that remain, or with chunked prefill on, at most
+        one chunk and what is left of the step's prefill budget."""
+        n = req.fill_len - req.num_computed
+        if self.config.chunked_prefill_size > 0:
+            n = max(1, min(n, self.config.chunked_prefill_size, token_budget))
+        return n
+
+    def _try_admit(self, req: Req, token_budget: int, batch: list[Req]) -> int:
+        """Admit req (lock its cached prefix, allocate its first chunk) if KV allows; returns the
+        number of tokens to compute now, or 0 when it must keep waiting."""
+        self.kv.admit(req)
+        n = self._chunk_len(req, token_budget)
+        if n > token_budget and batch:  # no chunking: only a batch's first request may exceed it
+            self.kv.release(req)
+            return 0
+        full = req.num_computed + n == req.fill_len
+        # Alone (nothing running, nothing admitted yet) there is no one to wait for: a reserve
+        # larger than the whole pool would otherwise keep req waiting forever.
+        alone = not self.running and not batch
+        need = n + (self._reserve(req) if full and not alone else 0)
+        if need > self.kv.available_tokens - self._reserved_for(self.running + batch):
+            self.kv.release(req)
+            return 0
+        if req.num_retractions == 0:
+            req.cached_tokens = req.prefix_len
+        self.kv.extend(req, n)
+        return n
+
+    def _reserve(self, req: Req) -> int:
+        return int(min(req.remaining_new_tokens(), RESERVE_CLIP) * self.new_token_ratio)
+
+    def _reserved_for(self, reqs: list[Req]) -> int:
+        return sum(self._reserve(r) for r in reqs)
+
+    # -- decode --------------------------------------------------------------------------------
+    def _make_room(self, num_tokens: int, keep: int = 0) -> bool:
+        """Retract running requests until num_tokens slots are obtainable (keeping at least `keep`
+        running); returns whether that worked."""
+        while self.kv.available_tokens < num_tokens and len(self.running) > keep:
+            self._retract_one()
+        return self.kv.available_tokens >= num_tokens
+
+    def _give_up(self, req: Req, message: str) -> None:
+        self.abort(req)
+        req.finish_reason = FinishReason("abort", message=message)
+        self.aborted.append(req)
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        """Every running request computes its uncomputed tokens: the last sampled one, plus any a
+        jump-forward appended after it."""
+        while self.kv.available_tokens < self._num_uncomputed() and len(self.running) > 1:
+            self._retract_one()
+        if self.kv.available_tokens < self._num_uncomputed():  # one request alone does not fit
+            self._give_up(self.running[0], "out of KV cache memory")
+            return None
+        lens = [req.num_uncomputed for req in self.running]
+        drafts = self._propose_drafts(self.kv.available_tokens - sum(lens))
+        if drafts:
+            lens = [n + len(d) for n, d in zip(lens, drafts)]
+        self.kv.extend_all(self.running, lens)
+        self._decay_new_token_ratio()
+        phase: Phase = "decode" if all(n == 1 for n in lens) else "catch_up"
+        return ScheduledBatch(list(self.running), lens, phase, [True] * len(lens), drafts)
+
+    def _decay_new_token_ratio(self) -> None:
+        self.new_token_ratio = max(
+            self.new_token_ratio - NEW_TOKEN_RATIO_DECAY,
+            MIN_NEW_TOKEN_RATIO * self.config.schedule_conservativeness,
+        )
+
+    # -- overlap (the next decode step, before this one's tokens reach the host) ---------------
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch` (a decode step whose samples are still on the device),
+        scheduled before those samples reach the host: every request of it that may go on
+        computes the token it is sampling now. None when the plain order must decide instead:
+        requests wait to be prefilled (they have priority), or KV is short (retraction needs
+        the outputs). A request whose token now ends it by length is left out; one that stops
+        on its token (EOS, a stop string) is found out after this step was launched, and
+        `cancel_ahead` returns its slot."""
+        if self.waiting or self.chunked_req is not None or batch.draft_ids:
+            return None
+        reqs = [r for r in batch.reqs if not _last_by_length(r)]
+        if not reqs or self.kv.available_tokens < len(reqs):
+            return None
+        for req in reqs:
+            self.kv.extend(req, 1)  # the slot of the token being sampled now
+        self._decay_new_token_ratio()
+        return ScheduledBatch(reqs, [1] * len(reqs), "decode", [True] * len(reqs))
+
+    def cancel_ahead(self, ahead: ScheduledBatch) -> None:
+        """The requests of `ahead` that finished on the previous step's token give back the slot
+        `schedule_ahead` gave them: its KV is never part of their cached sequence (as without
+        overlap)."""
+        for req in ahead.reqs:
+            if req.finished and req.row is not None and req.num_computed > req.prefix_len:
+                self.kv.trim(req, req.num_computed - 1)
+
+    def _propose_drafts(self, spare_slots: int) -> list[list[int]]:
+        """Each running request's draft ([] for none) within the spare KV slots: a draft never
+        causes a retraction. Returns [] when nothing is drafted (the step stays a plain decode)."""
+        if self.drafter is None:
+            return []
+        drafts = []
+        for req in self.running:
+            draft = self.drafter.propose(req)[: max(spare_slots, 0)]
+            spare_slots -= len(draft)
+            drafts.append(draft)
+        return drafts if any(drafts) else []
+
+    def _num_uncomputed(self) -> int:
+        return sum(req.num_uncomputed for req in self.running)
+
+    def _retract_one(self) -> None:
+        """Free the KV of the request with the fewest outputs (longest prompt on ties) and requeue it
+        at the front; it re-prefills later (mostly from the cache) and continues where it was."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.num_retractions += 1
+        victim.arrival = -1 - victim.num_retractions  # ahead of every new request
+        self.waiting.append(victim)
+        total_max = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
+        decoded = sum(len(r.output_ids) for r in self.running)
+        self.new_token_ratio = min(1.0, (decoded + 20 * len(self.running)) / total_max)
+        logger.info("retracted %s (KV short); %d running", victim.rid, len(self.running))
+
+    # -- after the forward ---------------------------------------------------------------------
+    def after_step(self, batch: ScheduledBatch) -> None:
+        """Finished requests leave (KV to the cache); freshly prefilled ones join the running set."""
+        for i, req in enumerate(batch.reqs):
+            if batch.drafts(i) and req.row is not None:
+                # Valid KV now ends before the last appended token; the rest was rejected drafts.
+                self.kv.trim(req, req.fill_len - 1)
+            if req.finished:
+                assert req.finish_reason is not None
+                self.kv.release(req, pin=req.finish_reason.type != "abort")
+                if req in self.running:
+                    self.running.remove(req)
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                continue
+            if batch.phase == "prefill":
+                self.kv.cache_unfinished(req)
+                if batch.samples[i]:
+                    self.running.append(req)
+
+    def abort(self, req: Req) -> None:
+        """Remove req wherever it is and release its KV (the caller sets its finish reason)."""
+        for queue in (self.waiting, self.running):
+            if req in queue:
+                queue.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self.kv.release(req)
+
+
+def _last_by_length(req: Req) -> bool:
+    """Whether the token req is sampling now is its last: max_new_tokens or the context length."""
+    return (len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens
+            or req.fill_len + 1 >= req.max_total_len)
