@@ -28,7 +28,7 @@ import jsonschema
 import transformers
 
 from forklm import Engine
-from forklm.server.parsers.tool_calls import HermesParser
+from forklm.parsers.tool_calls import HermesParser
 from forklm.server.protocol import ChatCompletionRequest
 from forklm.server.tools import ToolPlan, whole_calls
 

@@ -90,7 +90,7 @@ def forward_rows(dtypes, quick: bool) -> list[dict]:
     import torch
 
     from benchmarks.profile_step import build, decode_batch, time_forwards
-    from forklm.runtime.attention.backends import create_attention_backend
+    from forklm.runtime.attention.registry import create_attention_backend
 
     rows = []
     cases = FORWARD_CASES[:2] if quick else FORWARD_CASES

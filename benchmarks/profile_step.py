@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from forklm.runtime.attention.backends import create_attention_backend
 from forklm.runtime.attention.batch_invariant import BatchInvariantAttention
 from forklm.runtime.attention.native import NativeAttention
+from forklm.runtime.attention.registry import create_attention_backend
 from forklm.runtime.config import EngineConfig, resolved_dtype_name
-from forklm.runtime.engine.builder import build_model
 from forklm.runtime.forward.batch import ForwardBatch
+from forklm.runtime.forward.model_parts import build_model
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import CausalLM, spec_from_config
 from forklm.runtime.models.batch_invariant import make_batch_invariant

@@ -18,8 +18,8 @@ from forklm.frontend_dsl.program import (
     get_default_backend,
     set_default_backend,
 )
+from forklm.parsers.reasoning import REASONING_PARSERS
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.server.parsers.reasoning import REASONING_PARSERS
 
 __all__ = [
     "assistant", "assistant_begin", "assistant_end", "flush_cache", "function", "gen", "gen_int",

@@ -13,9 +13,9 @@ from forklm.frontend_dsl import ir
 from forklm.frontend_dsl.defaults import DTYPE_RULES
 from forklm.frontend_dsl.ir import LOGPROB_OPTIONS
 from forklm.frontend_dsl.limits import BuildBudget, value_chars
+from forklm.parsers.reasoning import REASONING_PARSERS
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
-from forklm.server.parsers.reasoning import REASONING_PARSERS
 
 DTYPES = tuple(DTYPE_RULES)
 _MISSING = object()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forklm.server.parsers.reasoning import get_reasoning_parser, prompt_opens_think
+from forklm.parsers.reasoning import get_reasoning_parser, prompt_opens_think
 
 
 class ReasoningSplit:

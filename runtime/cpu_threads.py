@@ -23,6 +23,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forklm.kernels.cpu.openmp import threads_spin
+
 # libgomp spins this many pause loops (libgomp reckons 100 per microsecond: about 0.3 ms) before a
 # waiting thread sleeps: longer than the gap between two ops of a forward, shorter than a
 # scheduler tick. (This module imports no torch: forklm's __init__ uses it before torch loads.)
@@ -77,15 +79,6 @@ def sleeping_threads_env(environ: Mapping[str, str] = os.environ) -> dict[str, s
     env = dict(environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
-
-
-def threads_spin(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether OpenMP threads started with `environ` spin while they wait, as libgomp reads it:
-    GOMP_SPINCOUNT decides when set, else PASSIVE means sleep at once, else they spin."""
-    count = environ.get("GOMP_SPINCOUNT", "").strip()
-    if count:
-        return count != "0"
-    return environ.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE"
 
 
 @dataclass

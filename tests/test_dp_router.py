@@ -20,7 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forklm.router.launch import replica_flags
-from forklm.router.policies import CacheAware, CacheAwareConfig, RoundRobin, ShortestQueue
+from forklm.router.policies import (
+    POLICIES,
+    CacheAware,
+    CacheAwareConfig,
+    RoundRobin,
+    ShortestQueue,
+)
 from forklm.router.prefix_tree import PrefixTree
 from forklm.router.prompts import MAX_KEY_CHARS, prompt_text
 from forklm.router.replicas import Replica, ReplicaSet, replica_command
@@ -425,6 +431,12 @@ def test_dp_flags_are_validated():
         ServerConfig(dp_size=0)
     with pytest.raises(InvalidArgumentError, match="round_robin, shortest_queue, cache_aware"):
         ServerConfig(load_balance_method="random")
+
+
+def test_every_load_balance_method_has_a_policy():
+    from forklm.server.config import LOAD_BALANCE_METHODS
+
+    assert tuple(POLICIES) == LOAD_BALANCE_METHODS
 
 
 @pytest.mark.slow

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from benchmarks.profile_step import decode_batch, prefill_batch
-from forklm.runtime.attention.backends import create_attention_backend
+from forklm.runtime.attention.registry import create_attention_backend
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.engine import builder
-from forklm.runtime.engine.builder import build_model, uses_fp16_weights
+from forklm.runtime.forward import model_parts
+from forklm.runtime.forward.model_parts import build_model, uses_fp16_weights
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import spec_from_config
 from forklm.runtime.models.fp16_linear import (
@@ -57,15 +57,15 @@ def test_pack_replaces_float32_plain_and_fused_linears_only():
 
 
 def test_only_auto_dtype_resolving_to_float32_picks_fp16_weights(monkeypatch):
-    monkeypatch.setattr(builder, "fp16_weights_available", lambda: True)
+    monkeypatch.setattr(model_parts, "fp16_weights_available", lambda: True)
     monkeypatch.setattr(EngineConfig, "torch_dtype_name", property(lambda self: "float32"))
     assert uses_fp16_weights(EngineConfig(), keep_quantized=False)
     assert not uses_fp16_weights(EngineConfig(), keep_quantized=True)
     assert not uses_fp16_weights(EngineConfig(dtype="float32"), keep_quantized=False)
     assert not uses_fp16_weights(EngineConfig(quantization="none"), keep_quantized=False)
-    monkeypatch.setattr(builder, "fp16_weights_available", lambda: False)
+    monkeypatch.setattr(model_parts, "fp16_weights_available", lambda: False)
     assert not uses_fp16_weights(EngineConfig(), keep_quantized=False)
-    monkeypatch.setattr(builder, "fp16_weights_available", lambda: True)
+    monkeypatch.setattr(model_parts, "fp16_weights_available", lambda: True)
     monkeypatch.setattr(EngineConfig, "torch_dtype_name", property(lambda self: "bfloat16"))
     assert not uses_fp16_weights(EngineConfig(), keep_quantized=False)
 

@@ -16,7 +16,7 @@ import transformers
 # RSS (VmHWM) is reset; what is measured is then the weights' own memory.
 _MEASURE = r"""
 import json, sys, torch
-from forklm.runtime.engine.builder import build_model
+from forklm.runtime.forward.model_parts import build_model
 from forklm.runtime.models.loader import load_model
 from forklm.runtime.models import spec_from_config
 

@@ -11,9 +11,9 @@ from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.attention.backends import (
     AttentionLayerSpec,
     TorchAttention,
-    create_attention_backend,
 )
 from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta, _token_map
+from forklm.runtime.attention.registry import create_attention_backend
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.kvcache.pool import KVPool
 from tests.conftest import assert_idle_and_clean

@@ -9,9 +9,9 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from benchmarks.profile_step import decode_batch, prefill_batch
-from forklm.runtime.attention.backends import create_attention_backend
-from forklm.runtime.engine import builder
-from forklm.runtime.engine.builder import build_model
+from forklm.runtime.attention.registry import create_attention_backend
+from forklm.runtime.forward import model_parts
+from forklm.runtime.forward.model_parts import build_model
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import spec_from_config
 from forklm.runtime.models.loader import load_model
@@ -68,7 +68,7 @@ def test_packed_model_matches_plain_model(arch, tmp_path, tokenizer, monkeypatch
     loaded = load_model(str(tmp_path))
     spec = spec_from_config(loaded.config)
     packed = build_model(loaded, spec, torch.bfloat16, "cpu", 256)
-    monkeypatch.setattr(builder, "can_pack", lambda *args: False)
+    monkeypatch.setattr(model_parts, "can_pack", lambda *args: False)
     plain = build_model(loaded, spec, torch.bfloat16, "cpu", 256)
     assert any(isinstance(m, OneDNNLinear) for m in packed.modules())
     assert not any(isinstance(m, OneDNNLinear) for m in plain.modules())

@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from forklm.runtime.errors import InvalidArgumentError
-from forklm.server.config import ServerConfig
-from forklm.server.parsers.reasoning import get_reasoning_parser
-from forklm.server.parsers.tool_calls import (
+from forklm.parsers.reasoning import get_reasoning_parser
+from forklm.parsers.tool_calls import (
     StreamDelta,
     assemble,
     detect_tool_call_parser,
     get_tool_call_parser,
 )
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.server.config import ServerConfig
 from forklm.server.protocol import ChatCompletionRequest
 from forklm.server.tools import plan_tools, whole_calls
 

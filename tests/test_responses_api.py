@@ -261,8 +261,8 @@ HERMES_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments"
 
 def built(plan, text: str, piece_len: int, reason: str = "stop"):
     """`text` read in pieces of `piece_len` chars; the events (validated) and the output."""
-    from forklm.runtime.engine.request import FinishReason
     from forklm.runtime.engine.results import GenerateOutput
+    from forklm.runtime.scheduling.request import FinishReason
     from forklm.server.responses_output import OutputBuilder, Sequencer
 
     builder = OutputBuilder(plan.reader(), Sequencer())
@@ -273,7 +273,7 @@ def built(plan, text: str, piece_len: int, reason: str = "stop"):
 
 
 def weather_plan(**kw):
-    from forklm.server.parsers.tool_calls import get_tool_call_parser
+    from forklm.parsers.tool_calls import get_tool_call_parser
     from forklm.server.protocol import FunctionDef, Tool
     from forklm.server.tools import ToolPlan
 
@@ -301,7 +301,7 @@ def test_builder_streams_parallel_hermes_calls(piece_len):
 
 
 def test_builder_single_call_reasoning_and_cut_replies():
-    from forklm.server.parsers.reasoning import get_reasoning_parser
+    from forklm.parsers.reasoning import get_reasoning_parser
 
     _, output = built(weather_plan(parallel=False), HERMES_REPLY, 5)
     assert [o["type"] for o in output] == ["message", "function_call"]

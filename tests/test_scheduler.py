@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.engine.request import FinishReason, Req
 from forklm.runtime.kvcache.manager import KVCacheManager
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.kvcache.radix_cache import RadixCache
 from forklm.runtime.sampling.params import SamplingParams
+from forklm.runtime.scheduling.request import FinishReason, Req
 from forklm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
 
 

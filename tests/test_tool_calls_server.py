@@ -14,8 +14,8 @@ import jsonschema
 import pytest
 from conftest import serve_in_thread
 
+from forklm.parsers.tool_calls import HermesParser
 from forklm.runtime.engine.engine import Engine
-from forklm.server.parsers.tool_calls import HermesParser
 from forklm.server.protocol import ChatCompletionRequest
 from forklm.server.tools import ToolPlan
 

@@ -12,7 +12,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from forklm.runtime.attention.backends import TorchAttention, create_attention_backend  # noqa: E402
+from forklm.runtime.attention.backends import TorchAttention  # noqa: E402
+from forklm.runtime.attention.registry import create_attention_backend  # noqa: E402
 from forklm.runtime.config import EngineConfig  # noqa: E402
 from forklm.runtime.engine.engine import Engine  # noqa: E402
 from forklm.runtime.errors import InvalidArgumentError  # noqa: E402

@@ -7,13 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from forklm.frontend_dsl.ir import ProgramLimits
-from forklm.router.policies import POLICIES
+from forklm.parsers.reasoning import REASONING_PARSERS
+from forklm.parsers.tool_calls import TOOL_CALL_PARSERS
 from forklm.runtime.config import check_field as _check
 from forklm.runtime.config import config_from_kwargs
 from forklm.server.chat_template import is_template_text
-from forklm.server.parsers.reasoning import REASONING_PARSERS
-from forklm.server.parsers.tool_calls import TOOL_CALL_PARSERS
 
+# --load-balance-method (SGLang's names): forklm/router/policies.py implements each one.
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
 _PROGRAM_LIMITS = ProgramLimits()  # the defaults of the max_program_* fields below
 
 
@@ -75,8 +76,8 @@ class ServerConfig:
         _check(self.graceful_shutdown_s >= 0, "graceful_shutdown_s", self.graceful_shutdown_s,
                "must be >= 0")
         _check(self.dp_size >= 1, "dp_size", self.dp_size, "must be >= 1")
-        _check(self.load_balance_method in POLICIES, "load_balance_method",
-               self.load_balance_method, "expected one of " + ", ".join(POLICIES))
+        _check(self.load_balance_method in LOAD_BALANCE_METHODS, "load_balance_method",
+               self.load_balance_method, "expected one of " + ", ".join(LOAD_BALANCE_METHODS))
         _check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
                "log_level", self.log_level, "expected critical, error, warning, info or debug")
 

@@ -13,18 +13,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from forklm.runtime.engine.intake import RequestGroup
-from forklm.runtime.engine.results import GenerateOutput
-from forklm.runtime.errors import InvalidArgumentError
-from forklm.server.errors import ApiError, sse_frames
-from forklm.server.generation import ChunkStream, GenerationService, json_safe_logprobs
-from forklm.server.parsers.reasoning import (
+from forklm.parsers.reasoning import (
     ReasoningDelta,
     ReasoningParser,
     ReasoningStream,
     get_reasoning_parser,
     prompt_opens_think,
 )
+from forklm.runtime.engine.intake import RequestGroup
+from forklm.runtime.engine.results import GenerateOutput
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.server.errors import ApiError, sse_frames
+from forklm.server.generation import ChunkStream, GenerationService, json_safe_logprobs
 from forklm.server.protocol import (
     AbortRequest,
     CloseSessionRequest,

@@ -9,8 +9,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from forklm.parsers.tool_calls import ToolCallDelta
 from forklm.runtime.engine.results import GenerateOutput
-from forklm.server.parsers.tool_calls import ToolCallDelta
 from forklm.server.responses_protocol import ResponsesRequest
 from forklm.server.tools import ReplyDelta, ReplyStream
 

@@ -21,22 +21,20 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling.checks import MAX_STRUCTURES
-from forklm.server.parsers.generic import (
+from forklm.parsers.generic import (
     ArgumentsStream,
     CallStream,
     HeldJsonStream,
     PlainStream,
     RequiredStream,
 )
-from forklm.server.parsers.reasoning import (
+from forklm.parsers.reasoning import (
     ReasoningParser,
     ReasoningStream,
     get_reasoning_parser,
     prompt_opens_think,
 )
-from forklm.server.parsers.tool_calls import (
+from forklm.parsers.tool_calls import (
     StreamDelta,
     ToolCall,
     ToolCallDelta,
@@ -45,6 +43,8 @@ from forklm.server.parsers.tool_calls import (
     detect_tool_call_parser,
     get_tool_call_parser,
 )
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling.checks import MAX_STRUCTURES
 from forklm.server.protocol import ChatCompletionRequest, Tool
 
 if TYPE_CHECKING:

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from forklm.runtime.attention.backends import create_attention_backend
+from forklm.runtime.attention.registry import create_attention_backend
 from forklm.runtime.config import resolved_dtype_name
-from forklm.runtime.engine.builder import build_model
 from forklm.runtime.forward.batch import ForwardBatch
+from forklm.runtime.forward.model_parts import build_model
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import spec_from_config
 from forklm.runtime.models.loader import load_model

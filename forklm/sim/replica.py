@@ -10,9 +10,9 @@ import torch
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.engine.builder import build_kv_manager
 from forklm.runtime.engine.output_processor import finish, process_logits
-from forklm.runtime.engine.request import FinishReason, Req
 from forklm.runtime.forward.model_runner import LogitsRows
 from forklm.runtime.kvcache.pool import KVPool
+from forklm.runtime.scheduling.request import FinishReason, Req
 from forklm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
 from forklm.sim.cost_model import CostModel, StepShape
 

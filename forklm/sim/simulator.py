@@ -16,7 +16,7 @@ from forklm.router.policies import POLICIES, make_policy
 from forklm.router.prompts import prompt_text
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.engine.intake import RequestIntake
-from forklm.runtime.engine.request import Req, ReqOutput
+from forklm.runtime.scheduling.request import Req, ReqOutput
 from forklm.sim.cost_model import CostModel
 from forklm.sim.replica import SimReplica
 from forklm.sim.report import RequestRecord, SimResult

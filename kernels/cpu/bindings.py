@@ -1,9 +1,9 @@
 """Native CPU kernels, compiled on first use with the system C compiler into a cache keyed by
-the source, the compiler and the CPU, and loaded with ctypes: paged decode attention
-(kernels/cpu/paged_attention.c) and the fused steps between a layer's matmuls
-(kernels/cpu/fused_layer_ops.c, used by runtime/models/fused_layers.py), and the int4 matrix times a
-few rows (kernels/cpu/int4_gemv.c, used by quant/linear.py's Int4Matrix), and the sampler's greedy
-pick (kernels/cpu/greedy_pick.c)."""
+the source (with the header the sources share, cpu_kernels.h), the compiler and the CPU, and
+loaded with ctypes: paged decode attention (kernels/cpu/paged_attention.c) and the fused steps
+between a layer's matmuls (kernels/cpu/fused_layer_ops.c, used by runtime/models/fused_layers.py),
+and the int4 matrix times a few rows (kernels/cpu/int4_gemv.c, used by quant/linear.py's
+Int4Matrix), and the sampler's greedy pick (kernels/cpu/greedy_pick.c)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from forklm.runtime.cpu_threads import threads_spin
+from forklm.kernels.cpu.openmp import threads_spin
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,22 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # (weights x rows) agrees: with spinning workers two threads win from the smallest decode matrix
 # (576x576 at 1 row, 0.33M: 5.6 vs 7.2 us; benchmarks/int4_gemv.py).
 PARALLEL_WORK = 200_000 if threads_spin() else 2_000_000
+
+# Each C entry point's torch twin: the torch code it stands in for, which its tests compare it
+# with (tests/test_native_attention.py, test_fused_layers.py, test_int4_gemv.py, test_sampling.py).
+# Queries (threads, support, repacking) have none; tests/test_cpu_kernel_twins.py checks the list.
+TORCH_TWINS = {
+    "paged_attention": "forklm.runtime.attention.backends.TorchAttention",
+    "paged_attention_batch": "forklm.runtime.attention.backends.TorchAttention",
+    "fused_add_rms_norm": "forklm.runtime.models.layers.RMSNorm",
+    "fused_rope_store": "forklm.runtime.models.layers.RotaryEmbedding",
+    "fused_silu_mul": "torch.nn.functional.silu",
+    "int4_gemv_bf16": "torch.ops.aten._weight_int4pack_mm_for_cpu",
+    "int4_vnni_bf16": "torch.ops.aten._weight_int4pack_mm_for_cpu",
+    "int8_vnni_bf16": "torch.ops.aten._weight_int4pack_mm_for_cpu",
+    "int4_rows_f32": "forklm.runtime.quant.linear.Int4Matrix.rows",
+    "greedy_pick": "torch.argmax",
+}
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -410,8 +426,12 @@ def _compiled_library(source_path: Path, cflags: list[str]) -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not on PATH)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    # The headers beside the source (cpu_kernels.h, which its #include "..." finds there without
+    # an -I) are part of what it compiles to: an edited header must not reuse a stale library.
+    headers = [h.read_text() for h in sorted(source_path.parent.glob("*.h"))]
     source = source_path.read_text()
-    key = hashlib.sha256("\0".join([source, version, " ".join(cflags), _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([source, *headers, version, " ".join(cflags), _cpu_flags()])
+                         .encode())
     cache = Path(os.environ.get("FORKLM_CACHE_DIR") or Path.home() / ".cache/forklm/native")
     target = cache / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -10,60 +10,25 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#include "cpu_kernels.h"
+
 #define FUSED_MAX_HEAD_DIM 512
 
-/* Round to nearest even, NaN -> 0xffff (torch's vectorized float -> bfloat16). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* x rounded to the tensor dtype, kept as a float (identity for fp32). */
-static inline float round_to(float x, int dtype) { return dtype == DTYPE_BF16 ? from_bf16(to_bf16(x)) : x; }
+static inline float round_to(float x, int dtype) {
+    return dtype == DTYPE_BF16 ? f32_from_bf16(bf16_from_f32(x)) : x;
+}
 
 static inline float load(const void *base, int64_t i, int dtype) {
-    return dtype == DTYPE_BF16 ? from_bf16(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+    return dtype == DTYPE_BF16 ? f32_from_bf16(((const uint16_t *)base)[i])
+                               : ((const float *)base)[i];
 }
 
 static inline void store(void *base, int64_t i, float x, int dtype) {
     if (dtype == DTYPE_BF16)
-        ((uint16_t *)base)[i] = to_bf16(x);
+        ((uint16_t *)base)[i] = bf16_from_f32(x);
     else
         ((float *)base)[i] = x;
-}
-
-/* exp(x) to ~1 ulp for x in [-87, 88] (clamped outside): Cody-Waite reduction to |r| <= ln2/2
- * and a degree-7 Taylor polynomial; plain arithmetic, so loops over it vectorize. */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 5040;
-    p = p * r + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    /* 2^n as two factors: n reaches 127 at x = 88, past a single normal float's exponent */
-    int32_t half = (int32_t)n / 2;
-    int32_t b1 = (half + 127) << 23, b2 = ((int32_t)n - half + 127) << 23;
-    float f1, f2;
-    memcpy(&f1, &b1, 4);
-    memcpy(&f2, &b2, 4);
-    return p * f1 * f2;
 }
 
 /* Rows of `dim` values. With add: residual += h (rounded to dtype, as torch's x + h), then

@@ -8,7 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#include "cpu_kernels.h"
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16v __attribute__((vector_size(64)));
@@ -16,13 +16,8 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 static inline float load(const void *base, int64_t i, int dtype) {
-    if (dtype == DTYPE_BF16) {
-        uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)base)[i];
+    return dtype == DTYPE_BF16 ? f32_from_bf16(((const uint16_t *)base)[i])
+                               : ((const float *)base)[i];
 }
 
 /* 16 values from base[i..i+16) as fp32. */

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 #define GROUP 32
 #define MAX_ROWS 8      /* rows a block's accumulators hold; more rows go in chunks */
 #define MAX_CALL_ROWS 16
@@ -44,20 +46,6 @@
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 typedef struct {
     const uint8_t *packed;
@@ -206,8 +194,8 @@ static inline __attribute__((always_inline)) void block_rows(const job *j, int64
             uint16_t *ym = j->y + m * j->ldy;
             for (int i = 0; i < VL; i++) {
                 int64_t r = row0 + u * VL + i;
-                if (r < j->n_out) ym[r] = to_bf16(ylo[u][m][i]);
-                if (r + half < j->n_out) ym[r + half] = to_bf16(yhi[u][m][i]);
+                if (r < j->n_out) ym[r] = bf16_from_f32(ylo[u][m][i]);
+                if (r + half < j->n_out) ym[r + half] = bf16_from_f32(yhi[u][m][i]);
             }
         }
 }
@@ -229,10 +217,10 @@ static void tail_rows(const job *j, int M) {
                     a += j->x[m * k + kx] * (float)c;
                 }
                 uint32_t v = j->sz[g * j->n_rows + row0 + r];
-                float s = from_bf16((uint16_t)v), z = from_bf16((uint16_t)(v >> 16));
+                float s = f32_from_bf16((uint16_t)v), z = f32_from_bf16((uint16_t)(v >> 16));
                 y += s * a + (z - 8.0f * s) * j->xsum[m * groups + g];
             }
-            j->y[m * j->ldy + row0 + r] = to_bf16(y);
+            j->y[m * j->ldy + row0 + r] = bf16_from_f32(y);
         }
     }
 }
@@ -278,7 +266,7 @@ int int4_gemv_bf16(const int4_matrix *w, const uint16_t *x, uint16_t *y, int64_t
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
             for (int kk = 0; kk < GROUP; kk++) {
-                float v = from_bf16(x[m * k + g * GROUP + kk]);
+                float v = f32_from_bf16(x[m * k + g * GROUP + kk]);
                 xf[m * k + g * GROUP + kk] = v;
                 s += v;
             }
@@ -331,8 +319,8 @@ static inline int code_at(const int4_matrix *w, int64_t r, int64_t kx) {
 __attribute__((optimize("fp-contract=off"))) static inline float weight_at(
     const int4_matrix *w, int64_t r, int64_t kx) {
     const uint16_t *sz = w->scale_zeros + ((kx / GROUP) * w->n_rows + r) * 2;
-    const float product = (float)(code_at(w, r, kx) - 8) * from_bf16(sz[0]);
-    return product + from_bf16(sz[1]);
+    const float product = (float)(code_at(w, r, kx) - 8) * f32_from_bf16(sz[0]);
+    return product + f32_from_bf16(sz[1]);
 }
 
 /* out[n, K] (fp32) = weight rows ids[0..n) (each < n_out), as Int4Matrix.rows computes them.
@@ -473,8 +461,9 @@ int int8_vnni_repack(const int4_matrix *w, uint8_t *out) {
                 const int64_t r = 16 * b + i;
                 const uint16_t *hi = w->scale_zeros + ((2 * g) * w->n_rows + r) * 2;
                 const uint16_t *lo = w->scale_zeros + ((2 * g + 1) * w->n_rows + r) * 2;
-                const float s = from_bf16(hi[0]);
-                if (hi[0] != lo[0] || from_bf16(hi[1]) != 0.0f || from_bf16(lo[1]) != 8.0f * s)
+                const float s = f32_from_bf16(hi[0]);
+                if (hi[0] != lo[0] || f32_from_bf16(hi[1]) != 0.0f ||
+                    f32_from_bf16(lo[1]) != 8.0f * s)
                     return -1;
                 scales[i] = s;
             }

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+#include "cpu_kernels.h"
 
 #if defined(__FLT16_MAX__)
 #define PA_HAVE_F16 1
@@ -29,43 +29,13 @@ typedef struct {
     float scale, softcap;
 } pa_job;
 
-/* Round to nearest even, NaN -> 0xffff: what torch's vectorized float -> bfloat16 conversion
- * (the one tensor.to() takes) does; its scalar path would give 0x7fc0, also a NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 static inline void store_elem(void *base, int64_t i, float x, int dtype) {
     if (dtype == DTYPE_BF16)
-        ((uint16_t *)base)[i] = f32_to_bf16(x);
+        ((uint16_t *)base)[i] = bf16_from_f32(x);
     else if (dtype == DTYPE_F16)
         ((f16_t *)base)[i] = (f16_t)x;
     else
         ((float *)base)[i] = x;
-}
-
-/* exp(x) for x <= 0 (scores minus their max), to ~2e-7 relative: Cody-Waite reduction to
- * |r| <= ln2/2 and a degree-6 Taylor polynomial. Plain arithmetic, so `omp simd` vectorizes it
- * (libm's expf would not vectorize without -ffast-math). */
-static inline float exp_nonpos(float x) {
-    x = x < -87.0f ? -87.0f : x; /* keeps 2^n a normal float; exp(-87) ~ 1.6e-38 */
-    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float n = (x * 1.44269504088896341f + shifter) - shifter;
-    float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, 4);
-    return p * two_n;
 }
 
 /* 16 floats: GCC/clang vector extensions, lowered to one zmm (AVX-512) or two ymm (AVX2). */

@@ -1,2 +1,2 @@
 """Attention backends over the paged KV pool (torch, native C, Triton, batch-invariant), chosen
-by name through the registry in backends.py."""
+by name through registry.py."""

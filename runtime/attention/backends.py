@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.forward.batch import ForwardBatch
-from forklm.runtime.kvcache.pool import KVPool
+if TYPE_CHECKING:
+    from forklm.runtime.forward.batch import ForwardBatch
+    from forklm.runtime.kvcache.pool import KVPool
 
 
 @dataclass(frozen=True)
@@ -249,32 +249,3 @@ def packed_rows(batch: ForwardBatch) -> torch.Tensor:
     i = torch.arange(batch.max_q_len, device=batch.q_lens.device)[None, :]
     keep = i < batch.q_lens[:, None]  # [batch, max_q]
     return keep.flatten().nonzero().squeeze(1)
-
-
-def _triton_attention(pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
-                      layers: Sequence[AttentionLayerSpec] | None = None) -> AttentionBackend:
-    # Imported only when chosen: it imports Triton, which the CPU path never needs.
-    from forklm.runtime.attention.triton_backend import TritonAttention
-
-    return TritonAttention(pool, num_heads, num_kv_heads, head_dim, layers)
-
-
-def _native_attention(pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
-                      layers: Sequence[AttentionLayerSpec] | None = None) -> AttentionBackend:
-    # Imported only when chosen: its first use compiles the C kernel.
-    from forklm.runtime.attention.native import NativeAttention
-
-    return NativeAttention(pool, num_heads, num_kv_heads, head_dim, layers)
-
-
-_BACKENDS = {"torch": TorchAttention, "triton": _triton_attention, "native": _native_attention}
-
-
-def create_attention_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int,
-                             head_dim: int,
-                             layers: Sequence[AttentionLayerSpec] | None = None) -> AttentionBackend:
-    """`layers`: one AttentionLayerSpec per layer (None: plain causal attention everywhere)."""
-    if name not in _BACKENDS:
-        raise InvalidArgumentError("attention_backend", name,
-                                   f"supported here: {', '.join(sorted(_BACKENDS))}")
-    return _BACKENDS[name](pool, num_heads, num_kv_heads, head_dim, layers)

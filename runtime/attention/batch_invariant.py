@@ -25,13 +25,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from forklm.runtime.attention.backends import AttentionLayerSpec, layer_specs, packed_rows
-from forklm.runtime.forward.batch import ForwardBatch
-from forklm.runtime.kvcache.pool import KVPool
+
+if TYPE_CHECKING:
+    from forklm.runtime.forward.batch import ForwardBatch
+    from forklm.runtime.kvcache.pool import KVPool
 
 KEY_CHUNK = 64  # keys per split: the padding computed per request is under one chunk
 # Stands in for a chunk's max when the row sees none of its keys (exp(-inf - -inf) is nan).

@@ -6,13 +6,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.attention.backends import AttentionLayerSpec, TorchAttention
-from forklm.runtime.forward.batch import ForwardBatch
-from forklm.runtime.kvcache.pool import KVPool
+
+if TYPE_CHECKING:
+    from forklm.runtime.forward.batch import ForwardBatch
+    from forklm.runtime.kvcache.pool import KVPool
 
 # Batches with at most this many new tokens per request take the kernel (decode is 1; a
 # speculative verify 1 + draft). The kernel reads each K/V row once per query token, so its lead

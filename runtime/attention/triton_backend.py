@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,8 +15,10 @@ from forklm.kernels.triton.extend_attention import extend_attention
 from forklm.kernels.triton.store_kv import store_kv
 from forklm.runtime.attention.backends import AttentionLayerSpec, layer_specs
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.forward.batch import ForwardBatch
-from forklm.runtime.kvcache.pool import KVPool
+
+if TYPE_CHECKING:
+    from forklm.runtime.forward.batch import ForwardBatch
+    from forklm.runtime.kvcache.pool import KVPool
 
 
 class TritonAttention:

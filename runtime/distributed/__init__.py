@@ -3,9 +3,9 @@ broadcasts each step's batch; every rank runs its Megatron-style shard of the mo
 
 from forklm.runtime.distributed.launch import (
     TensorParallel,
+    run_worker_node,
     spawn_workers,
     start_tensor_parallel,
 )
-from forklm.runtime.distributed.worker import run_worker_node
 
 __all__ = ["TensorParallel", "run_worker_node", "spawn_workers", "start_tensor_parallel"]

@@ -3,21 +3,26 @@ other ranks, meets every rank at the rendezvous, shares its config and loads its
 
 from __future__ import annotations
 
+import signal
+import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from forklm.runtime.config import EngineConfig
 from forklm.runtime.distributed.group import TPGroup, free_local_address, init_group, leave_group
-from forklm.runtime.distributed.processes import WorkerProcesses
+from forklm.runtime.distributed.processes import STOP_TIMEOUT_S, WorkerProcesses
 from forklm.runtime.distributed.runner import TensorParallelRunner
 from forklm.runtime.distributed.shard import ModelShard, connect_shard, load_shard
 from forklm.runtime.distributed.sharding import check_shardable
-from forklm.runtime.distributed.worker import rank_device
-from forklm.runtime.engine import builder
-from forklm.runtime.kvcache.manager import KVCacheManager
-from forklm.runtime.models import ModelSpec
-from forklm.runtime.models.loader import LoadedModel
+from forklm.runtime.distributed.worker import rank_device, run_worker
+from forklm.runtime.forward import model_parts
+
+if TYPE_CHECKING:
+    from forklm.runtime.config import EngineConfig
+    from forklm.runtime.kvcache.manager import KVCacheManager
+    from forklm.runtime.models import ModelSpec
+    from forklm.runtime.models.loader import LoadedModel
 
 
 @dataclass
@@ -54,8 +59,24 @@ def start_tensor_parallel(config: EngineConfig, loaded: LoadedModel, spec: Model
         context_len = config.context_length or loaded.config.max_position_embeddings
         shard = connect_shard(
             config, own, group,
-            kv_capacity=lambda local: builder.kv_capacity(config, local, dtype, context_len))
+            kv_capacity=lambda local: model_parts.kv_capacity(config, local, dtype, context_len))
     except BaseException:
         leave_group()
         raise
     return TensorParallel(shard, group, workers)
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """`forklm serve --node-rank N` (N > 0): run this node's ranks, the first in this process,
+    until node 0 shuts down. SIGTERM stops them all."""
+    assert config.node_rank > 0 and config.dist_init_addr is not None
+    first = config.node_rank * config.local_tp_size
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the rest
+    workers = WorkerProcesses.spawn(config, config.dist_init_addr,
+                                    range(first + 1, first + config.local_tp_size))
+    code = 1
+    try:
+        code = run_worker(first, config, config.dist_init_addr)
+        return code
+    finally:  # told to stop, the others exit as this one did; else they are stopped at once
+        workers.stop(timeout_s=STOP_TIMEOUT_S if code == 0 else 1.0)

@@ -4,12 +4,15 @@ parallel layers need nothing: a rank's qkv/gate_up matrices are simply narrower.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from forklm.runtime.distributed.group import TPGroup
-from forklm.runtime.distributed.sharding import ShardPlan
-from forklm.runtime.models import CausalLM
+if TYPE_CHECKING:
+    from forklm.runtime.distributed.group import TPGroup
+    from forklm.runtime.distributed.sharding import ShardPlan
+    from forklm.runtime.models import CausalLM
 
 
 class RowParallel(nn.Module):

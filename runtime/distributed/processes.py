@@ -8,10 +8,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 import torch.multiprocessing as mp
 
-from forklm.runtime.config import EngineConfig
+if TYPE_CHECKING:
+    from forklm.runtime.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

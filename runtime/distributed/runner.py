@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from forklm.runtime.distributed.group import TPGroup, leave_group
-from forklm.runtime.distributed.processes import WorkerProcesses
-from forklm.runtime.distributed.shard import ModelShard
 from forklm.runtime.distributed.step_channel import Command, send_step
 from forklm.runtime.errors import WorkerLostError
 from forklm.runtime.forward.model_runner import LogitsRows, ModelRunner
-from forklm.runtime.kvcache.manager import KVCacheManager
-from forklm.runtime.scheduling.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from forklm.runtime.distributed.processes import WorkerProcesses
+    from forklm.runtime.distributed.shard import ModelShard
+    from forklm.runtime.kvcache.manager import KVCacheManager
+    from forklm.runtime.scheduling.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

@@ -7,18 +7,21 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from forklm.runtime.attention.backends import AttentionBackend
-from forklm.runtime.config import EngineConfig
-from forklm.runtime.distributed.group import TPGroup
 from forklm.runtime.distributed.layers import parallelize
 from forklm.runtime.distributed.sharding import ShardPlan, shard_weights
-from forklm.runtime.engine import builder
-from forklm.runtime.kvcache.pool import KVPool
-from forklm.runtime.models import CausalLM, ModelSpec
-from forklm.runtime.models.loader import LoadedModel
+from forklm.runtime.forward import model_parts
+
+if TYPE_CHECKING:
+    from forklm.runtime.attention.backends import AttentionBackend
+    from forklm.runtime.config import EngineConfig
+    from forklm.runtime.distributed.group import TPGroup
+    from forklm.runtime.kvcache.pool import KVPool
+    from forklm.runtime.models import CausalLM, ModelSpec
+    from forklm.runtime.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ def load_shard(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec, rank:
 
     sliced = dataclasses.replace(loaded, weights=counted)
     context_len = config.context_length or loaded.config.max_position_embeddings
-    model = builder.build_model_for(config, sliced, plan.local_spec, context_len)
+    model = model_parts.build_model_for(config, sliced, plan.local_spec, context_len)
     own = numel[0] * getattr(torch, config.torch_dtype_name).itemsize
     logger.info("rank %d: %d/%d heads, KV heads %s, %.1f MiB of weights", rank, plan.num_heads,
                 spec.num_heads, plan.kv_heads, own / 2**20)
@@ -71,5 +74,5 @@ def connect_shard(config: EngineConfig, shard: LoadedShard, group: TPGroup,
     local = shard.plan.local_spec
     model = parallelize(shard.model, shard.plan, group)
     capacity = group.share_from_first(kv_capacity(local) if kv_capacity else None)
-    pool, attn = builder.build_kv_and_attention(config, local, model, capacity)
+    pool, attn = model_parts.build_kv_and_attention(config, local, model, capacity)
     return ModelShard(shard.plan, model, pool, attn, group.gather_objects(shard.weight_bytes))

@@ -9,12 +9,14 @@ import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from forklm.runtime.errors import UnsupportedModelError
-from forklm.runtime.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from forklm.runtime.models.spec import ModelSpec
 
 
 def check_shardable(spec: ModelSpec, tp_size: int) -> None:

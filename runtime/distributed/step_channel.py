@@ -4,12 +4,15 @@ command and the batch's shapes), then the ForwardBatch's integer tensors packed 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from forklm.runtime.distributed.group import TPGroup
 from forklm.runtime.forward.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from forklm.runtime.distributed.group import TPGroup
 
 
 class Command(enum.IntEnum):

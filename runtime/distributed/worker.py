@@ -6,14 +6,16 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
-from forklm.runtime.config import EngineConfig
 from forklm.runtime.distributed.group import TPGroup, init_group, leave_group
-from forklm.runtime.distributed.processes import STOP_TIMEOUT_S, WorkerProcesses
 from forklm.runtime.distributed.shard import ModelShard, connect_shard, load_shard
 from forklm.runtime.distributed.step_channel import Command, receive_step
+
+if TYPE_CHECKING:
+    from forklm.runtime.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,22 +64,6 @@ def serve_steps(shard: ModelShard, group: TPGroup) -> None:
         assert batch is not None
         logits = shard.model(batch.to(group.device), shard.attn)  # [rows, vocab / tp_size]
         group.gather_to_first(logits)
-
-
-def run_worker_node(config: EngineConfig) -> int:
-    """`forklm serve --node-rank N` (N > 0): run this node's ranks, the first in this process,
-    until node 0 shuts down. SIGTERM stops them all."""
-    assert config.node_rank > 0 and config.dist_init_addr is not None
-    first = config.node_rank * config.local_tp_size
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the rest
-    workers = WorkerProcesses.spawn(config, config.dist_init_addr,
-                                    range(first + 1, first + config.local_tp_size))
-    code = 1
-    try:
-        code = run_worker(first, config, config.dist_init_addr)
-        return code
-    finally:  # told to stop, the others exit as this one did; else they are stopped at once
-        workers.stop(timeout_s=STOP_TIMEOUT_S if code == 0 else 1.0)
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:

@@ -8,37 +8,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 
-from forklm.runtime.attention.backends import AttentionBackend, create_attention_backend
-from forklm.runtime.attention.batch_invariant import BatchInvariantAttention
+from forklm.runtime.attention.backends import AttentionBackend
 from forklm.runtime.attention.native import NativeAttention
-from forklm.runtime.config import EngineConfig
 from forklm.runtime.engine.intake import RequestIntake
+from forklm.runtime.forward.model_parts import build_kv_and_attention, build_model_for, kv_capacity
 from forklm.runtime.forward.model_runner import ModelRunner
-from forklm.runtime.kvcache import sizing as kv_sizing
 from forklm.runtime.kvcache.manager import KVCacheManager
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.kvcache.radix_cache import RadixCache
-from forklm.runtime.models import CausalLM, ModelSpec, WeightLoader, spec_from_config
-from forklm.runtime.models.batch_invariant import make_batch_invariant
-from forklm.runtime.models.fp16_linear import (
-    fp16_tied_head,
-    fp16_weights_available,
-    pack_fp16_linears,
-)
-from forklm.runtime.models.loader import LoadedModel, load_model
-from forklm.runtime.models.onednn_linear import (
-    attach_dense_copies,
-    can_pack,
-    pack_linears,
-    packed_tied_head,
-)
+from forklm.runtime.models import CausalLM, spec_from_config
+from forklm.runtime.models.loader import load_model
 from forklm.runtime.sampling.constraints import GrammarBackend
 from forklm.runtime.scheduling.scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from forklm.runtime.config import EngineConfig
     from forklm.runtime.distributed.processes import WorkerProcesses
 
 logger = logging.getLogger(__name__)
@@ -182,32 +168,6 @@ def _capture_decode_graphs(config: EngineConfig, runner: ModelRunner, context_le
     runner.capture_graphs(max_bs, context_len, new_graph)
 
 
-def build_model_for(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec,
-                    context_len: int) -> CausalLM:
-    """The model `config` asks for (dtype, device, quantized or not) with `loaded`'s weights;
-    under tensor parallelism `spec` and `loaded` are this rank's shard of them."""
-    keep_quantized = keeps_gguf_quantized(config, loaded)
-    return build_model(loaded, spec, getattr(torch, config.torch_dtype_name), config.device,
-                       context_len, keep_quantized=keep_quantized,
-                       dense_copies=config.quantization is None,
-                       fp16_weights=uses_fp16_weights(config, keep_quantized),
-                       int8_activations=not config.disable_int8_activations)
-
-
-def build_kv_and_attention(config: EngineConfig, spec: ModelSpec, model: CausalLM,
-                           capacity: int) -> tuple[KVPool, AttentionBackend]:
-    """The KV pool of `capacity` slots for `spec`'s KV heads and the attention backend over it."""
-    dtype = getattr(torch, config.torch_dtype_name)
-    pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
-    if config.enable_deterministic_inference:
-        make_batch_invariant(model)
-        return pool, BatchInvariantAttention(pool, spec.num_heads, spec.num_kv_heads,
-                                             spec.head_dim, model.attention_layers)
-    return pool, create_attention_backend(config.resolved_attention_backend, pool, spec.num_heads,
-                                          spec.num_kv_heads, spec.head_dim,
-                                          model.attention_layers)
-
-
 def build_kv_manager(config: EngineConfig, pool: KVPool, context_len: int) -> KVCacheManager:
     """The request rows, radix cache and session pins over `pool`, as `config` asks."""
     cache = None if config.disable_radix_cache else RadixCache(pool.allocator)
@@ -215,82 +175,3 @@ def build_kv_manager(config: EngineConfig, pool: KVPool, context_len: int) -> KV
                           max_context=min(context_len, pool.capacity),
                           pinned_fraction=config.session_pinned_fraction,
                           pin_idle_s=config.session_idle_timeout_s)
-
-
-def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device: str,
-                max_positions: int, keep_quantized: bool = False,
-                dense_copies: bool = False, fp16_weights: bool = False,
-                int8_activations: bool = False) -> CausalLM:
-    """The model on the meta device (no memory), then its weights streamed in one by one.
-    bf16 linears on a CPU with oneDNN bf16 get packed weights; with `dense_copies` a small
-    quantized model also gets packed bf16 copies of its quantized matrices for larger batches;
-    with `fp16_weights` float32 linears keep FBGEMM-packed float16 weights (fp16_linear.py);
-    with `int8_activations` quantized matrices multiply decode-sized calls with int8 dot
-    products where the CPU has them (quant/linear.py)."""
-    with torch.device("meta"):
-        model = CausalLM(spec, loaded.config, max_positions)
-    factory = None
-    if keep_quantized:
-        from forklm.runtime.quant.linear import QuantizedLinear
-
-        factory = QuantizedLinear.from_gguf
-    WeightLoader(model, dtype, device, factory).load(loaded.weights(keep_quantized))
-    if can_pack(dtype, device):
-        pack_linears(model)
-        if keep_quantized and dense_copies:
-            attach_dense_copies(model)
-        if keep_quantized and int8_activations:
-            from forklm.runtime.quant.linear import use_int8_activations
-
-            use_int8_activations(model)
-        table = getattr(model.model.embed_tokens, "weight", None)
-        if spec.tie_word_embeddings and isinstance(table, torch.Tensor):
-            model.tied_head = packed_tied_head(table)
-    if fp16_weights and dtype == torch.float32:
-        pack_fp16_linears(model)
-        table = getattr(model.model.embed_tokens, "weight", None)
-        if spec.tie_word_embeddings and isinstance(table, torch.Tensor):
-            model.tied_head = fp16_tied_head(table)
-    return model.eval()
-
-
-def uses_fp16_weights(config: EngineConfig, keep_quantized: bool) -> bool:
-    """dtype "auto" resolved to float32 on a CPU (no native bf16) with quantization unset: the
-    linears keep float16 weights (2-3x faster matmuls, fp16_linear.py). An explicit
-    dtype="float32" or quantization="none" keeps float32 weights, the token-exact path."""
-    return (config.dtype == "auto" and config.quantization is None and not keep_quantized
-            and config.device == "cpu" and config.torch_dtype_name == "float32"
-            and fp16_weights_available())
-
-
-def keeps_gguf_quantized(config: EngineConfig, loaded: LoadedModel) -> bool:
-    """quantization="gguf" keeps a GGUF's blocks; "none" dequantizes; unset (auto) keeps them
-    where that is faster at batch 1 (see runtime/quant/), never under dtype="float32", which is
-    the exact path (token-identical to transformers' own GGUF load), nor split over ranks."""
-    if not loaded.is_gguf or config.quantization == "none" or config.tp_size > 1:
-        return False
-    if config.quantization == "gguf":
-        return True
-    from forklm.runtime.quant import quantized_is_faster
-
-    return config.dtype != "float32" and quantized_is_faster(config.device)
-
-
-def kv_capacity(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context_len: int) -> int:
-    """KV slots for `spec`'s KV heads (a rank's own under tensor parallelism). Called after the
-    weights are loaded (a GPU's free memory then counts them)."""
-    if config.max_total_tokens is not None:
-        return config.max_total_tokens
-    per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
-    if config.device.startswith("cuda"):
-        device = torch.device(config.device)
-        torch.cuda.synchronize(device)
-        free, total = torch.cuda.mem_get_info(device)
-        fraction = config.mem_fraction_static or kv_sizing.DEFAULT_MEM_FRACTION_STATIC
-        tokens = kv_sizing.gpu_kv_tokens(kv_sizing.DeviceMemory(total, free), fraction, per_token)
-    else:
-        tokens = kv_sizing.cpu_kv_tokens(psutil.virtual_memory().available,
-                                         config.max_total_tokens_fraction, per_token)
-    capacity = kv_sizing.capped(tokens, config.max_running_requests, context_len)
-    logger.info("KV pool: %d tokens, %.2f GiB", capacity, capacity * per_token / kv_sizing.GIB)
-    return capacity

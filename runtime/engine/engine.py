@@ -13,13 +13,15 @@ from typing import TYPE_CHECKING, Any
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.cpu_threads import release_openmp_threads
 from forklm.runtime.engine.builder import EngineParts, ModelInfo, build_engine_parts
-from forklm.runtime.engine.client import EngineClient
-from forklm.runtime.engine.intake import RequestGroup
 from forklm.runtime.engine.loop import EngineLoop
 from forklm.runtime.engine.loop_mailbox import mailbox_for
-from forklm.runtime.engine.request import Req, ReqOutput
 from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from forklm.runtime.engine.client import EngineClient
+    from forklm.runtime.engine.intake import RequestGroup
+    from forklm.runtime.scheduling.request import Req, ReqOutput
 
 
 class Engine:

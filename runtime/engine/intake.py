@@ -7,15 +7,17 @@ import itertools
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
-from forklm.runtime.engine.request import Req
-from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
+from forklm.runtime.scheduling.request import Req
+
+if TYPE_CHECKING:
+    from forklm.runtime.engine.results import GenerateOutput
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from forklm.runtime.cpu_threads import ThreadGovernor, thread_governor
-from forklm.runtime.engine.builder import EngineParts
 from forklm.runtime.engine.output_processor import (
     StepTokens,
     apply_step,
@@ -29,10 +28,13 @@ from forklm.runtime.engine.output_processor import (
     sample_step,
 )
 from forklm.runtime.engine.overlap import ForwardResult, ForwardWorker, InFlight
-from forklm.runtime.engine.request import FinishReason, Req, ReqOutput
 from forklm.runtime.engine.stats import EngineStats
 from forklm.runtime.errors import EngineShutdownError, WorkerLostError
-from forklm.runtime.scheduling.scheduler import ScheduledBatch
+from forklm.runtime.scheduling.request import FinishReason, Req, ReqOutput
+
+if TYPE_CHECKING:
+    from forklm.runtime.engine.builder import EngineParts
+    from forklm.runtime.scheduling.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from forklm.runtime.engine.request import FinishReason, Req, ReqOutput
-from forklm.runtime.forward.model_runner import LogitsRows
-from forklm.runtime.sampling.constraints import GrammarBackend
-from forklm.runtime.sampling.params import SamplingParams
 from forklm.runtime.sampling.sampler import (
     DeviceSamples,
     SampleResult,
     SamplingRow,
     sample_on_device,
 )
-from forklm.runtime.scheduling.scheduler import ScheduledBatch
+from forklm.runtime.scheduling.request import FinishReason, Req, ReqOutput
+
+if TYPE_CHECKING:
+    from forklm.runtime.forward.model_runner import LogitsRows
+    from forklm.runtime.sampling.constraints import GrammarBackend
+    from forklm.runtime.sampling.params import SamplingParams
+    from forklm.runtime.scheduling.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from forklm.runtime.forward.model_runner import LogitsRows, ModelRunner
-from forklm.runtime.scheduling.scheduler import ScheduledBatch
+if TYPE_CHECKING:
+    from forklm.runtime.forward.model_runner import LogitsRows, ModelRunner
+    from forklm.runtime.scheduling.scheduler import ScheduledBatch
 
 
 @dataclass

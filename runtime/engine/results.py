@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from forklm.runtime.engine.request import FinishReason, Req
+if TYPE_CHECKING:
+    from forklm.runtime.scheduling.request import FinishReason, Req
 
 Pair = tuple[Any, int]  # (logprob, token_id); the prompt's first token has logprob None
 

@@ -4,12 +4,13 @@ engine thread, and the snapshot Engine.stats() returns."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from forklm.runtime.engine.output_processor import StepTokens
-from forklm.runtime.engine.request import Req
-from forklm.runtime.kvcache.manager import KVCacheManager
-from forklm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
+if TYPE_CHECKING:
+    from forklm.runtime.engine.output_processor import StepTokens
+    from forklm.runtime.kvcache.manager import KVCacheManager
+    from forklm.runtime.scheduling.request import Req
+    from forklm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
 
 
 @dataclass

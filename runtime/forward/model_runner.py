@@ -6,16 +6,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from forklm.runtime.attention.backends import AttentionBackend
-from forklm.runtime.engine.request import Req
 from forklm.runtime.forward.batch import ForwardBatch
 from forklm.runtime.forward.cuda_graphs import DecodeGraphRunner, Graph
-from forklm.runtime.kvcache.manager import KVCacheManager
-from forklm.runtime.models import CausalLM
-from forklm.runtime.scheduling.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from forklm.runtime.attention.backends import AttentionBackend
+    from forklm.runtime.kvcache.manager import KVCacheManager
+    from forklm.runtime.models import CausalLM
+    from forklm.runtime.scheduling.request import Req
+    from forklm.runtime.scheduling.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

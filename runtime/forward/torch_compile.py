@@ -16,13 +16,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forklm.runtime.forward.batch import ForwardBatch
 from forklm.runtime.models.decoder import EAGER_STEPS, CausalLM, DecoderLayer, LayerSteps
 from forklm.runtime.quant.linear import DENSE_COPY_MIN_ROWS, DENSE_MIN_ROWS
+
+if TYPE_CHECKING:
+    from forklm.runtime.forward.batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 

@@ -3,13 +3,17 @@ release path every request leaves through (finish, abort, retract)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from forklm.runtime.engine.request import Req
 from forklm.runtime.errors import KVCacheFullError
-from forklm.runtime.kvcache.pool import KVPool
-from forklm.runtime.kvcache.radix_cache import RadixCache
 from forklm.runtime.kvcache.session_pins import SessionPins
+
+if TYPE_CHECKING:
+    from forklm.runtime.kvcache.pool import KVPool
+    from forklm.runtime.kvcache.radix_cache import RadixCache
+    from forklm.runtime.scheduling.request import Req
 
 
 class KVCacheManager:

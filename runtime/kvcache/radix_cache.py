@@ -8,11 +8,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from forklm.runtime.kvcache.pool import SlotAllocator
+if TYPE_CHECKING:
+    from forklm.runtime.kvcache.pool import SlotAllocator
 
 _EMPTY_SLOTS = torch.empty(0, dtype=torch.int64)
 

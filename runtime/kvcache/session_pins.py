@@ -19,8 +19,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from forklm.runtime.kvcache.radix_cache import RadixCache, TreeNode
+if TYPE_CHECKING:
+    from forklm.runtime.kvcache.radix_cache import RadixCache, TreeNode
 
 logger = logging.getLogger(__name__)
 

@@ -15,16 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklm.runtime.attention.backends import AttentionBackend, AttentionLayerSpec
-from forklm.runtime.forward.batch import ForwardBatch
 from forklm.runtime.models.batch_invariant import tiled_rows
 from forklm.runtime.models.layers import ACTIVATIONS, RMSNorm, RotaryEmbedding, soft_cap
 from forklm.runtime.models.moe import SparseMoE
-from forklm.runtime.models.spec import ModelSpec
 from forklm.runtime.models.weights import FusedLinear
 
 if TYPE_CHECKING:
+    from forklm.runtime.forward.batch import ForwardBatch
     from forklm.runtime.forward.torch_compile import CompiledLayerSteps
     from forklm.runtime.models.fused_layers import FusedDecodeLayers
+    from forklm.runtime.models.spec import ModelSpec
 
 
 class Attention(nn.Module):

@@ -23,12 +23,12 @@ from torch import nn
 
 from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta
-from forklm.runtime.forward.batch import ForwardBatch
-from forklm.runtime.models.layers import RMSNorm
 from forklm.runtime.models.weights import FusedLinear
 
 if TYPE_CHECKING:
+    from forklm.runtime.forward.batch import ForwardBatch
     from forklm.runtime.models.decoder import CausalLM, DecoderLayer
+    from forklm.runtime.models.layers import RMSNorm
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 

@@ -4,12 +4,14 @@ per token, optional renormalisation, and Qwen2-MoE's sigmoid-gated shared expert
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from forklm.runtime.models.spec import MoESpec
+if TYPE_CHECKING:
+    from forklm.runtime.models.spec import MoESpec
 
 
 class SparseMoE(nn.Module):

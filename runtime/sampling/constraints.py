@@ -10,16 +10,18 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xgrammar as xgr
 
-from forklm.runtime.engine.request import Req
 from forklm.runtime.errors import GrammarCompileTimeoutError, InvalidArgumentError
 from forklm.runtime.sampling.checks import shorten
 from forklm.runtime.sampling.grammar_pool import CompileJob, CompilePool
-from forklm.runtime.sampling.params import Constraint
+
+if TYPE_CHECKING:
+    from forklm.runtime.sampling.params import Constraint
+    from forklm.runtime.scheduling.request import Req
 
 # Compiled grammars kept, least recently used dropped first. A compiled JSON schema with its
 # token-mask cache takes roughly 0.1-1 MB for a 49k vocabulary.

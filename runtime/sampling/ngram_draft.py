@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from forklm.runtime.config import EngineConfig
-    from forklm.runtime.engine.request import Req
+    from forklm.runtime.scheduling.request import Req
 
 # Earlier occurrences of the last two tokens tried per lookup, most recent first: bounds a step's
 # work (a frequent pair such as '", "' in JSON can occur thousands of times).

@@ -25,12 +25,14 @@ logprobs, asked for by few requests, cost a second one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
 from forklm.kernels.cpu import bindings as native_kernels
-from forklm.runtime.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from forklm.runtime.sampling.params import SamplingParams
 
 # First candidate count for top-p rows without a smaller top_k; a peaked LLM distribution
 # usually reaches top_p=0.95 well inside 64 tokens, and topk(64) is ~30x cheaper than a sort.

@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from forklm.runtime.config import EngineConfig
-from forklm.runtime.engine.request import FinishReason, Req
-from forklm.runtime.kvcache.manager import KVCacheManager
 from forklm.runtime.sampling.ngram_draft import NgramDrafter
+from forklm.runtime.scheduling.request import FinishReason, Req
+
+if TYPE_CHECKING:
+    from forklm.runtime.config import EngineConfig
+    from forklm.runtime.kvcache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from forklm.parsers.tool_calls import held_prefix_len
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.server.parsers.tool_calls import held_prefix_len
 
 THINK, END_THINK = "<think>", "</think>"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Protocol
 
-from forklm.server.parsers.tool_calls import (
+from forklm.parsers.tool_calls import (
     JsonParser,
     StreamDelta,
     ToolCallDelta,

@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
-from forklm.runtime.sampling.params import SamplingParams
-
 if TYPE_CHECKING:
     import xgrammar
 
+    from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
     from forklm.runtime.sampling.ngram_draft import NgramIndex
+    from forklm.runtime.sampling.params import SamplingParams
 
 _arrival = itertools.count()
 

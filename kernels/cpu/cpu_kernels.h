@@ -1,0 +1,94 @@
+/* What the CPU kernels beside this header (paged_attention.c, fused_layer_ops.c, int4_gemv.c,
+ * greedy_pick.c) share, kept here once so their copies cannot drift apart: the dtype codes of
+ * bindings.py's DTYPES, the scalar fp32 <-> bf16 conversions, and the vectorizable exps.
+ * All static inline: each kernel compiles them with its own flags (bindings.py hashes this
+ * header into every library's cache key). Vector-width code stays in the kernels. */
+#ifndef FORKLM_CPU_KERNELS_H
+#define FORKLM_CPU_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* A tensor's dtype as the bindings pass it (bindings.py's DTYPES). */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+
+/* Round to nearest even, NaN -> 0xffff: what torch's vectorized float -> bfloat16 conversion
+ * (the one tensor.to() takes) does; its scalar path would give 0x7fc0, also a NaN. */
+static inline uint16_t bf16_from_f32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Exact: a bf16 is the high half of an fp32. */
+static inline float f32_from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* exp(x) = 2^n * exp(r): n an integer (held as a float) and r = x - n ln2 in |r| <= ln2/2. */
+typedef struct {
+    float n, r;
+} exp_reduced;
+
+/* Cody-Waite reduction, ln2 in two parts; x must keep 2^n a normal float (both callers clamp).
+ * Plain arithmetic, so loops over it vectorize (libm's expf would not without -ffast-math). */
+static inline exp_reduced exp_reduce(float x) {
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    exp_reduced e;
+    e.n = (x * 1.44269504088896341f + shifter) - shifter;
+    e.r = x - e.n * 0.693145751953125f - e.n * 1.42860682030941723e-6f;
+    return e;
+}
+
+/* 2^n for n in [-126, 127], from its exponent bits. */
+static inline float f32_exp2i(int32_t n) {
+    int32_t bits = (n + 127) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* The two exps share the reduction but keep their own Taylor degree, as each trades accuracy
+ * for speed its own way: attention's softmax weights need ~2e-7 relative, so exp_nonpos saves a
+ * multiply-add per score with degree 6 (and one 2^n factor: x <= 0); the fused SiLU is meant to
+ * differ from torch's eager exp in the last bit at most, so exp_clamped pays for degree 7. */
+
+/* exp(x) for x <= 0 (scores minus their max), to ~2e-7 relative: degree-6 Taylor polynomial. */
+static inline float exp_nonpos(float x) {
+    x = x < -87.0f ? -87.0f : x; /* keeps 2^n a normal float; exp(-87) ~ 1.6e-38 */
+    const exp_reduced e = exp_reduce(x);
+    const float r = e.r;
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * f32_exp2i((int32_t)e.n);
+}
+
+/* exp(x) to ~1 ulp for x in [-87, 88] (clamped outside): degree-7 Taylor polynomial. */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const exp_reduced e = exp_reduce(x);
+    const float r = e.r;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    /* 2^n as two exact power-of-two factors (n <= 127 here, so one factor would do too: the
+     * same bits either way) */
+    int32_t half = (int32_t)e.n / 2;
+    return p * f32_exp2i(half) * f32_exp2i((int32_t)e.n - half);
+}
+
+#endif
