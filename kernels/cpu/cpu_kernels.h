@@ -52,7 +52,18 @@ static inline float f32_exp2i(int32_t n) {
     return f;
 }
 
-/* The two exps share the reduction but keep their own Taylor degree, as each trades accuracy
+/* Horner's rule for the Taylor terms from r^5/5! down: p holds the higher terms folded so far
+ * (1/6! for degree 6; 1/7! * r + 1/6! for degree 7). */
+static inline float exp_taylor_tail(float p, float r) {
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    return p * r + 1.0f;
+}
+
+/* The two exps share the reduction and the polynomial's tail but keep their own Taylor degree, as each trades accuracy
  * for speed its own way: attention's softmax weights need ~2e-7 relative, so exp_nonpos saves a
  * multiply-add per score with degree 6 (and one 2^n factor: x <= 0); the fused SiLU is meant to
  * differ from torch's eager exp in the last bit at most, so exp_clamped pays for degree 7. */
@@ -61,14 +72,7 @@ static inline float f32_exp2i(int32_t n) {
 static inline float exp_nonpos(float x) {
     x = x < -87.0f ? -87.0f : x; /* keeps 2^n a normal float; exp(-87) ~ 1.6e-38 */
     const exp_reduced e = exp_reduce(x);
-    const float r = e.r;
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const float p = exp_taylor_tail(1.0f / 720, e.r);
     return p * f32_exp2i((int32_t)e.n);
 }
 
@@ -76,15 +80,7 @@ static inline float exp_nonpos(float x) {
 static inline float exp_clamped(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     const exp_reduced e = exp_reduce(x);
-    const float r = e.r;
-    float p = 1.0f / 5040;
-    p = p * r + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const float p = exp_taylor_tail(1.0f / 5040 * e.r + 1.0f / 720, e.r);
     /* 2^n as two exact power-of-two factors (n <= 127 here, so one factor would do too: the
      * same bits either way) */
     int32_t half = (int32_t)e.n / 2;
