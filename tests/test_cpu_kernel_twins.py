@@ -4,11 +4,9 @@ kernels' own tests (test_native_attention, test_fused_layers, test_int4_gemv, te
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 import re
 from pathlib import Path
-
-import torch
 
 from forklm.kernels.cpu import bindings
 
@@ -24,22 +22,6 @@ def _exported_entry_points() -> set[str]:
     return {name for name in names if not QUERY.search(name)}
 
 
-def _resolve(dotted: str) -> object:
-    """torch.ops.aten.X, a module attribute, or a class attribute, by its dotted name."""
-    if dotted.startswith("torch.ops."):
-        return getattr(torch.ops.aten, dotted.rsplit(".", 1)[1])
-    parts = dotted.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        try:
-            value: object = importlib.import_module(".".join(parts[:split]))
-        except ModuleNotFoundError:
-            continue
-        for attr in parts[split:]:
-            value = getattr(value, attr)
-        return value
-    raise AssertionError(f"{dotted}: no such module")
-
-
 def test_every_exported_kernel_names_a_torch_twin() -> None:
     exported = _exported_entry_points()
     assert "paged_attention" in exported and "greedy_pick" in exported  # the scan finds them
@@ -48,4 +30,4 @@ def test_every_exported_kernel_names_a_torch_twin() -> None:
 
 def test_every_named_twin_exists() -> None:
     for kernel, twin in bindings.TORCH_TWINS.items():
-        assert callable(_resolve(twin)), f"{kernel}: {twin}"
+        assert callable(pkgutil.resolve_name(twin)), f"{kernel}: {twin}"

@@ -7,9 +7,11 @@ is read here from the sources, with the same mapping."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
+import networkx
 import tomllib
 from conftest import REPO_ROOT
 
@@ -25,6 +27,7 @@ KNOWN_BACK_EDGES = {
 }
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     """Every forklm module name -> its source file, by pyproject.toml's package-dir mapping."""
     config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
@@ -58,7 +61,8 @@ def _runtime_imports(tree: ast.Module) -> Iterator[str]:
             yield from (f"{node.module}.{alias.name}" for alias in node.names)
 
 
-def _module_graph() -> dict[str, set[str]]:
+@functools.cache
+def _read_graph() -> dict[str, frozenset[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, source in modules.items():
@@ -67,7 +71,12 @@ def _module_graph() -> dict[str, set[str]]:
                 target = target.rpartition(".")[0]
             if target and target != name and (name, target) not in KNOWN_BACK_EDGES:
                 graph[name].add(target)
-    return graph
+    return {name: frozenset(targets) for name, targets in graph.items()}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """forklm's modules -> the forklm modules each imports at run time (a fresh copy)."""
+    return {name: set(targets) for name, targets in _read_graph().items()}
 
 
 def _collapse(graph: dict[str, set[str]], group: dict[str, str]) -> dict[str, set[str]]:
@@ -79,35 +88,9 @@ def _collapse(graph: dict[str, set[str]], group: dict[str, str]) -> dict[str, se
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected groups of more than one node (Tarjan's algorithm)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        for target in graph[node]:
-            if target not in index:
-                visit(target)
-                low[node] = min(low[node], low[target])
-            elif target in stack:
-                low[node] = min(low[node], index[target])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
+    """The strongly connected groups of more than one node."""
+    components = networkx.strongly_connected_components(networkx.DiGraph(graph))
+    return sorted(sorted(c) for c in components if len(c) > 1)
 
 
 def _folder(name: str) -> str:
@@ -115,11 +98,13 @@ def _folder(name: str) -> str:
     directly in runtime/ (config, errors, ...) are the room-less base, forklm.runtime."""
     parts = name.split(".")
     if parts[:2] == ["forklm", "runtime"] or parts[:2] == ["forklm", "kernels"]:
-        return ".".join(parts[:3]) if len(parts) > 3 or name in _PACKAGES else ".".join(parts[:2])
+        return ".".join(parts[:3]) if len(parts) > 3 or name in _packages() else ".".join(parts[:2])
     return ".".join(parts[:2])
 
 
-_PACKAGES = {name for name, source in _modules().items() if source.name == "__init__.py"}
+@functools.cache
+def _packages() -> frozenset[str]:
+    return frozenset(name for name, source in _modules().items() if source.name == "__init__.py")
 
 
 def test_the_graph_is_read() -> None:
