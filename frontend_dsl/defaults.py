@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from forklm.frontend_dsl.ir import LOGPROB_OPTIONS, Gen, LogprobOptions
+from forklm.runtime.engine.engine_request import LogprobOptions as EngineLogprobOptions
 from forklm.runtime.sampling.params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -53,7 +54,7 @@ class RunDefaults:
         """The defaults as the keywords `from_kwargs` reads back."""
         return {**self.sampling, **self.logprob.to_dict()}
 
-    def for_gen(self, gen: Gen) -> tuple[SamplingParams, dict[str, Any]]:
+    def for_gen(self, gen: Gen) -> tuple[SamplingParams, EngineLogprobOptions]:
         """The engine call of `gen`: these defaults overlaid with its own settings; a dtype adds
         its regex and stop strings. Returns the parameters and the backend's logprob_options."""
         merged = {**self.sampling, **gen.sampling}
@@ -62,5 +63,5 @@ class RunDefaults:
             stop = merged.get("stop") or []
             merged["regex"] = regex
             merged["stop"] = [*([stop] if isinstance(stop, str) else stop), *stops] or None
-        options = self.logprob.overlay(gen.logprob_options).to_dict()
+        options = EngineLogprobOptions(**self.logprob.overlay(gen.logprob_options).to_dict())
         return SamplingParams.from_dict(merged), options

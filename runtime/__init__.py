@@ -13,6 +13,7 @@ _EXPORTS = {
     "Engine": "forklm.runtime.engine.engine",
     "EngineClient": "forklm.runtime.engine.client",
     "EngineConfig": "forklm.runtime.config",
+    "EngineRequest": "forklm.runtime.engine.engine_request",
     "GenerateOutput": "forklm.runtime.engine.results",
     "ModelInfo": "forklm.runtime.engine.builder",
     "RequestGroup": "forklm.runtime.engine.intake",
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # what __getattr__ gives, for type checkers
     from forklm.runtime.engine.builder import ModelInfo  # noqa: F401
     from forklm.runtime.engine.client import EngineClient  # noqa: F401
     from forklm.runtime.engine.engine import Engine  # noqa: F401
+    from forklm.runtime.engine.engine_request import EngineRequest  # noqa: F401
     from forklm.runtime.engine.intake import RequestGroup  # noqa: F401
     from forklm.runtime.engine.results import GenerateOutput  # noqa: F401
     from forklm.runtime.sampling.params import SamplingParams  # noqa: F401

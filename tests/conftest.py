@@ -187,9 +187,9 @@ def engine_prompts(live_server, monkeypatch) -> list:
     engine, seen = live_server.engine, []
     prepare = engine.prepare
 
-    def recording(**call):
-        seen.append(call.get("prompt"))
-        return prepare(**call)
+    def recording(request, **kwargs):
+        seen.append(request.prompt)
+        return prepare(request, **kwargs)
 
     monkeypatch.setattr(engine, "prepare", recording)
     return seen

@@ -146,8 +146,8 @@ def test_an_aborted_gen_raises_backend_error_at_the_await(engine, backend):
         seen_rids: list[str] = []
         prepare = engine.prepare
 
-        def recording(**call):
-            group = prepare(**call)
+        def recording(*args, **kwargs):
+            group = prepare(*args, **kwargs)
             seen_rids.extend(group.rids)
             return group
 

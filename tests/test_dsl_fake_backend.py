@@ -29,7 +29,7 @@ class FakeBackend(Backend):
         time.sleep(self.delay)
         with self.lock:
             self.calls.append((prompt, sampling_params))
-        return GenResult(self.reply(prompt, sampling_params), {"prompt": prompt, **logprob_options})
+        return GenResult(self.reply(prompt, sampling_params), {"prompt": prompt, "logprobs": logprob_options})
 
     def select(self, prompt, choices, choices_method):
         lps = [[[lp, i, ""] for i, lp in enumerate(self.logprobs[c])] for c in choices]

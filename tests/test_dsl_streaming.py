@@ -11,6 +11,7 @@ import pytest
 import forklm as sgl
 from forklm.frontend_dsl.backends.base import Backend, BackendError, GenResult
 from forklm.frontend_dsl.choices import mean_logprob
+from forklm.runtime.engine.engine_request import LogprobOptions
 from forklm.runtime.sampling.params import SamplingParams
 
 
@@ -228,9 +229,9 @@ def test_engine_streaming_equals_the_plain_result(make_engine, tokenizer):
         add_generation_prompt=True)
     assert state.text() == prompt + state["fact"] + "<|im_end|>\n"
     params = SamplingParams(max_new_tokens=24, temperature=0.0)
-    plain = backend.generate(prompt, params, {})
+    plain = backend.generate(prompt, params, LogprobOptions())
     streamed: list[str] = []
-    result = backend.generate(prompt, params, {}, on_text=streamed.append)
+    result = backend.generate(prompt, params, LogprobOptions(), on_text=streamed.append)
     assert plain.text == result.text == "".join(streamed) == state["fact"]
     assert plain.meta_info["completion_tokens"] == result.meta_info["completion_tokens"]
     system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"

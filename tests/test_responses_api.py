@@ -231,8 +231,8 @@ def test_native_template_tool_turns_and_reasoning_items(hermes_server, monkeypat
     shape), a reply read as a reasoning item (streamed), and reasoning items carried over."""
     engine, seen = hermes_server.engine, []
     prepare = engine.prepare
-    monkeypatch.setattr(engine, "prepare", lambda **call: seen.append(call["prompt"])
-                        or prepare(**call))
+    monkeypatch.setattr(engine, "prepare", lambda request, **kw: seen.append(request.prompt)
+                        or prepare(request, **kw))
     first = strict(post(hermes_server, model="default", input="Weather?", tools=[WEATHER],
                         tool_choice={"type": "function", "name": "get_weather"},
                         temperature=0, max_output_tokens=48).json())

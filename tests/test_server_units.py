@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from forklm.runtime.engine.intake import RequestIntake
+from forklm.runtime.engine.engine_request import EngineRequest
+from forklm.runtime.engine.intake import RequestGroup, RequestIntake
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError
@@ -96,16 +97,19 @@ def test_intake_counts_prompts_times_n():
     intake = RequestIntake(_CharTokenizer(), vocab_size=100, context_len=64, kv_capacity=256,
                            eos_token_ids=frozenset({0}), random_seed=0)
 
+    def build(**call) -> RequestGroup:
+        return intake.build(EngineRequest.from_call(**call))
+
     def count(**call) -> int:
-        return len(intake.build(**call))
+        return len(build(**call))
 
     assert count(prompt="x") == 1
     assert count(prompt=["a", "b"], sampling_params={"n": 3}) == 6
     assert count(input_ids=[[1], [2]], sampling_params=[{"n": 2}, {}]) == 3
     with pytest.raises(InvalidArgumentError, match="n"):  # refused before anything is admitted
         count(input_ids=[1, 2, 3], sampling_params={"n": "bad"})
-    group = intake.build(prompt="x", sampling_params={"n": 2, "seed": 5}, rid="r")
+    group = build(prompt="x", sampling_params={"n": 2, "seed": 5}, rid="r")
     assert group.rids == ["r-0", "r-1"] and not group.single
     assert [req.index for req in group.reqs] == [0, 1]
-    assert intake.build(prompt=["a", "b"], rid="r").rids == ["r-0", "r-1"]
-    assert intake.build(prompt=["a", [5, 6]]).prompt_index(1) == 1
+    assert build(prompt=["a", "b"], rid="r").rids == ["r-0", "r-1"]
+    assert build(prompt=["a", [5, 6]]).prompt_index(1) == 1

@@ -57,21 +57,10 @@ class ServerMetrics:
     def record_output(self, endpoint: str, out: GenerateOutput) -> None:
         """Count one finished request."""
         reason = out.finish_reason.type if out.finish_reason else "unknown"
-        self._count(endpoint, reason, out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-
-    def record_result(self, endpoint: str, result: dict[str, Any]) -> None:
-        """Count one finished request from its SGLang-shaped result dict."""
-        meta = result["meta_info"]
-        reason = (meta.get("finish_reason") or {}).get("type", "unknown")
-        self._count(endpoint, reason, meta["prompt_tokens"], meta["completion_tokens"],
-                    meta["cached_tokens"])
-
-    def _count(self, endpoint: str, reason: str, prompt_tokens: int, completion_tokens: int,
-               cached_tokens: int) -> None:
         self.requests.labels(endpoint=endpoint, finish_reason=reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generated_tokens.inc(completion_tokens)
-        self.cached_tokens.inc(cached_tokens)
+        self.prompt_tokens.inc(out.prompt_tokens)
+        self.generated_tokens.inc(out.completion_tokens)
+        self.cached_tokens.inc(out.cached_tokens)
 
     def record_timing(self, ttft_s: float, decode_s: float, num_tokens: int) -> None:
         self.ttft.observe(ttft_s)

@@ -20,9 +20,11 @@ from forklm.parsers.reasoning import (
     get_reasoning_parser,
     prompt_opens_think,
 )
+from forklm.runtime.engine.engine_request import EngineRequest
 from forklm.runtime.engine.intake import RequestGroup
 from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling.params import SamplingParams
 from forklm.server.errors import ApiError, sse_frames
 from forklm.server.generation import ChunkStream, GenerationService, json_safe_logprobs
 from forklm.server.protocol import (
@@ -125,11 +127,12 @@ def _prepare(service: GenerationService, body: GenerateRequest) -> RequestGroup:
         params = [_drop_nulls(p) for p in params]
     elif params is not None:
         params = _drop_nulls(params)
-    return service.engine.prepare(
+    request = EngineRequest.from_call(
         prompt=body.text, input_ids=body.input_ids, sampling_params=params,
         return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
-        top_logprobs_num=body.top_logprobs_num, rid=body.rid, stream=body.stream,
+        top_logprobs_num=body.top_logprobs_num, rid=body.rid,
         return_text_in_logprobs=body.return_text_in_logprobs, session_params=body.session_params)
+    return service.engine.prepare(request, stream=body.stream)
 
 
 def _drop_nulls(params: dict[str, Any]) -> dict[str, Any]:
@@ -203,8 +206,8 @@ async def health(request: Request) -> Response:
 async def health_generate(request: Request) -> dict[str, Any]:
     """Generate one token end to end; 503 when the engine cannot within the timeout."""
     service = service_of(request)
-    group = service.engine.prepare(input_ids=[0], sampling_params={"max_new_tokens": 1,
-                                                                   "temperature": 0.0})
+    group = service.engine.prepare(EngineRequest(
+        input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0)))
     try:
         (result,) = await asyncio.wait_for(service.generate("health_generate", group),
                                            _HEALTH_TIMEOUT_S)

@@ -15,9 +15,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
 from forklm.runtime.engine.intake import RequestGroup
 from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling.params import SamplingParams
 from forklm.server import openai_convert as conv
 from forklm.server.chat_template import (
     ChatPrompt,
@@ -273,10 +275,12 @@ def _prepare(service: GenerationService, body: Any, prompt: Any, params: dict[st
              top_logprobs: int | None, prompt_logprobs: bool = False) -> RequestGroup:
     """The engine call of a request: its prompt(s), n samples each, logprobs when asked (the
     prompt's too with `prompt_logprobs`)."""
-    return service.engine.prepare(
-        prompt=prompt, sampling_params={**params, "n": body.n},
-        return_logprob=top_logprobs is not None, top_logprobs_num=top_logprobs or 0,
-        logprob_start_len=0 if prompt_logprobs else None, rid=body.rid)
+    logprobs = LogprobOptions(return_logprob=top_logprobs is not None,
+                              logprob_start_len=0 if prompt_logprobs else None,
+                              top_logprobs_num=top_logprobs or 0)
+    return service.engine.prepare(EngineRequest(
+        prompt, sampling_params=SamplingParams.from_dict({**params, "n": body.n}),
+        logprobs=logprobs, rid=body.rid))
 
 
 def _in_order(finals: list[GenerateOutput], num: int) -> list[GenerateOutput]:

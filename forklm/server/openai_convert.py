@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from forklm.runtime.engine.results import GenerateOutput, token_entries
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling.params import OPENAI_NAMES, SamplingParams
 from forklm.server.errors import ApiError
 from forklm.server.generation import GenerationService, finite
 from forklm.server.protocol import _SamplingFields
 
-# OpenAI name -> SamplingParams name, for the fields passed through unchanged otherwise.
-_PASS_THROUGH = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                 "min_p": "min_p", "presence_penalty": "presence_penalty",
-                 "frequency_penalty": "frequency_penalty",
-                 "repetition_penalty": "repetition_penalty", "stop": "stop",
-                 "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-                 "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
-                 "seed": "seed", "min_tokens": "min_new_tokens", "regex": "regex",
-                 "ebnf": "ebnf", "json_schema": "json_schema", "logit_bias": "logit_bias",
-                 "stop_regex": "stop_regex", "custom_params": "custom_params",
-                 "spaces_between_special_tokens": "spaces_between_special_tokens"}
+# OpenAI name -> SamplingParams name, for every request field that is a sampling parameter (a new
+# one passes through once protocol.py declares it); max_tokens and n are the caller's.
+_PASS_THROUGH = {OPENAI_NAMES.get(f.name, f.name): f.name for f in dataclasses.fields(SamplingParams)
+                 if OPENAI_NAMES.get(f.name, f.name) in _SamplingFields.model_fields
+                 and f.name not in ("max_new_tokens", "n")}
 
 
 def check_model(service: GenerationService, body: _SamplingFields) -> None:

@@ -5,30 +5,37 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from forklm.frontend_dsl.backends.base import BackendError
 from forklm.frontend_dsl.state import ProgramState
 from forklm.runtime.engine.engine import Engine
+from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from forklm.runtime.engine.client import EngineClient
+    from forklm.runtime.engine.engine_request import EngineRequest
+    from forklm.runtime.engine.intake import RequestGroup
 
 _TOKEN_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 
 
 class TrackedEngine:
-    """The slice of `Engine` that EngineBackend calls, recording the ids of in-flight requests.
-    `cancel()` aborts them and makes later calls fail with BackendError, so a program whose
-    client went away stops at its next gen instead of running to the end.
+    """The engine as one program request sees it (an EngineClient), recording the ids of its
+    in-flight requests. `cancel()` aborts them and makes later calls fail with BackendError, so
+    a program whose client went away stops at its next gen instead of running to the end.
 
     A call that is still compiling its grammar when cancel() runs is not yet known to the engine
     and runs to its (bounded) end; every later call is refused.
 
     The run's calls share one engine session (opened at the first call), so the context each gen
     ends with stays pinned in the radix cache while the program goes on; `close()`, which the
-    endpoint calls however the run ends, releases it."""
+    endpoint calls however the run ends, releases it. `on_result` sees every finished result."""
 
-    def __init__(self, engine: Engine, on_result: Callable[[dict[str, Any]], None] | None = None):
+    def __init__(self, engine: Engine,
+                 on_result: Callable[[GenerateOutput], None] | None = None):
         self.engine, self.tokenizer, self.on_result = engine, engine.tokenizer, on_result
         self._lock = threading.Lock()
         self._live: set[str] = set()
@@ -36,45 +43,52 @@ class TrackedEngine:
         self._session: str | None = None
         self._closed = engine.parts.kv.pins is None  # no radix cache: nothing to pin
 
-    def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
-                 **kwargs: Any) -> Any:
-        session = self._session_id()
-        if session is not None:
-            kwargs.setdefault("session_params", {"id": session})
-        group = self.engine.prepare(prompt=prompt, sampling_params=sampling_params,
-                                    input_ids=input_ids, **kwargs)
-        rids = group.rids
-        with self._lock:
-            if self.cancelled:
-                raise BackendError("program aborted: the client disconnected")
-            self._live.update(rids)
+    # -- EngineClient --------------------------------------------------------------------------
+    def generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]:
+        group = self._admit(request)
         try:
-            out = self.engine.run(group)
+            outs = self.engine.run(group)
+        finally:
+            self._forget(group.rids)
+        return self._recorded(outs)
+
+    def stream_outputs(self, request: EngineRequest) -> Iterator[GenerateOutput]:
+        group = self._admit(request, stream=True)
+        try:
+            chunks = self.engine.run_stream(group)
         except BaseException:
-            self._forget(rids)
+            self._forget(group.rids)
             raise
-        if kwargs.get("stream"):
-            return self._forget_after(out, rids)
-        self._forget(rids)
-        for result in out if isinstance(out, list) else [out]:
-            self._record(result)
-        return out
+        return self._forget_after(chunks, group.rids)
+
+    async def async_generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]:
+        group = self._admit(request)
+        try:
+            outs = await self.engine.async_run(group)
+        finally:
+            self._forget(group.rids)
+        return self._recorded(outs)
+
+    async def async_stream_outputs(self, request: EngineRequest
+                                   ) -> AsyncIterator[GenerateOutput]:
+        group = self._admit(request, stream=True)
+        try:
+            chunks = await self.engine.async_stream(group)
+        except BaseException:
+            self._forget(group.rids)
+            raise
+        return self._aforget_after(chunks, group.rids)
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
 
+    # -- the run -------------------------------------------------------------------------------
     def close(self) -> None:
         """Release the run's pinned context (idempotent); later calls run unpinned."""
         with self._lock:
             session, self._session, self._closed = self._session, None, True
         if session is not None:
             self.engine.close_session(session)
-
-    def _session_id(self) -> str | None:
-        with self._lock:
-            if self._session is None and not self._closed:
-                self._session = self.engine.open_session()
-            return self._session
 
     def cancel(self) -> None:
         with self._lock:
@@ -83,22 +97,53 @@ class TrackedEngine:
         for rid in rids:
             self.engine.abort(rid)
 
+    def _admit(self, request: EngineRequest, stream: bool = False) -> RequestGroup:
+        """The request prepared in the run's session, its rids recorded (or BackendError once
+        the run is cancelled)."""
+        session = self._session_id()
+        if session is not None and request.session_id is None:
+            request = request.with_session(session)
+        group = self.engine.prepare(request, stream=stream)
+        with self._lock:
+            if self.cancelled:
+                raise BackendError("program aborted: the client disconnected")
+            self._live.update(group.rids)
+        return group
+
+    def _session_id(self) -> str | None:
+        with self._lock:
+            if self._session is None and not self._closed:
+                self._session = self.engine.open_session()
+            return self._session
+
     def _forget(self, rids: list[str]) -> None:
         with self._lock:
             self._live.difference_update(rids)
 
-    def _forget_after(self, chunks: Iterator[Any], rids: list[str]) -> Iterator[Any]:
+    def _forget_after(self, chunks: Iterator[GenerateOutput], rids: list[str]
+                      ) -> Iterator[GenerateOutput]:
         try:
             for chunk in chunks:
-                if chunk["meta_info"]["finish_reason"] is not None:
-                    self._record(chunk)
+                self._recorded([chunk])
                 yield chunk
         finally:
             self._forget(rids)
 
-    def _record(self, result: dict[str, Any]) -> None:
+    async def _aforget_after(self, chunks: AsyncIterator[GenerateOutput], rids: list[str]
+                             ) -> AsyncIterator[GenerateOutput]:
+        try:
+            async for chunk in chunks:
+                self._recorded([chunk])
+                yield chunk
+        finally:
+            self._forget(rids)
+
+    def _recorded(self, outs: list[GenerateOutput]) -> list[GenerateOutput]:
         if self.on_result is not None:
-            self.on_result(result)
+            for out in outs:
+                if out.finished:
+                    self.on_result(out)
+        return outs
 
 
 # -- results ------------------------------------------------------------------------------------
@@ -151,3 +196,8 @@ def jsonable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
     return str(x)
+
+
+if TYPE_CHECKING:  # TrackedEngine fulfils the client contract (checked by mypy)
+    def _as_client(engine: TrackedEngine) -> EngineClient:
+        return engine

@@ -207,7 +207,7 @@ def _tracked_engine(request: Request) -> TrackedEngine:
     service = getattr(request.app.state, "service", None)
     on_result = None
     if service is not None:
-        on_result = functools.partial(service.metrics.record_result, "programs")
+        on_result = functools.partial(service.metrics.record_output, "programs")
     return TrackedEngine(request.app.state.engine, on_result)
 
 

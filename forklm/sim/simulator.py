@@ -15,7 +15,9 @@ from typing import Any
 from forklm.router.policies import POLICIES, make_policy
 from forklm.router.prompts import prompt_text
 from forklm.runtime.config import EngineConfig
+from forklm.runtime.engine.engine_request import EngineRequest
 from forklm.runtime.engine.intake import RequestIntake
+from forklm.runtime.sampling.params import SamplingParams
 from forklm.runtime.scheduling.request import Req, ReqOutput
 from forklm.sim.cost_model import CostModel
 from forklm.sim.replica import SimReplica
@@ -148,8 +150,10 @@ class Simulation:
         # The routing key the router takes from a /v1/completions body.
         key = prompt_text("/v1/completions", {"prompt": prompt})
         replica = self.replicas[self.policy.choose(key, alive, loads).replica]
-        group = self.intake.build(prompt=prompt, rid=f"s{session}-t{turn}", sampling_params={
-            "temperature": 0.0, "max_new_tokens": spec.max_new_tokens, "ignore_eos": True})
+        params = SamplingParams(temperature=0.0, max_new_tokens=spec.max_new_tokens,
+                                ignore_eos=True)
+        group = self.intake.build(EngineRequest(prompt, sampling_params=params,
+                                                rid=f"s{session}-t{turn}"))
         req = group.reqs[0]
         record = RequestRecord(session, turn, replica.index, self.now,
                                prompt_tokens=len(req.origin_input_ids))

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod
+from forklm.runtime.engine.engine_request import LogprobOptions
 from forklm.runtime.errors import ForkLMError
 from forklm.runtime.sampling.params import SamplingParams
 
@@ -43,14 +44,14 @@ class Backend:
     twins serve async programs (one event loop, no thread per program)."""
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
-                 logprob_options: dict[str, Any],
+                 logprob_options: LogprobOptions,
                  on_text: Callable[[str], None] | None = None) -> GenResult:
-        """Continue `prompt`; logprob_options holds return_logprob/logprob_start_len/top_logprobs_num.
-        With `on_text`, each new piece of output text is passed to it as soon as it is decoded."""
+        """Continue `prompt`, with the logprobs `logprob_options` asks for (meta_info holds them
+        in SGLang's shape). With `on_text`, each new piece of output text is passed to it as soon as it is decoded."""
         raise NotImplementedError(f"{type(self).__name__}.generate")
 
     def generate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
-                      logprob_options: dict[str, Any],
+                      logprob_options: LogprobOptions,
                       on_text: Callable[[str], None] | None = None) -> GenResult:
         """generate, also given the chat that `prompt` renders; what the executor calls. A backend
         that sends messages rather than text (an OpenAI chat model) overrides it; the default
@@ -65,7 +66,7 @@ class Backend:
     # Async programs await these on their event loop. A backend with a native async client
     # overrides them; the defaults run the blocking call on the loop's default thread pool.
     async def agenerate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
-                             logprob_options: dict[str, Any],
+                             logprob_options: LogprobOptions,
                              on_text: Callable[[str], None] | None = None) -> GenResult:
         """generate_turn, awaited; `on_text` (if given) may be called from another thread."""
         return await asyncio.to_thread(self.generate_turn, prompt, turn, sampling_params,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from jinja2 import TemplateError
@@ -15,6 +15,13 @@ from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, 
 from forklm.frontend_dsl.global_config import __version__
 from forklm.runtime.engine.client import EngineClient
 from forklm.runtime.engine.engine import Engine
+from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
+from forklm.runtime.engine.results import (
+    GenerateOutput,
+    TokenLogprobs,
+    join_chunks,
+    token_entries,
+)
 from forklm.runtime.sampling.params import SamplingParams
 
 # Scoring only: prefill with prompt logprobs, no new token.
@@ -33,37 +40,26 @@ class EngineBackend(Backend):
         self._default_system = self._find_default_system()
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
-                 logprob_options: dict[str, Any],
+                 logprob_options: LogprobOptions,
                  on_text: Callable[[str], None] | None = None) -> GenResult:
         """One engine request; with `on_text` it streams, and each chunk's new text is passed on
         as the engine decodes it (the pieces concatenate to the result's text)."""
-        if on_text is None or sampling_params.n != 1:  # n > 1 samples come back whole, as a list
-            return _gen_result(self.engine.generate(
-                prompt=prompt, sampling_params=sampling_params, **logprob_options))
-        pieces: list[str] = []
-        last: dict[str, Any] | None = None
-        for chunk in self.engine.generate(prompt=prompt, sampling_params=sampling_params,
-                                          stream=True, **logprob_options):
-            last = _pass_on(chunk, pieces, on_text)
-        return _streamed_result(pieces, last)
+        request = EngineRequest(prompt, sampling_params=sampling_params, logprobs=logprob_options)
+        if on_text is None or sampling_params.n != 1:  # n > 1 samples come back whole
+            return self._gen_result(request, self.engine.generate_outputs(request))
+        chunks = self.engine.stream_outputs(request)
+        return self._gen_result(request, [_streamed(chunks, on_text)])
 
     async def agenerate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
-                             logprob_options: dict[str, Any],
+                             logprob_options: LogprobOptions,
                              on_text: Callable[[str], None] | None = None) -> GenResult:
         """generate on the engine's async API (the caller's event loop, no thread)."""
-        agenerate = getattr(self.engine, "async_generate", None)
-        if agenerate is None:  # an engine client without one: the blocking call on a thread
-            return await super().agenerate_turn(prompt, turn, sampling_params, logprob_options,
-                                                on_text)
+        request = EngineRequest(prompt, sampling_params=sampling_params, logprobs=logprob_options)
         if on_text is None or sampling_params.n != 1:
-            return _gen_result(await agenerate(
-                prompt=prompt, sampling_params=sampling_params, **logprob_options))
-        pieces: list[str] = []
-        last: dict[str, Any] | None = None
-        async for chunk in await agenerate(prompt=prompt, sampling_params=sampling_params,
-                                           stream=True, **logprob_options):
-            last = _pass_on(chunk, pieces, on_text)
-        return _streamed_result(pieces, last)
+            return self._gen_result(request,
+                                    await self.engine.async_generate_outputs(request))
+        chunks = await self.engine.async_stream_outputs(request)
+        return self._gen_result(request, [await _astreamed(chunks, on_text)])
 
     def select(self, prompt: str, choices: list[str],
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
@@ -72,23 +68,21 @@ class EngineBackend(Backend):
         logprobs are those of the tokens after its common prefix with the prompt's tokenization.
         The shared prompt prefix is computed once and reused through the radix cache."""
         scoring = _Scoring(self, prompt, choices, choices_method)
-        outs = self.engine.generate(**scoring.request())
+        outs = self.engine.generate_outputs(scoring.request())
         unconditional = None
         if scoring.needs_unconditional:
-            unconditional = self.engine.generate(**scoring.unconditional_request(outs))
+            unconditional = self.engine.generate_outputs(scoring.unconditional_request(outs))
         return scoring.decide(outs, unconditional)
 
     async def aselect(self, prompt: str, choices: list[str],
                       choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
         """select on the engine's async API."""
-        agenerate = getattr(self.engine, "async_generate", None)
-        if agenerate is None:
-            return await super().aselect(prompt, choices, choices_method)
         scoring = _Scoring(self, prompt, choices, choices_method)
-        outs = await agenerate(**scoring.request())
+        outs = await self.engine.async_generate_outputs(scoring.request())
         unconditional = None
         if scoring.needs_unconditional:
-            unconditional = await agenerate(**scoring.unconditional_request(outs))
+            unconditional = await self.engine.async_generate_outputs(
+                scoring.unconditional_request(outs))
         return scoring.decide(outs, unconditional)
 
     def role_prefix_suffix(self, role: str, history: list[dict[str, str]]) -> tuple[str, str]:
@@ -133,7 +127,7 @@ class EngineBackend(Backend):
         return view, client.close
 
     def cache_prefix(self, prompt: str) -> None:
-        self.engine.generate(prompt=prompt, sampling_params=_SCORE_PARAMS)
+        self.engine.generate_outputs(EngineRequest(prompt, sampling_params=_SCORE_PARAMS))
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
@@ -155,6 +149,15 @@ class EngineBackend(Backend):
                                f"{type(self.engine).__name__}")
         return self.engine
 
+    def _gen_result(self, request: EngineRequest, outs: list[GenerateOutput]) -> GenResult:
+        """The engine's results (one, or the n samples) as a GenResult, with SGLang's meta_info
+        (what state.get_meta_info gives); an abort raises."""
+        for out in outs:
+            _raise_if_aborted(out)
+        tokenizer = self.tokenizer if request.logprobs.return_text_in_logprobs else None
+        samples = [(out.text, out.meta_info(tokenizer)) for out in outs]
+        return GenResult(*samples[0], samples if len(samples) > 1 else None)
+
     def _render(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False)
 
@@ -169,7 +172,7 @@ class _Scoring:
 
     def __init__(self, backend: EngineBackend, prompt: str, choices: list[str],
                  method: ChoicesSamplingMethod):
-        self.choices, self.method = choices, method
+        self.choices, self.method, self.tokenizer = choices, method, backend.tokenizer
         prefix_ids = backend._encode(prompt)
         self.full_ids = [backend._encode(prompt + c) for c in choices]
         self.starts = [min(max(_common_len(prefix_ids, ids), 1), len(ids) - 1)
@@ -177,58 +180,67 @@ class _Scoring:
         self.start = min(self.starts)
         self.needs_unconditional = method.requires_unconditional_logprobs
 
-    def request(self) -> dict[str, Any]:
-        return dict(input_ids=self.full_ids, sampling_params=_SCORE_PARAMS, return_logprob=True,
-                    logprob_start_len=self.start)
+    def request(self) -> EngineRequest:
+        return EngineRequest(input_ids=self.full_ids, sampling_params=_SCORE_PARAMS,
+                             logprobs=LogprobOptions(True, self.start))
 
-    def _input_logprobs(self, outs: list[dict[str, Any]]) -> list[list[list[Any]]]:
+    def _input_logprobs(self, outs: list[GenerateOutput]) -> list[list[list[Any]]]:
+        """Each choice's scored tokens' [logprob, token_id, text] entries."""
         for out in outs:
             _raise_if_aborted(out)
-        return [out["meta_info"]["input_token_logprobs"][s - self.start:]
+        return [token_entries(_logprobs(out).input_token[s - self.start:], self.tokenizer)
                 for out, s in zip(outs, self.starts)]
 
-    def unconditional_request(self, outs: list[dict[str, Any]]) -> dict[str, Any]:
+    def unconditional_request(self, outs: list[GenerateOutput]) -> EngineRequest:
         """Each choice's scored tokens on their own (no prompt); their first logprob is None."""
-        ids = [[e[1] for e in entries if e[0] is not None]
-               for entries in self._input_logprobs(outs)]
-        return dict(input_ids=ids, sampling_params=_SCORE_PARAMS, return_logprob=True,
-                    logprob_start_len=0)
+        ids = [[tid for lp, tid in _logprobs(out).input_token[s - self.start:] if lp is not None]
+               for out, s in zip(outs, self.starts)]
+        return EngineRequest(input_ids=ids, sampling_params=_SCORE_PARAMS,
+                             logprobs=LogprobOptions(True, 0))
 
-    def decide(self, outs: list[dict[str, Any]],
-               unconditional: list[dict[str, Any]] | None) -> ChoicesDecision:
+    def decide(self, outs: list[GenerateOutput],
+               unconditional: list[GenerateOutput] | None) -> ChoicesDecision:
         input_lps = self._input_logprobs(outs)
         return self.method(
             choices=self.choices,
             normalized_prompt_logprobs=[mean_logprob(e) for e in input_lps],
             input_token_logprobs=input_lps,
-            output_token_logprobs=[out["meta_info"]["output_token_logprobs"] for out in outs],
+            output_token_logprobs=[token_entries(_logprobs(out).output_token, self.tokenizer)
+                                   for out in outs],
             unconditional_token_logprobs=None if unconditional is None else [
-                out["meta_info"]["input_token_logprobs"] for out in unconditional])
+                token_entries(_logprobs(out).input_token, self.tokenizer)
+                for out in unconditional])
 
 
-def _gen_result(out: Any) -> GenResult:
-    """An engine result (a list of samples when n > 1) as a GenResult; an abort raises."""
-    if isinstance(out, list):
-        for sample in out:
-            _raise_if_aborted(sample)
-        return GenResult(out[0]["text"], out[0]["meta_info"],
-                         [(o["text"], o["meta_info"]) for o in out])
-    _raise_if_aborted(out)
-    return GenResult(out["text"], out["meta_info"])
+def _streamed(chunks: Iterator[GenerateOutput], on_text: Callable[[str], None]
+              ) -> GenerateOutput:
+    """A stream's chunks joined into its result, each new piece of text passed on."""
+    parts = []
+    for chunk in chunks:
+        _pass_on(chunk, on_text)
+        parts.append(chunk)
+    assert parts and parts[-1].finished, "an engine stream ends with a final chunk"
+    return join_chunks(parts)
 
 
-def _pass_on(chunk: dict[str, Any], pieces: list[str], on_text: Callable[[str], None]
-             ) -> dict[str, Any]:
-    if chunk["text"]:
-        pieces.append(chunk["text"])
-        on_text(chunk["text"])
-    return chunk
+async def _astreamed(chunks: AsyncIterator[GenerateOutput], on_text: Callable[[str], None]
+                     ) -> GenerateOutput:
+    parts = []
+    async for chunk in chunks:
+        _pass_on(chunk, on_text)
+        parts.append(chunk)
+    assert parts and parts[-1].finished, "an engine stream ends with a final chunk"
+    return join_chunks(parts)
 
 
-def _streamed_result(pieces: list[str], last: dict[str, Any] | None) -> GenResult:
-    assert last is not None, "an engine stream ends with a final chunk"
-    _raise_if_aborted(last)
-    return GenResult("".join(pieces), last["meta_info"])  # the last chunk has the full meta
+def _pass_on(chunk: GenerateOutput, on_text: Callable[[str], None]) -> None:
+    if chunk.text:
+        on_text(chunk.text)
+
+
+def _logprobs(out: GenerateOutput) -> TokenLogprobs:
+    assert out.logprobs is not None, "a scoring request asks for logprobs"
+    return out.logprobs
 
 
 def _common_len(a: list[int], b: list[int]) -> int:
@@ -238,7 +250,7 @@ def _common_len(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _raise_if_aborted(out: dict[str, Any]) -> None:
-    reason = out["meta_info"].get("finish_reason") or {}
-    if reason.get("type") == "abort":
-        raise BackendError(f"request {out['meta_info'].get('id')} aborted: {reason.get('message')}")
+def _raise_if_aborted(out: GenerateOutput) -> None:
+    if out.aborted:
+        message = out.finish_reason.message if out.finish_reason else None
+        raise BackendError(f"request {out.rid} aborted: {message}")

@@ -8,6 +8,7 @@ SGLang's does. What the API cannot express raises at the gen, naming the argumen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -15,21 +16,21 @@ from typing import Any
 
 from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
+from forklm.runtime.engine.engine_request import LogprobOptions
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.sampling.params import SamplingParams
+from forklm.runtime.sampling.params import OPENAI_NAMES, SamplingParams
 
 # Models served only on /completions (SGLang's list, and OpenAI's other completion models).
 COMPLETION_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
 _ROLES = {"system": ("SYSTEM:", "\n"), "user": ("USER:", "\n"), "assistant": ("ASSISTANT:", "\n")}
-# SamplingParams fields outside OpenAI's API, sent as extras (SGLang's and vLLM's names) when
-# they differ from the default; a server that does not know one refuses the request.
-_EXTRAS = {"top_k": "top_k", "min_p": "min_p", "min_new_tokens": "min_tokens",
-           "repetition_penalty": "repetition_penalty", "stop_token_ids": "stop_token_ids",
-           "stop_regex": "stop_regex", "ignore_eos": "ignore_eos", "no_stop_trim": "no_stop_trim",
-           "skip_special_tokens": "skip_special_tokens",
-           "spaces_between_special_tokens": "spaces_between_special_tokens",
-           "regex": "regex", "ebnf": "ebnf"}
+# SamplingParams fields OpenAI's API has (mapped in _request), those no OpenAI-style server takes,
+# and the rest: sent as extras (SGLang's and vLLM's names) when they differ from the default; a
+# server that does not know one refuses the request.
+_NATIVE = ("max_new_tokens", "temperature", "top_p", "frequency_penalty", "presence_penalty",
+           "seed", "n", "stop", "logit_bias", "json_schema")
 _REFUSED = ("choices", "structural_tag", "custom_params", "stream_interval")
+_EXTRAS = {f.name: OPENAI_NAMES.get(f.name, f.name) for f in dataclasses.fields(SamplingParams)
+           if f.name not in _NATIVE + _REFUSED}
 _DEFAULTS = SamplingParams()
 
 
@@ -70,7 +71,7 @@ class OpenAI(Backend):
         return _ROLES[role]
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
-                 logprob_options: dict[str, Any],
+                 logprob_options: LogprobOptions,
                  on_text: Callable[[str], None] | None = None) -> GenResult:
         """A completion model's gen: the program's text is the prompt."""
         if self.is_chat_model:
@@ -80,7 +81,7 @@ class OpenAI(Backend):
                           on_text, chat=False, text_in_logprobs=text_in_logprobs)
 
     def generate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
-                      logprob_options: dict[str, Any],
+                      logprob_options: LogprobOptions,
                       on_text: Callable[[str], None] | None = None) -> GenResult:
         """A chat model's gen is the assistant's whole reply to the messages so far."""
         if not self.is_chat_model:
@@ -121,7 +122,7 @@ class OpenAI(Backend):
             unconditional_token_logprobs=unconditional)
 
     # -- requests ------------------------------------------------------------------------------
-    def _request(self, params: SamplingParams, logprob_options: dict[str, Any],
+    def _request(self, params: SamplingParams, logprob_options: LogprobOptions,
                  chat: bool) -> tuple[dict[str, Any], bool | None]:
         """The API keywords of one gen and, when it asks for logprobs, whether their entries keep
         the token text (else None); InvalidArgumentError for what the API cannot carry."""
@@ -155,7 +156,7 @@ class OpenAI(Backend):
         kwargs.update(_logprob_request(logprob_options, chat))
         text_in_logprobs = None
         if "logprobs" in kwargs:
-            text_in_logprobs = logprob_options.get("return_text_in_logprobs") is not False
+            text_in_logprobs = logprob_options.return_text_in_logprobs
         return kwargs, text_in_logprobs
 
     def _call(self, create: Callable[..., Any], kwargs: dict[str, Any],
@@ -229,13 +230,13 @@ def _last_tokens(positions: list[Any], num_chars: int) -> list[list[Any]]:
     return entries[::-1]
 
 
-def _logprob_request(options: dict[str, Any], chat: bool) -> dict[str, Any]:
-    if options.get("logprob_start_len") not in (None, -1):
-        raise InvalidArgumentError("logprob_start_len", options["logprob_start_len"],
+def _logprob_request(options: LogprobOptions, chat: bool) -> dict[str, Any]:
+    if options.logprob_start_len not in (None, -1):
+        raise InvalidArgumentError("logprob_start_len", options.logprob_start_len,
                                    "prompt logprobs of a gen are not available over the OpenAI API")
-    if not options.get("return_logprob"):
+    if not options.return_logprob:
         return {}
-    top = options.get("top_logprobs_num") or 0
+    top = options.top_logprobs_num or 0
     if chat:
         return {"logprobs": True, **({"top_logprobs": top} if top else {})}
     return {"logprobs": top}

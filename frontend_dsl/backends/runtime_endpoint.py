@@ -9,7 +9,7 @@ import json
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -22,6 +22,8 @@ from forklm.frontend_dsl.defaults import RunDefaults
 from forklm.frontend_dsl.executor import Executor
 from forklm.frontend_dsl.ir import ProgramLimits
 from forklm.frontend_dsl.state import ProgramState
+from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
+from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
 
@@ -58,7 +60,7 @@ class RuntimeEndpoint(Backend):
 
     # -- Backend -------------------------------------------------------------------------------
     def generate(self, prompt: str, sampling_params: SamplingParams,
-                 logprob_options: dict[str, Any],
+                 logprob_options: LogprobOptions,
                  on_text: Callable[[str], None] | None = None) -> GenResult:
         return self._local.generate(prompt, sampling_params, logprob_options, on_text=on_text)
 
@@ -67,7 +69,7 @@ class RuntimeEndpoint(Backend):
         return self._local.select(prompt, choices, choices_method)
 
     async def agenerate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
-                             logprob_options: dict[str, Any],
+                             logprob_options: LogprobOptions,
                              on_text: Callable[[str], None] | None = None) -> GenResult:
         if on_text is not None:  # streamed: the blocking client, on a thread
             return await super().agenerate_turn(prompt, turn, sampling_params, logprob_options,
@@ -217,47 +219,43 @@ class RuntimeEndpoint(Backend):
 
 
 class _RemoteEngine:
-    """An EngineClient (generate, abort, tokenizer) served by a forklm server over HTTP."""
+    """A SessionEngineClient served by a forklm server over HTTP."""
 
     def __init__(self, endpoint: RuntimeEndpoint, tokenizer: Any):
         self.endpoint, self.tokenizer = endpoint, tokenizer
 
-    def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
-                 return_logprob: bool = False, logprob_start_len: int | None = None,
-                 top_logprobs_num: int | None = None, stream: bool = False,
-                 rid: Any = None, return_text_in_logprobs: bool = True,
-                 session_params: Any = None) -> Any:
-        """Engine.generate's contract: a result dict (a list for a batch), or with stream=True
-        an iterator of chunks whose text/output_ids are increments."""
-        body = _generate_body(prompt, sampling_params, input_ids, return_logprob,
-                              logprob_start_len, top_logprobs_num, rid, return_text_in_logprobs,
-                              session_params)
-        if stream:
-            return _increments(self.endpoint.stream("/generate", {**body, "stream": True}))
-        return self.endpoint.call("POST", "/generate", json=body)
+    def generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]:
+        return _outputs(self.endpoint.call("POST", "/generate", json=request.to_json()))
 
-    async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
-                             input_ids: Any = None, return_logprob: bool = False,
-                             logprob_start_len: int | None = None,
-                             top_logprobs_num: int | None = None, stream: bool = False,
-                             rid: Any = None, return_text_in_logprobs: bool = True,
-                             session_params: Any = None) -> Any:
-        """generate's results over the caller's event loop (async programs; not streamed)."""
-        if stream:
-            raise NotImplementedError("RuntimeEndpoint streams only through its blocking API")
-        body = _generate_body(prompt, sampling_params, input_ids, return_logprob,
-                              logprob_start_len, top_logprobs_num, rid, return_text_in_logprobs,
-                              session_params)
-        return await self.endpoint.call_async("POST", "/generate", json=body)
+    def stream_outputs(self, request: EngineRequest) -> Iterator[GenerateOutput]:
+        """The server streams cumulative text and ids (SGLang's shape); the chunks here are
+        increments, as the engine's are."""
+        events = self.endpoint.stream("/generate", {**request.to_json(), "stream": True})
+        text, num_ids = "", 0
+        for event in events:
+            ids = event["output_ids"]
+            yield GenerateOutput.from_json(
+                {**event, "text": event["text"][len(text):], "output_ids": ids[num_ids:]})
+            text, num_ids = event["text"], len(ids)
+
+    async def async_generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]:
+        """generate_outputs over the caller's event loop (async programs)."""
+        return _outputs(await self.endpoint.call_async("POST", "/generate",
+                                                       json=request.to_json()))
+
+    async def async_stream_outputs(self, request: EngineRequest
+                                   ) -> AsyncIterator[GenerateOutput]:
+        raise NotImplementedError("RuntimeEndpoint streams only through its blocking API")
 
     # Sessions (the server's /open_session and /close_session; see SessionClient).
-    def open_session(self, wait: bool = True) -> str:
-        """POST /open_session (it always waits: the server names the id)."""
-        sid: str = self.endpoint.call("POST", "/open_session", json={})
+    def open_session(self, session_id: str | None = None, wait: bool = True) -> str:
+        """POST /open_session (it always waits for the server's answer)."""
+        sid: str = self.endpoint.call("POST", "/open_session", json=_open_body(session_id))
         return sid
 
-    async def async_open_session(self) -> str:
-        sid: str = await self.endpoint.call_async("POST", "/open_session", json={})
+    async def async_open_session(self, session_id: str | None = None) -> str:
+        sid: str = await self.endpoint.call_async("POST", "/open_session",
+                                                  json=_open_body(session_id))
         return sid
 
     def close_session(self, session_id: str, wait: bool = True) -> bool:
@@ -280,38 +278,14 @@ class _RemoteEngine:
         self.endpoint.call("POST", "/abort_request", json={"rid": rid})
 
 
-def _generate_body(prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
-                   logprob_start_len: int | None, top_logprobs_num: int | None, rid: Any,
-                   return_text_in_logprobs: bool, session_params: Any) -> dict[str, Any]:
-    """A /generate request body for Engine.generate's arguments."""
-    body: dict[str, Any] = {"text": prompt} if prompt is not None else {"input_ids": input_ids}
-    body["sampling_params"] = _params_json(SamplingParams.coerce(sampling_params))
-    if return_logprob:  # entries carry their token text unless asked not to, as in process
-        body.update(return_logprob=True, return_text_in_logprobs=return_text_in_logprobs)
-        options = {"logprob_start_len": logprob_start_len, "top_logprobs_num": top_logprobs_num}
-        body.update({k: v for k, v in options.items() if v is not None})
-    if rid is not None:
-        body["rid"] = rid
-    if session_params is not None:
-        body["session_params"] = session_params
-    return body
+def _open_body(session_id: str | None) -> dict[str, Any]:
+    return {} if session_id is None else {"session_id": session_id}
 
 
-def _increments(events: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """The server streams cumulative text and ids (SGLang's shape); the engine's chunks are
-    increments."""
-    text, num_ids = "", 0
-    for event in events:
-        ids = event["output_ids"]
-        yield {"text": event["text"][len(text):], "output_ids": ids[num_ids:],
-               "meta_info": event["meta_info"]}
-        text, num_ids = event["text"], len(ids)
-
-
-def _params_json(params: SamplingParams) -> dict[str, Any]:
-    """The fields that differ from the defaults (the server applies the same defaults)."""
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
-            if getattr(params, f.name) != f.default}
+def _outputs(reply: Any) -> list[GenerateOutput]:
+    """A /generate reply (one result, or a list for a batch or n > 1) as GenerateOutputs."""
+    results = reply if isinstance(reply, list) else [reply]
+    return [GenerateOutput.from_json(r, index=i) for i, r in enumerate(results)]
 
 
 def _load_tokenizer(files: dict[str, str]) -> Any:

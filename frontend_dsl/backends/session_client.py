@@ -7,9 +7,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
 from forklm.runtime.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from forklm.runtime.engine.client import SessionEngineClient
+    from forklm.runtime.engine.engine_request import EngineRequest
+    from forklm.runtime.engine.results import GenerateOutput
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -17,12 +25,12 @@ logger = logging.getLogger(__name__)
 class SessionClient:
     """Wraps an engine client that has sessions (Engine in process, or a server's over HTTP:
     `open_session(wait=False)`, `async_open_session`, `close_session(sid, wait=False)` and
-    `session_params` on generate). The session is opened at the first request and closed by `close()`, which
-    does not wait. Pinning is an optimisation, never a failure: an engine that has no sessions
-    (no radix cache), or one that no longer knows the session (it idled out), gets the
-    requests without one."""
+    `EngineRequest.session_id`). The session is opened at the first request and closed by
+    `close()`, which does not wait. Pinning is an optimisation, never a failure: an engine that
+    has no sessions (no radix cache), or one that no longer knows the session (it idled out),
+    gets the requests without one."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: SessionEngineClient):
         self.engine, self.tokenizer = engine, engine.tokenizer
         self._lock = threading.Lock()
         self._sid: str | None = None
@@ -30,25 +38,41 @@ class SessionClient:
         self._opening: asyncio.Future[str | None] | None = None
 
     # -- the EngineClient surface --------------------------------------------------------------
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        sid = self._session()
-        if sid is None:
-            return self.engine.generate(*args, **kwargs)
-        try:
-            return self.engine.generate(*args, session_params={"id": sid}, **kwargs)
-        except InvalidArgumentError as e:
-            self._unless_session_gone(e, sid)
-        return self.engine.generate(*args, **kwargs)
+    def generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]:
+        return self._pinned(self.engine.generate_outputs, request, self._session())
 
-    async def async_generate(self, *args: Any, **kwargs: Any) -> Any:
+    def stream_outputs(self, request: EngineRequest) -> Iterator[GenerateOutput]:
+        return self._pinned(self.engine.stream_outputs, request, self._session())
+
+    async def async_generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]:
         sid = await self._session_async()
+        return await self._apinned(self.engine.async_generate_outputs, request, sid)
+
+    async def async_stream_outputs(self, request: EngineRequest
+                                   ) -> AsyncIterator[GenerateOutput]:
+        sid = await self._session_async()
+        return await self._apinned(self.engine.async_stream_outputs, request, sid)
+
+    def _pinned(self, call: Callable[[EngineRequest], T], request: EngineRequest,
+                sid: str | None) -> T:
+        """call(request) in the session; again without it when the engine no longer knows it."""
         if sid is None:
-            return await self.engine.async_generate(*args, **kwargs)
+            return call(request)
         try:
-            return await self.engine.async_generate(*args, session_params={"id": sid}, **kwargs)
+            return call(request.with_session(sid))
         except InvalidArgumentError as e:
             self._unless_session_gone(e, sid)
-        return await self.engine.async_generate(*args, **kwargs)
+        return call(request)
+
+    async def _apinned(self, call: Callable[[EngineRequest], Awaitable[T]],
+                       request: EngineRequest, sid: str | None) -> T:
+        if sid is None:
+            return await call(request)
+        try:
+            return await call(request.with_session(sid))
+        except InvalidArgumentError as e:
+            self._unless_session_gone(e, sid)
+        return await call(request)
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)

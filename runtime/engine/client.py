@@ -1,24 +1,49 @@
-"""EngineClient: the engine as its clients call it (program backends, the server's program runner).
-`Engine` satisfies it in this process; a wrapper that tracks requests, or one that forwards them to
-a server over HTTP, satisfies it too."""
+"""EngineClient: the engine as forklm's own callers use it (program backends, the server's program
+runner): an EngineRequest in, GenerateOutputs out. `Engine` satisfies it in this process; a
+wrapper that tracks requests, or one that forwards them to a server over HTTP, satisfies it too."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from forklm.runtime.engine.engine_request import EngineRequest
+    from forklm.runtime.engine.results import GenerateOutput
 
 
 class EngineClient(Protocol):
-    """Generation in SGLang's shapes: `generate` returns a result dict (a list of them for a batch
-    or n > 1), or with stream=True an iterator of chunk dicts whose `text` and `output_ids` are
-    increments (each chunk of a call with several results names its `index`); the last chunk of
-    each result carries its finish_reason. `abort(rid)` finishes a request with finish_reason
-    abort (an unknown or finished rid is a no-op). `tokenizer` is the model's (Hugging Face API)."""
+    """`generate_outputs` returns every result of a request (prompt-major: the n samples of
+    prompt 0, then prompt 1's), each `finished`. `stream_outputs` (a single prompt) yields chunks
+    whose `text` and `output_ids` are increments; `index` names a chunk's result and each
+    result's last chunk carries its finish_reason. An aborted request finishes with
+    finish_reason abort. `abort(rid)` of an unknown or finished rid is a no-op. `tokenizer` is
+    the model's (Hugging Face API). The async twins run on the caller's event loop; a client
+    that cannot stream asynchronously raises NotImplementedError there."""
 
     tokenizer: Any
 
-    def generate(self, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
-                 *, return_logprob: bool = False, logprob_start_len: int | None = None,
-                 top_logprobs_num: int | None = None, stream: bool = False,
-                 rid: Any = None) -> Any: ...
+    def generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]: ...
+
+    def stream_outputs(self, request: EngineRequest) -> Iterator[GenerateOutput]: ...
+
+    async def async_generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]: ...
+
+    async def async_stream_outputs(self, request: EngineRequest
+                                   ) -> AsyncIterator[GenerateOutput]: ...
 
     def abort(self, rid: str) -> None: ...
+
+
+class SessionEngineClient(EngineClient, Protocol):
+    """An EngineClient with sessions (SGLang's open_session/close_session): requests that name
+    an open session (EngineRequest.session_id) leave what they end with pinned in the radix
+    cache until it closes. Opening raises InvalidArgumentError when the engine has no radix
+    cache; a request naming a session the engine no longer knows raises InvalidArgumentError
+    naming session_params."""
+
+    def open_session(self, session_id: str | None = None, wait: bool = True) -> str: ...
+
+    async def async_open_session(self, session_id: str | None = None) -> str: ...
+
+    def close_session(self, session_id: str, wait: bool = True) -> bool: ...

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.cpu_threads import release_openmp_threads
 from forklm.runtime.engine.builder import EngineParts, ModelInfo, build_engine_parts
+from forklm.runtime.engine.engine_request import EngineRequest
 from forklm.runtime.engine.loop import EngineLoop
 from forklm.runtime.engine.loop_mailbox import mailbox_for
 from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from forklm.runtime.engine.client import EngineClient
+    from forklm.runtime.engine.client import SessionEngineClient
     from forklm.runtime.engine.intake import RequestGroup
     from forklm.runtime.scheduling.request import Req, ReqOutput
 
@@ -56,12 +57,10 @@ class Engine:
     # -- public API ----------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | list[int] | None = None,
                  sampling_params: Any = None, input_ids: list[int] | list[list[int]] | None = None,
-                 return_logprob: bool = False, logprob_start_len: int | None = None,
-                 top_logprobs_num: int | None = None, stream: bool = False,
-                 rid: str | list[str] | None = None,
-                 return_text_in_logprobs: bool = True, session_params: Any = None) -> Any:
+                 *, stream: bool = False, **options: Any) -> Any:
         """Generate for one prompt (a dict result) or a list, or n > 1 (a list of results, in
-        prompt-major order).
+        prompt-major order). `options` are EngineRequest.from_call's: return_logprob,
+        logprob_start_len, top_logprobs_num, rid, return_text_in_logprobs, session_params.
 
         With stream=True (single prompt), returns an iterator of chunk dicts whose `text` and
         `output_ids` are the increments; the last chunk of each sample carries the finish_reason
@@ -75,36 +74,45 @@ class Engine:
         session_params={"id": sid} (a session from open_session) pins what each request ends
         with for that session.
         """
-        return self.run(self.prepare(
-            prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
-            return_text_in_logprobs=return_text_in_logprobs, session_params=session_params))
+        group = self.prepare(EngineRequest.from_call(prompt, sampling_params, input_ids,
+                                                     **options), stream=stream)
+        if stream:
+            return self._dicts(group, self.run_stream(group))
+        return self._shaped(group, self.run(group))
 
     async def async_generate(self, prompt: Any = None, sampling_params: Any = None,
-                             input_ids: Any = None, return_logprob: bool = False,
-                             logprob_start_len: int | None = None,
-                             top_logprobs_num: int | None = None, stream: bool = False,
-                             rid: Any = None, return_text_in_logprobs: bool = True,
-                             session_params: Any = None) -> Any:
+                             input_ids: Any = None, *, stream: bool = False,
+                             **options: Any) -> Any:
         """Awaitable twin of generate; with stream=True returns an async iterator of chunks."""
-        group = self.prepare(
-            prompt=prompt, sampling_params=sampling_params, input_ids=input_ids,
-            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num, stream=stream, rid=rid,
-            return_text_in_logprobs=return_text_in_logprobs, session_params=session_params)
-        if group.stream:
+        group = self.prepare(EngineRequest.from_call(prompt, sampling_params, input_ids,
+                                                     **options), stream=stream)
+        if stream:
             return self._dicts_async(group, await self.async_stream(group))
-        await self._compile_async(group)
-        futures = [asyncio.wrap_future(f) for f in self._submit_collect(group)]
-        return self._shaped(group, list(await asyncio.gather(*futures)))
+        return self._shaped(group, await self.async_run(group))
 
-    def prepare(self, **call: Any) -> RequestGroup:
-        """The intake alone: generate()'s keywords validated and tokenized into a RequestGroup
-        (raises InvalidArgumentError naming the bad argument). Nothing is submitted yet: `run`
-        or `async_stream` does that, so a caller can count and track the requests first."""
-        group = self.parts.intake.build(**call)
-        session = group.reqs[0].session_id if group.reqs else None
+    # -- typed API (EngineClient): EngineRequest in, GenerateOutputs out ------------------------
+    def generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]:
+        """Every result of `request`, in prompt-major order, when all have finished."""
+        return self.run(self.prepare(request))
+
+    def stream_outputs(self, request: EngineRequest) -> Iterator[GenerateOutput]:
+        """The chunks of a single-prompt request as they are decoded (see run_stream)."""
+        return self.run_stream(self.prepare(request, stream=True))
+
+    async def async_generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]:
+        return await self.async_run(self.prepare(request))
+
+    async def async_stream_outputs(self, request: EngineRequest
+                                   ) -> AsyncIterator[GenerateOutput]:
+        return await self.async_stream(self.prepare(request, stream=True))
+
+    def prepare(self, request: EngineRequest, stream: bool = False) -> RequestGroup:
+        """The intake alone: the request validated and tokenized into a RequestGroup (raises
+        InvalidArgumentError naming the bad argument). Nothing is submitted yet: `run`,
+        `run_stream`, `async_run` or `async_stream` does that, so a caller can count and track
+        the requests first."""
+        group = self.parts.intake.build(request, stream)
+        session = request.session_id
         pins = self.parts.kv.pins
         if session is not None and (pins is None or (
                 session not in pins.sessions and session not in self._opening)):
@@ -112,13 +120,24 @@ class Engine:
                                        "no open session of that id (open_session first)")
         return group
 
-    def run(self, group: RequestGroup) -> Any:
-        """Compile the group's constraints, submit it, and answer as generate() does."""
-        compiling = self.parts.grammar.compile_all(group.reqs)
-        self.parts.grammar.attach(group.reqs, compiling)  # waits here, not in the loop
-        if group.stream:
-            return self._dicts(group, self._stream_sync(group))
-        return self._shaped(group, [f.result() for f in self._submit_collect(group)])
+    def run(self, group: RequestGroup) -> list[GenerateOutput]:
+        """Compile the group's constraints (here, not in the loop), submit it and wait for every
+        result, in order."""
+        self._compile(group)
+        return [f.result() for f in self._submit_collect(group)]
+
+    def run_stream(self, group: RequestGroup) -> Generator[GenerateOutput, None, None]:
+        """Compile, submit, and yield the group's chunks as GenerateOutputs (text and output_ids
+        are increments; `index` names each chunk's result). Closing it early aborts the requests
+        still running."""
+        self._compile(group)
+        return self._stream_sync(group)
+
+    async def async_run(self, group: RequestGroup) -> list[GenerateOutput]:
+        """run on the caller's event loop (no thread waits)."""
+        await self._compile_async(group)
+        futures = [asyncio.wrap_future(f) for f in self._submit_collect(group)]
+        return list(await asyncio.gather(*futures))
 
     async def async_stream(self, group: RequestGroup) -> AsyncGenerator[GenerateOutput, None]:
         """Compile the group's constraints, submit it, and return the async iterator of its
@@ -207,6 +226,10 @@ class Engine:
         self.shutdown()
 
     # -- submission ----------------------------------------------------------------------------
+    def _compile(self, group: RequestGroup) -> None:
+        compiling = self.parts.grammar.compile_all(group.reqs)
+        self.parts.grammar.attach(group.reqs, compiling)  # waits here, not in the loop
+
     async def _compile_async(self, group: RequestGroup) -> None:
         compiling = self.parts.grammar.compile_all(group.reqs)
         if compiling:  # attach() raises a compile error; gathering here marks it retrieved.
@@ -305,5 +328,5 @@ def _chunk(out: ReqOutput) -> GenerateOutput:
 
 
 if TYPE_CHECKING:  # Engine fulfils the client contract (checked by mypy)
-    def _as_client(engine: Engine) -> EngineClient:
+    def _as_client(engine: Engine) -> SessionEngineClient:
         return engine

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
+from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
 from forklm.runtime.scheduling.request import Req
@@ -60,7 +61,7 @@ _SEED_MODULUS = 2**64
 
 
 @dataclass(frozen=True)
-class _LogprobOptions:
+class _CheckedLogprobs:
     enabled: bool  # the other two are checked either way, and used only when enabled
     start_len: int  # -1: output logprobs only
     top_num: int
@@ -78,29 +79,27 @@ class RequestIntake:
         self.kv_capacity, self.eos_token_ids = kv_capacity, eos_token_ids
         self._random_seed, self._seed_counter = random_seed, itertools.count()
 
-    def build(self, *, prompt: Any = None, input_ids: Any = None, sampling_params: Any = None,
-              return_logprob: bool = False, logprob_start_len: int | None = None,
-              top_logprobs_num: int | None = None, return_text_in_logprobs: bool = True,
-              rid: Any = None, stream: bool = False, session_params: Any = None) -> RequestGroup:
-        """Raises InvalidArgumentError naming the bad argument; no Req exists then."""
-        given, single = _prompt_list(prompt, input_ids)
+    def build(self, request: EngineRequest, stream: bool = False) -> RequestGroup:
+        """Raises InvalidArgumentError naming the bad argument; no Req exists then. `stream`:
+        the call's chunks are delivered as they come (a single prompt only)."""
+        given, single = _prompt_list(request.prompt, request.input_ids)
         if stream and len(given) != 1:
             raise InvalidArgumentError("stream", stream, "streaming takes a single prompt")
-        name = "prompt" if prompt is not None else "input_ids"
+        name = "prompt" if request.prompt is not None else "input_ids"
         prompts = [self._token_ids(p, name) for p in given]
-        params_list = _params_list(sampling_params, len(prompts))
-        rids = self._result_rids(rid, params_list)
-        logprobs = _logprob_options(return_logprob, logprob_start_len, top_logprobs_num)
-        session_id = session_of(session_params)
+        params_list = _params_list(request.sampling_params, len(prompts))
+        rids = self._result_rids(request.rid, params_list)
+        logprobs = _logprob_options(request.logprobs)
         for ids, params in zip(prompts, params_list):
             self._check_prompt(ids, params, logprobs)
         reqs: list[Req] = []
         for ids, params in zip(prompts, params_list):
             for k in range(params.n):
                 reqs.append(self._req(ids, params, rids[len(reqs)], k, len(reqs), logprobs))
-                reqs[-1].session_id = session_id
+                reqs[-1].session_id = request.session_id
         return RequestGroup(reqs, single and params_list[0].n == 1, given,
-                            [p.n for p in params_list], stream, bool(return_text_in_logprobs))
+                            [p.n for p in params_list], stream,
+                            bool(request.logprobs.return_text_in_logprobs))
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
@@ -116,7 +115,7 @@ class RequestIntake:
                 for base, p in zip(bases, params_list) for k in range(p.n)]
 
     def _req(self, ids: list[int], params: SamplingParams, rid: str, sample: int, index: int,
-             logprobs: _LogprobOptions) -> Req:
+             logprobs: _CheckedLogprobs) -> Req:
         """Sample `sample` of a prompt; a seeded request's sample k draws from seed + k."""
         return Req(
             rid=rid, index=index, origin_input_ids=list(ids), sampling_params=params,
@@ -151,7 +150,7 @@ class RequestIntake:
         return ids
 
     def _check_prompt(self, ids: list[int], params: SamplingParams,
-                      logprobs: _LogprobOptions) -> None:
+                      logprobs: _CheckedLogprobs) -> None:
         if len(ids) >= self.context_len:
             raise InvalidArgumentError("prompt", f"<{len(ids)} tokens>",
                                        f"longer than the model's context_length {self.context_len} "
@@ -169,25 +168,6 @@ class RequestIntake:
         if logprobs.start_len >= len(ids):
             raise InvalidArgumentError("logprob_start_len", logprobs.start_len,
                                        f"must be < the prompt length ({len(ids)} tokens)")
-
-
-def session_of(session_params: Any) -> str | None:
-    """The session id of SGLang's session_params ({"id": ...}). forklm's sessions pin prefixes
-    and every request sends its whole prompt, so SGLang's continuation fields (rid, offset,
-    replace, drop_previous_output) are refused rather than ignored."""
-    if session_params is None:
-        return None
-    if not isinstance(session_params, dict):
-        raise InvalidArgumentError("session_params", session_params, 'expected {"id": ...}')
-    sid = session_params.get("id")
-    if not isinstance(sid, str) or not sid:
-        raise InvalidArgumentError("session_params.id", sid, "expected an open session's id")
-    for key, value in session_params.items():
-        if key != "id" and value not in (None, False):
-            raise InvalidArgumentError(
-                f"session_params.{key}", value, "not supported: a session here pins the prefix "
-                "its requests end with; send the whole prompt and the radix cache reuses it")
-    return sid
 
 
 def _unset_sink(out: Any) -> None:
@@ -222,13 +202,14 @@ def _is_list_of(x: Any, ok: Callable[[Any], bool]) -> bool:
     return isinstance(x, Sequence) and not isinstance(x, str) and bool(x) and all(map(ok, x))
 
 
-def _params_list(sampling_params: Any, num: int) -> list[SamplingParams]:
-    if isinstance(sampling_params, list):
-        if len(sampling_params) != num:
-            raise InvalidArgumentError("sampling_params", f"<list of {len(sampling_params)}>",
-                                       f"need one per prompt ({num})")
-        return [SamplingParams.coerce(p) for p in sampling_params]
-    return [SamplingParams.coerce(sampling_params)] * num
+def _params_list(sampling_params: SamplingParams | tuple[SamplingParams, ...],
+                 num: int) -> list[SamplingParams]:
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num
+    if len(sampling_params) != num:
+        raise InvalidArgumentError("sampling_params", f"<list of {len(sampling_params)}>",
+                                   f"need one per prompt ({num})")
+    return list(sampling_params)
 
 
 def _rid_list(rid: Any, num: int) -> list[str | None]:
@@ -240,10 +221,11 @@ def _rid_list(rid: Any, num: int) -> list[str | None]:
     return rids
 
 
-def _logprob_options(enabled: bool, start_len: int | None, top_num: int | None) -> _LogprobOptions:
-    top = _check_int("top_logprobs_num", top_num or 0, 0, MAX_TOP_LOGPROBS_NUM)
+def _logprob_options(options: LogprobOptions) -> _CheckedLogprobs:
+    top = _check_int("top_logprobs_num", options.top_logprobs_num or 0, 0, MAX_TOP_LOGPROBS_NUM)
+    start_len = options.logprob_start_len
     start = -1 if start_len is None else _check_int("logprob_start_len", start_len, -1)
-    return _LogprobOptions(bool(enabled), start, top)
+    return _CheckedLogprobs(bool(options.return_logprob), start, top)
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:

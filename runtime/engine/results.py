@@ -31,6 +31,18 @@ class TokenLogprobs:
                    list(req.input_top_logprobs) if tops else None,
                    list(req.output_top_logprobs) if tops else None)
 
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> TokenLogprobs | None:
+        """to_meta's inverse (a server's meta_info read back; entries' text is dropped, the
+        same tokenizer decodes it again); None when meta has no logprobs."""
+        if "output_token_logprobs" not in meta:
+            return None
+        tops = meta.get("input_top_logprobs"), meta.get("output_top_logprobs")
+        return cls(_pairs(meta.get("input_token_logprobs") or []),
+                   _pairs(meta["output_token_logprobs"]),
+                   None if tops[0] is None else [_pairs(t) for t in tops[0]],
+                   None if tops[1] is None else [_pairs(t) for t in tops[1]])
+
     def to_meta(self, tokenizer: Any = None) -> dict[str, Any]:
         """SGLang's meta_info keys: [logprob, token_id, text] entries; text is decoded only with
         a tokenizer, else None."""
@@ -69,13 +81,39 @@ class GenerateOutput:
             cached_tokens=req.cached_tokens,
             logprobs=TokenLogprobs.of(req) if final and req.return_logprob else None)
 
+    @classmethod
+    def from_json(cls, result: dict[str, Any], index: int = 0) -> GenerateOutput:
+        """to_dict's inverse: a /generate result (or a chunk) read back from a server."""
+        from forklm.runtime.scheduling.request import FinishReason  # (torch) only when used
+
+        meta = result["meta_info"]
+        reason = meta.get("finish_reason")
+        return cls(
+            rid=meta["id"], index=result.get("index", index), text=result["text"],
+            output_ids=list(result["output_ids"]),
+            finish_reason=None if reason is None else FinishReason.from_dict(reason),
+            prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
+            cached_tokens=meta["cached_tokens"], logprobs=TokenLogprobs.from_meta(meta))
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason is not None and self.finish_reason.type == "abort"
+
     def to_dict(self, tokenizer: Any = None, with_index: bool = False) -> dict[str, Any]:
         """SGLang's result (or chunk) dict; logprob entries carry token text only when a
         tokenizer is given; `index` is included when asked (chunks of a call with several)."""
+        out: dict[str, Any] = {"text": self.text, "output_ids": self.output_ids,
+                               "meta_info": self.meta_info(tokenizer)}
+        if with_index:
+            out["index"] = self.index
+        return out
+
+    def meta_info(self, tokenizer: Any = None) -> dict[str, Any]:
+        """SGLang's meta_info of this result (see to_dict)."""
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": self.finish_reason.to_dict() if self.finish_reason else None,
@@ -85,10 +123,7 @@ class GenerateOutput:
         }
         if self.logprobs is not None:
             meta.update(self.logprobs.to_meta(tokenizer))
-        out: dict[str, Any] = {"text": self.text, "output_ids": self.output_ids, "meta_info": meta}
-        if with_index:
-            out["index"] = self.index
-        return out
+        return meta
 
 
 def join_chunks(chunks: Sequence[GenerateOutput]) -> GenerateOutput:
@@ -107,3 +142,7 @@ def token_entries(pairs: Sequence[Pair], tokenizer: Any = None) -> list[list[Any
     if tokenizer is None:
         return [[lp, tid, None] for lp, tid in pairs]
     return [[lp, tid, tokenizer.decode([tid])] for lp, tid in pairs]
+
+
+def _pairs(entries: Sequence[Sequence[Any]]) -> list[Pair]:
+    return [(entry[0], int(entry[1])) for entry in entries]

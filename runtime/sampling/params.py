@@ -64,6 +64,9 @@ _FLOAT_RULES = {
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                 "no_stop_trim")
 _ALIASES = {"sampling_seed": "seed"}
+# The fields whose OpenAI API name differs (the server's OpenAI endpoints and the DSL's OpenAI
+# backend map every other field by its own name).
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 CONSTRAINT_KINDS = ("regex", "json_schema", "ebnf", "choices", "structural_tag")
 
 

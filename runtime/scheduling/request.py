@@ -35,6 +35,11 @@ class FinishReason:
             return {"type": "abort", "message": self.message}
         return {"type": "stop", "matched": self.matched}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FinishReason:
+        """to_dict's inverse (a server's JSON read back)."""
+        return cls(d["type"], d.get("matched"), d.get("length"), d.get("message"))
+
 
 @dataclass
 class ReqOutput:
