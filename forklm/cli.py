@@ -49,15 +49,17 @@ def _base_type(hint: Any) -> type:
 
 def _generate(args: argparse.Namespace) -> int:
     from forklm.runtime.engine.engine import Engine
+    from forklm.runtime.engine.engine_request import EngineRequest
+    from forklm.runtime.sampling.params import SamplingParams
 
     with Engine(**engine_kwargs(args)) as engine:
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-        params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
-        for chunk in engine.generate(prompt, params, stream=True):
-            sys.stdout.write(chunk["text"])
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        for chunk in engine.stream_outputs(EngineRequest(prompt, sampling_params=params)):
+            sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
     return 0
