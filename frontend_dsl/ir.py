@@ -57,6 +57,9 @@ class Node(Expr):
     """Base of the nodes; `id` is the node's position in a pre-order walk (see Graph)."""
 
     op: ClassVar[str] = ""
+    # A program appends it (`s += node`); the others are structure: arguments and reads the
+    # interpreter resolves, blocks it walks, forks and joins a state's fork() and join() queue.
+    appendable: ClassVar[bool] = True
     id: int = field(default=-1, kw_only=True)
 
 
@@ -71,6 +74,7 @@ class Arg(Node):
     """Append the program argument `name` (as str)."""
 
     op: ClassVar[str] = "arg"
+    appendable: ClassVar[bool] = False
     name: str
 
 
@@ -138,6 +142,7 @@ class Read(Node):
     None = this state, [] = the root state, [fork_id, branch] = a branch of that fork."""
 
     op: ClassVar[str] = "read"
+    appendable: ClassVar[bool] = False
     name: str
     state: list[int] | None = None
 
@@ -158,6 +163,7 @@ class Fork(Node):
     """`s.fork(size)`: branch i runs `branches[i]` on its own copy of the state."""
 
     op: ClassVar[str] = "fork"
+    appendable: ClassVar[bool] = False
     size: int
     branches: list[list[Node]]
 
@@ -165,6 +171,7 @@ class Fork(Node):
 @dataclass
 class Join(Node):
     op: ClassVar[str] = "join"
+    appendable: ClassVar[bool] = False
     fork: int
     mode: str = "gather_variable"
 
@@ -174,6 +181,7 @@ class If(Node):
     """Run `then` when variable `var` (read when reached) equals `equals`, else `orelse`."""
 
     op: ClassVar[str] = "if"
+    appendable: ClassVar[bool] = False
     var: str
     equals: str
     then: list[Node] = field(default_factory=list)
@@ -185,6 +193,7 @@ class Repeat(Node):
     """Run `body` up to `count` times; a Break inside it (not inside a fork) ends the loop."""
 
     op: ClassVar[str] = "repeat"
+    appendable: ClassVar[bool] = False
     count: int
     body: list[Node] = field(default_factory=list)
 
@@ -192,6 +201,7 @@ class Repeat(Node):
 @dataclass
 class Break(Node):
     op: ClassVar[str] = "break"
+    appendable: ClassVar[bool] = False
 
 
 NODE_TYPES: dict[str, type[Node]] = {t.op: t for t in (
