@@ -125,7 +125,7 @@ class Executor:
         """Count a queued node's outputs in (+1) or out (-1); a join's are counted as opaque."""
         if isinstance(node, ir.Join):
             self._opaque += step
-        for name in ir.produced_names(node) if isinstance(node, ir.Node) else []:
+        for name in node.produced_names() if isinstance(node, ir.Node) else []:
             self._pending[name] += step
 
     def _start_worker(self) -> None:

@@ -30,8 +30,9 @@ from typing import Any
 from lark import Lark, Token, Tree, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from forklm.frontend_dsl import api, ir
+from forklm.frontend_dsl.ir import MAX_VALUE_DEPTH
 from forklm.frontend_dsl.ir_codec import check_references
-from forklm.frontend_dsl.limits import MAX_INT_DIGITS, MAX_VALUE_DEPTH, BuildBudget
+from forklm.frontend_dsl.limits import MAX_INT_DIGITS, BuildBudget
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
 

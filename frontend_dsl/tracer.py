@@ -169,7 +169,7 @@ class TracerState(ChatBlocks):
             node_to_dict(node)
         except InvalidArgumentError as e:  # e.g. a custom choices_method, which JSON cannot name
             raise TraceError(str(e)) from e
-        for name in ir.produced_names(node):
+        for name in node.produced_names():
             self._known.pop(name, None)
             self._produced.add(name)
         return copy.deepcopy(node)
