@@ -195,3 +195,8 @@ def assistant_begin() -> RoleBegin:
 
 def assistant_end() -> RoleEnd:
     return RoleEnd("assistant")
+
+
+# The calls a textual program writes as `KEYWORD NAME key=value...` (program.lark's CALL),
+# built with these functions: the same names, defaults and validation as in Python.
+TEXT_CALLS: dict[str, Callable[..., Any]] = {"gen": gen, "select": select}

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Coroutine, Generator, Iter
 from typing import Any
 
 from forklm.frontend_dsl.async_executor import AsyncExecutor
+from forklm.frontend_dsl.executor import Executor
 from forklm.frontend_dsl.state import Appending, BranchGroup, PieceFilter, check_fork
 
 
@@ -100,9 +101,9 @@ class AsyncProgramState(Appending):
         """`size` branches that start from this state once what was appended before the fork
         has run; nothing is awaited here."""
         check_fork(size, position_ids_offset)
-        branches = self._ex.fork(size)
+        fork_id, branches = self._ex.fork(size)
         return AsyncProgramStateGroup(
-            [AsyncProgramState(b) for b in branches if isinstance(b, AsyncExecutor)], self)
+            [AsyncProgramState(b) for b in branches if isinstance(b, AsyncExecutor)], self, fork_id)
 
     def __repr__(self) -> str:
         return f"AsyncProgramState({self._ex.text!r}, running={self._ex._running})"
@@ -111,13 +112,13 @@ class AsyncProgramState(Appending):
 class AsyncProgramStateGroup(BranchGroup[AsyncProgramState]):
     """What `s.fork(n)` returns in an async program."""
 
-    def __init__(self, states: list[AsyncProgramState], parent: AsyncProgramState):
-        self.states, self.parent = states, parent
+    def __init__(self, states: list[AsyncProgramState], parent: AsyncProgramState, fork_id: int):
+        self.states, self.parent, self.fork_id = states, parent, fork_id
 
     def join(self, mode: str = "gather_variable") -> Pending:
         """Queue the merge (as ProgramStateGroup.join) on the parent; awaiting the result waits
         until it is done and raises a branch's error. Not awaiting it is fine: the parent's
         next awaited read waits for it."""
         self._check_mode(mode)
-        return Pending(self.parent._ex.join_later([s._ex for s in self.states], mode),
-                       "forks.join()")
+        branches: list[Executor] = [s._ex for s in self.states]
+        return Pending(self.parent._ex.join_async(self.fork_id, branches, mode), "forks.join()")

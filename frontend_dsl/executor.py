@@ -1,13 +1,19 @@
-"""The executor behind a ProgramState: a queue of appended nodes run in order by a worker thread,
-so the Python program runs ahead and blocks only when it reads a variable that is not ready."""
+"""The executor behind a program state: appended nodes are queued and run in order by a worker, so
+the program runs ahead and waits only when it reads a variable that is not ready.
+
+Each node kind's execution is written once, as a coroutine in `_HANDLERS`. A plain program's
+worker is a thread that drives them with `drive` (their awaits are blocking calls and never
+suspend); an async program's worker is a task on its event loop (AsyncExecutor overrides the few
+awaits: the backend calls, the wait for a join's branches, a branch's start)."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from forklm.frontend_dsl import choices, ir
 from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
@@ -16,21 +22,30 @@ from forklm.frontend_dsl.expr import cannot_append, flatten
 from forklm.frontend_dsl.reasoning import ReasoningSplit
 from forklm.frontend_dsl.streaming import EventLog, TextEvent, VariableEvent
 
+T = TypeVar("T")
 
-@dataclass(frozen=True)
-class JoinNode:
-    """Merge the results of forked children into the parent (built by ProgramStateGroup.join)."""
 
-    variables: dict[str, list[Any]] = field(default_factory=dict)
-    meta_info: dict[str, list[Any]] = field(default_factory=dict)
-    text: str = ""
+def drive(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine whose awaits never suspend (a plain program's handlers, whose backend calls
+    block the worker thread) to its end, without an event loop."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise AssertionError("a plain program's worker awaited something that suspends")
+
+
+def appendable(node: Any) -> bool:
+    """Whether a program state runs `node` when it is appended (`s += node`)."""
+    return isinstance(node, str) or (isinstance(node, ir.Node) and node.appendable)
 
 
 class Executor:
-    """Owns one program state's text, messages and variables. Only the worker thread mutates
-    them while nodes are queued; readers wait on `_cond` until the variable's producers are done."""
+    """Owns one program state's text, messages and variables. Only the worker mutates them while
+    nodes are queued; readers wait on `_cond` until the variable's producers are done. A fork or
+    join is queued as its IR node, with the branch executors it starts or merges beside it."""
 
-    INTERNAL_NODES: tuple[type, ...] = (JoinNode,)  # queued as they are, not user expressions
     error: BaseException | None  # what stopped the program, raised at its next read
 
     def __init__(self, backend: Backend, defaults: RunDefaults):
@@ -49,44 +64,82 @@ class Executor:
         self._scopes: dict[str, int] = {}
         self._queue: deque[Any] = deque()
         self._pending: Counter[Any] = Counter()
+        self._opaque = 0  # queued joins: what they set is known only when they run
+        self._branches: dict[int, list[Executor]] = {}  # id(queued fork or join) -> branches
+        self._fork_ids = itertools.count()
+        self._num_queued = self._num_done = 0  # nodes queued / run without error, ever
         self._cond = threading.Condition()
         self._running = False
         self._body_thread: int | None = None  # a body running in the background (stream=True)
         self._on_done: list[Callable[[], None]] = []  # see when_done
         self.events = EventLog(self._cond, self.done)
 
-    # -- user thread ---------------------------------------------------------------------------
+    # -- the program's side --------------------------------------------------------------------
     def submit(self, expr: Any) -> None:
         """Queue `expr`'s nodes; raises ValueError (queueing nothing) for one it cannot run."""
-        nodes = [expr] if isinstance(expr, self.INTERNAL_NODES) else flatten(expr)
+        nodes = flatten(expr)
         for node in nodes:
-            if not isinstance(node, self.INTERNAL_NODES) and not runs(node):
+            if not appendable(node):
                 raise cannot_append(node)
+        self._enqueue(nodes)
+
+    def fork(self, size: int) -> tuple[int, list[Executor]]:
+        """(fork id, branches): copies of this state as it is once the queue reaches the fork. A
+        plain program waits for that here (raising the program's error), so its branches are
+        ready when returned."""
+        fork_id, branches = self._queue_fork(size)
+        self.drain()
+        self._raise_error()
+        return fork_id, branches
+
+    def _queue_fork(self, size: int) -> tuple[int, list[Executor]]:
+        fork = ir.Fork(size, [], id=next(self._fork_ids))
+        branches = [self._new_branch() for _ in range(size)]
+        self._enqueue([fork], branches)
+        return fork.id, branches
+
+    def join(self, fork_id: int, branches: list[Executor], mode: str) -> None:
+        """Queue the merge of `branches`: each variable they set becomes a list on this state."""
+        self._enqueue([ir.Join(fork_id, mode)], branches)
+
+    def _new_branch(self) -> Executor:
+        return Executor(self.backend, self.defaults)
+
+    def _enqueue(self, nodes: list[Any], branches: list[Executor] | None = None) -> None:
         with self._cond:
-            if self.error is not None:
-                return  # the program already failed; the error is raised at the next read
+            if self.error is not None:  # the program already failed: raised at the next read
+                if branches is not None:
+                    self._abandon(branches)
+                return
             for node in nodes:
                 self._queue.append(node)
-                self._enqueue_hook(node)
-                for name in self._names(node):
-                    self._pending[name] += 1
+                self._num_queued += 1
+                if branches is not None:
+                    self._branches[id(node)] = branches
+                self._count_pending(node, +1)
             if not self._running:
                 self._running = True
                 self._start_worker()
 
-    def _enqueue_hook(self, node: Any) -> None:
-        """What a subclass counts as a node is queued (called with `_cond` held)."""
+    def _count_pending(self, node: Any, step: int) -> None:
+        """Count a queued node's outputs in (+1) or out (-1); a join's are counted as opaque."""
+        if isinstance(node, ir.Join):
+            self._opaque += step
+        for name in node.produced_names() if isinstance(node, ir.Node) else []:
+            self._pending[name] += step
 
     def _start_worker(self) -> None:
         """Start running the queue (called with `_cond` held, once per idle-to-busy change)."""
-        threading.Thread(target=self._work, name="forklm-program", daemon=True).start()
+        threading.Thread(target=lambda: drive(self._work()), name="forklm-program",
+                         daemon=True).start()
 
     def get(self, name: Any, table: str = "variables") -> Any:
         """Block until every queued producer of `name` has run; raise the program's error if any."""
         values = getattr(self, table)
         with self._cond:
-            self._cond.wait_for(lambda: self.error is not None or (not self._pending[name] and (
-                name in values or not self._body_pending())))
+            self._cond.wait_for(lambda: self.error is not None or (
+                not self._pending[name] and not self._opaque
+                and (name in values or not self._body_pending())))
             self._raise_error()
             if name not in values:
                 raise KeyError(f"no variable {name!r}; the state has {sorted(map(str, values))}")
@@ -101,6 +154,11 @@ class Executor:
         """Block until the queued nodes have run (callable from the program body)."""
         with self._cond:
             self._cond.wait_for(lambda: not self._running)
+
+    def sync(self) -> None:
+        self.wait()
+        with self._cond:
+            self._raise_error()
 
     def when_done(self, fn: Callable[[], None]) -> None:
         """Call fn once nothing is queued or running and no background body can append more:
@@ -151,19 +209,6 @@ class Executor:
             {"role": "system", "content": self.implied_system}]
         return [*implied, *(dict(m) for m in self.messages)]
 
-    def sync(self) -> None:
-        self.wait()
-        with self._cond:
-            self._raise_error()
-
-    def fork(self, size: int) -> list[Executor]:
-        self.drain()
-        self._raise_error()
-        children = [Executor(self.backend, self.defaults) for _ in range(size)]
-        for child in children:
-            self.copy_into(child)
-        return children
-
     def copy_into(self, child: Executor) -> None:
         """Make a fresh `child` a fork branch of this state as it is now."""
         child.text, child.fork_start = self.text, len(self.text)
@@ -195,46 +240,82 @@ class Executor:
         if self.error is not None:
             raise self.error
 
-    @staticmethod
-    def _names(node: Any) -> list[Any]:
-        if isinstance(node, JoinNode):
-            return [*node.variables]
-        if not isinstance(node, ir.Node):
-            return []  # text, or a subclass's internal node
-        return ir.produced_names(node)
-
-    # -- worker thread -------------------------------------------------------------------------
-    def _drop_queue(self) -> None:
-        """The queue is done or the program failed: forget what is left (hold `_cond`)."""
-        self._queue.clear()
-        self._pending.clear()
-        self._running = False
-
-    def _work(self) -> None:
-        while True:
-            with self._cond:
-                if not self._queue or self.error is not None:
-                    self._drop_queue()
-                    self.events.notify()
-                    due = self._take_on_done()
-                    break
-                node = self._queue.popleft()
+    # -- the worker (a thread here, a task in AsyncExecutor) -----------------------------------
+    async def _work(self) -> None:
+        try:
+            await self._released()
+        except BaseException as e:  # the parent failed before the fork: the branch fails too
+            self.error = self.error or e
+        while (node := self._next()) is not None:
             try:
-                self._execute(node)
-            except BaseException as e:  # handed to the user's thread at the next read
-                with self._cond:
-                    self.error = e
+                await self._execute(node)
+            except BaseException as e:  # raised to the program at its next read
+                self._fail(node, e)
+                if isinstance(e, asyncio.CancelledError):
+                    with self._cond:
+                        self._drop_queue()
+                    self._stop()
+                    raise
             with self._cond:
-                for name in self._names(node):
-                    self._pending[name] -= 1
+                self._count_pending(node, -1)
                 self.events.notify()
+            self._notify()
+        self._stop()
+
+    async def _released(self) -> None:
+        """Until this state may run its queue: a plain program's branch may at once (its fork
+        waited for the parent before returning it)."""
+
+    def _next(self) -> Any:
+        """The next queued node, or None when the queue is empty or the program failed; then the
+        worker is no longer running (in the same locked step: a later append starts another)."""
+        with self._cond:
+            if self._queue and self.error is None:
+                return self._queue.popleft()
+            self._drop_queue()
+            return None
+
+    def _stop(self) -> None:
+        """The worker is done: wake every reader and call the when_done callbacks that are due."""
+        with self._cond:
+            self.events.notify()
+            due = self._take_on_done()
+        self._notify()
         for fn in due:
             fn()
 
-    def _execute(self, node: Any) -> None:
-        handler = _handler(node)
+    def _fail(self, node: Any, error: BaseException) -> None:
+        with self._cond:
+            self.error = self.error or error
+            self._abandon(self._branches.pop(id(node), []))
+
+    def _drop_queue(self) -> None:
+        """The queue is done or the program failed: forget what is left (hold `_cond`); forks
+        that never ran fail their branches with the program's error."""
+        for node in self._queue:
+            self._abandon(self._branches.pop(id(node), []))
+        self._queue.clear()
+        self._pending.clear()
+        self._opaque = 0
+        self._running = False
+
+    def _abandon(self, branches: list[Executor]) -> None:
+        """Branches whose fork will never run (the program failed first)."""
+        for branch in branches:
+            branch._never_released(self.error)
+
+    def _never_released(self, error: BaseException | None) -> None:
+        """This branch's fork will never run (a plain program's fork raised instead)."""
+
+    def _notify(self) -> None:
+        """Wake what waits for a change beyond `_cond`'s waiters (an event loop's readers)."""
+
+    async def _execute(self, node: Any) -> None:
+        handler = next((_HANDLERS[t] for t in type(node).__mro__ if t in _HANDLERS), None)
         assert handler is not None, f"submit() queued a node it cannot run: {node!r}"
-        handler(self, node)
+        await handler(self, node)
+        with self._cond:
+            self._num_done += 1
 
     def _append(self, text: str, owner: Any = None) -> None:
         """Append to the text and log the piece for streaming; it belongs to every open var_scope
@@ -253,17 +334,92 @@ class Executor:
             self.produced.append(name)
             self.events.append(VariableEvent(name, value))
 
+    # -- what the worker awaits: blocking here, awaited on the loop in AsyncExecutor -----------
+    async def _generate(self, call: GenCall) -> GenResult:
+        """The gen's backend call, its output appended as it streams (call.on_text)."""
+        return self.backend.generate_turn(self.text, self._turn(), call.params, call.options,
+                                          on_text=call.on_text)
+
+    async def _select(self, node: ir.Select) -> choices.ChoicesDecision:
+        return self.backend.select(self.text, node.choices, choices.resolve(node.choices_method))
+
+    async def _finished(self, branch: Executor) -> None:
+        """Until `branch` is done; its error is raised here (it stops this state too)."""
+        branch.sync()
+
     # -- the node handlers (one per node type, see _HANDLERS) ----------------------------------
-    def _run_text(self, node: ir.Text) -> None:
+    async def _run_str(self, text: str) -> None:
+        self._append(text)
+
+    async def _run_text(self, node: ir.Text) -> None:
         self._append(node.text)
 
-    def _run_gen(self, gen: ir.Gen) -> None:
+    async def _run_gen(self, gen: ir.Gen) -> None:
         """Call the backend, appending its output as it streams; a backend that does not stream
         (or streams only part) has the rest appended when it returns. A reasoning gen appends
         only the content (its reasoning is held back as it streams)."""
         call = GenCall(self, gen)
-        call.finish(self.backend.generate_turn(self.text, self._turn(), call.params, call.options,
-                                               on_text=call.on_text))
+        call.finish(await self._generate(call))
+
+    async def _run_select(self, node: ir.Select) -> None:
+        decision = await self._select(node)
+        self._append(decision.decision, node.name)
+        self._set(node.name, decision.decision, decision.meta_info)
+
+    async def _begin_role(self, node: ir.RoleBegin) -> None:
+        if self._role is not None:
+            raise ValueError(f"Nested roles are not allowed: {node.role} inside {self._role[0]}")
+        prefix, suffix = self.backend.role_prefix_suffix(node.role, self.messages)
+        if not self.messages and node.role != "system" and self.implied_system is None:
+            default = self.backend.default_system_prompt()
+            if default and default in prefix:  # the template put it in the text: list it too
+                self.implied_system = default
+        self._append(prefix)
+        self._role = (node.role, len(self.text), suffix)
+
+    async def _end_role(self, node: ir.RoleEnd) -> None:
+        if self._role is None or self._role[0] != node.role:
+            raise ValueError(f"{node.role}_end without a matching {node.role}_begin")
+        _, start, suffix = self._role
+        self.messages.append({"role": node.role, "content": self.text[start:].lstrip()})
+        self._append(suffix)
+        self._role = None
+
+    async def _begin_scope(self, node: ir.ScopeBegin) -> None:
+        self._scopes[node.name] = len(self.text)
+
+    async def _end_scope(self, node: ir.ScopeEnd) -> None:
+        self._set(node.name, self.text[self._scopes.pop(node.name):], None)
+
+    async def _run_set(self, node: ir.SetVar) -> None:
+        assert node.source == "literal", f"a program state sets values, not references: {node}"
+        self._set(node.name, node.value, None)
+
+    async def _run_fork(self, node: ir.Fork) -> None:
+        """The branches start as copies of this state as it is now."""
+        for branch in self._branches.pop(id(node)):
+            self.copy_into(branch)
+            branch._release()
+
+    def _release(self) -> None:
+        """This branch's fork has run: its queue may start (see `_released`)."""
+
+    async def _run_join(self, node: ir.Join) -> None:
+        """Once every branch is done, each variable a branch set becomes a list (branch order);
+        concate_and_append also appends each branch's new text."""
+        branches = self._branches.pop(id(node))
+        for branch in branches:
+            await self._finished(branch)
+        names = list(dict.fromkeys(n for b in branches for n in b.produced if n is not None))
+        if node.mode == "concate_and_append":
+            self._append("".join(b.text[b.fork_start:] for b in branches))
+        for name in names:
+            self._set(name, [b.variables.get(name) for b in branches],
+                      [b.meta_info.get(name) for b in branches])
+
+    def _turn(self) -> ChatTurn:
+        role, start = (self._role[0], self._role[1]) if self._role else (None, len(self.text))
+        return ChatTurn(self.chat_messages(), role, self.text[start:])
 
     def _store_gen(self, gen: ir.Gen, result: GenResult, split: ReasoningSplit | None) -> None:
         """Set the gen's variable (with n > 1, a list of the samples') and its reasoning's."""
@@ -278,52 +434,6 @@ class Executor:
         if reasonings is not None:
             self._set(ir.reasoning_name(gen.name or ""), reasonings[0] if one else reasonings,
                       None)
-
-    def _turn(self) -> ChatTurn:
-        role, start = (self._role[0], self._role[1]) if self._role else (None, len(self.text))
-        return ChatTurn(self.chat_messages(), role, self.text[start:])
-
-    def _begin_role(self, node: ir.RoleBegin) -> None:
-        if self._role is not None:
-            raise ValueError(f"Nested roles are not allowed: {node.role} inside {self._role[0]}")
-        prefix, suffix = self.backend.role_prefix_suffix(node.role, self.messages)
-        if not self.messages and node.role != "system" and self.implied_system is None:
-            default = self.backend.default_system_prompt()
-            if default and default in prefix:  # the template put it in the text: list it too
-                self.implied_system = default
-        self._append(prefix)
-        self._role = (node.role, len(self.text), suffix)
-
-    def _end_role(self, node: ir.RoleEnd) -> None:
-        if self._role is None or self._role[0] != node.role:
-            raise ValueError(f"{node.role}_end without a matching {node.role}_begin")
-        _, start, suffix = self._role
-        self.messages.append({"role": node.role, "content": self.text[start:].lstrip()})
-        self._append(suffix)
-        self._role = None
-
-    def _run_select(self, node: ir.Select) -> None:
-        self._store_select(node, self.backend.select(
-            self.text, node.choices, choices.resolve(node.choices_method)))
-
-    def _store_select(self, node: ir.Select, decision: choices.ChoicesDecision) -> None:
-        self._append(decision.decision, node.name)
-        self._set(node.name, decision.decision, decision.meta_info)
-
-    def _begin_scope(self, node: ir.ScopeBegin) -> None:
-        self._scopes[node.name] = len(self.text)
-
-    def _end_scope(self, node: ir.ScopeEnd) -> None:
-        self._set(node.name, self.text[self._scopes.pop(node.name):], None)
-
-    def _run_set(self, node: ir.SetVar) -> None:
-        assert node.source == "literal", f"a program state sets values, not references: {node}"
-        self._set(node.name, node.value, None)
-
-    def _run_join(self, node: JoinNode) -> None:
-        self._append(node.text)
-        for name, values in node.variables.items():
-            self._set(name, values, node.meta_info.get(name))
 
 
 class GenCall:
@@ -353,8 +463,9 @@ class GenCall:
         self.ex._store_gen(self.gen, result, split)
 
 
-_HANDLERS: dict[type, Callable[[Executor, Any], None]] = {
-    str: Executor._append,
+# Every node a program state runs: what `s += ...` appends (ir.Node.appendable), forks and joins.
+_HANDLERS: dict[type, Callable[[Executor, Any], Awaitable[None]]] = {
+    str: Executor._run_str,
     ir.Text: Executor._run_text,
     ir.Gen: Executor._run_gen,
     ir.Select: Executor._run_select,
@@ -363,16 +474,11 @@ _HANDLERS: dict[type, Callable[[Executor, Any], None]] = {
     ir.ScopeBegin: Executor._begin_scope,
     ir.ScopeEnd: Executor._end_scope,
     ir.SetVar: Executor._run_set,
-    JoinNode: Executor._run_join,
+    ir.Fork: Executor._run_fork,
+    ir.Join: Executor._run_join,
 }
 
 
-def _handler(node: Any) -> Callable[[Executor, Any], None] | None:
-    return next((_HANDLERS[t] for t in type(node).__mro__ if t in _HANDLERS), None)
-
-
-def runs(node: Any) -> bool:
-    """Whether a program state can run `node` when it is appended (the interpreter walks the
-    graph's other nodes: its blocks, args and reads)."""
-    return _handler(node) is not None
-
+def handles(node_type: type) -> bool:
+    """Whether the executor runs nodes of `node_type` (the check that every node kind has one)."""
+    return any(t in _HANDLERS for t in node_type.__mro__)

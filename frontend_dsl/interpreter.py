@@ -29,29 +29,32 @@ class _Run:
         self.groups: dict[int, ProgramStateGroup] = {}
 
     def block(self, nodes: list[ir.Node], s: ProgramState) -> bool:
-        """Run `nodes` on `s`; True when a break was reached (the enclosing repeat stops)."""
-        for node in nodes:
-            control = _CONTROL.get(type(node))
-            if control is None:
-                s += self.resolve(node, s)
-            elif control(self, node, s):
-                return True
+        """Run `nodes` on `s` in order until a break is reached; then True (the enclosing repeat
+        stops)."""
+        return any(_STEPS.get(type(node), _Run._append)(self, node, s) for node in nodes)
+
+    # -- the steps (see _STEPS); each returns True when a break ends the enclosing loop --------
+    def _append(self, node: ir.Node, s: ProgramState) -> bool:
+        s += node
         return False
 
-    def resolve(self, node: ir.Node, s: ProgramState) -> Any:
-        """What `s` appends for a node: an argument's or a variable's value where the node
-        refers to one, else the node itself."""
-        if isinstance(node, ir.Arg):
-            return str(self.args[node.name])
-        if isinstance(node, ir.Read):
-            return self.state(node.state, s)[node.name]
-        if isinstance(node, ir.SetVar) and node.source == "arg":
-            return ir.SetVar(node.name, self.args[node.value])
-        if isinstance(node, ir.SetVar) and node.source == "var":
-            return ir.SetVar(node.name, self.state(node.state, s)[node.value])
-        return node
+    def _arg(self, node: ir.Arg, s: ProgramState) -> bool:
+        s += str(self.args[node.name])
+        return False
 
-    # -- the block nodes (see _CONTROL); each returns True when a break ends the enclosing loop
+    def _read(self, node: ir.Read, s: ProgramState) -> bool:
+        s += self.state(node.state, s)[node.name]
+        return False
+
+    def _set(self, node: ir.SetVar, s: ProgramState) -> bool:
+        """A state sets values: an argument or variable named by the node is read first."""
+        if node.source == "arg":
+            node = ir.SetVar(node.name, self.args[node.value])
+        elif node.source == "var":
+            node = ir.SetVar(node.name, self.state(node.state, s)[node.value])
+        s += node
+        return False
+
     def _if(self, node: ir.If, s: ProgramState) -> bool:
         return self.block(node.then if s[node.var] == node.equals else node.orelse, s)
 
@@ -86,9 +89,10 @@ class _Run:
         return self.groups[fork_id]
 
 
-_CONTROL: dict[type, Callable[[_Run, Any, ProgramState], bool]] = {
-    ir.Break: lambda run, node, s: True, ir.If: _Run._if, ir.Repeat: _Run._repeat,
-    ir.Fork: _Run._fork, ir.Join: _Run._join,
+# How the interpreter runs each node kind that a state does not simply append.
+_STEPS: dict[type, Callable[[_Run, Any, ProgramState], bool]] = {
+    ir.Arg: _Run._arg, ir.Read: _Run._read, ir.SetVar: _Run._set, ir.Break: lambda *_: True,
+    ir.If: _Run._if, ir.Repeat: _Run._repeat, ir.Fork: _Run._fork, ir.Join: _Run._join,
 }
 
 
@@ -150,7 +154,7 @@ def bake_arguments(graph: ir.Graph, values: dict[str, Any]) -> ir.Graph:
                 nodes[i] = ir.Text(str(values[node.name]), id=node.id)
             elif isinstance(node, ir.SetVar) and node.source == "arg" and node.value in values:
                 nodes[i] = ir.SetVar(node.name, values[node.value], id=node.id)
-            for block in ir.child_blocks(node):
+            for block in node.blocks():
                 replace(block)
 
     replace(baked.nodes)

@@ -1,9 +1,11 @@
 """The program language's nodes (what gen, select and the roles build and a program state runs)
 and request graphs: a program as data, as tracing and the textual syntax both produce it.
 
-A graph read from JSON or text never runs Python (its selects name built-in choices methods);
-only an in-process select may hold a method object, which the JSON codec refuses. `to_text()` is
-the golden-file dump, `to_json()`/`from_json()` the wire form, `to_dot()` a Graphviz view.
+Each node class carries what every concern needs of it: its one-line label (the text dump and
+DOT), its nested blocks, and what it costs (the limits); the JSON codec reads its fields. A graph
+read from JSON or text never runs Python (its selects name built-in choices methods); only an
+in-process select may hold a method object, which the JSON codec refuses. `to_text()` is the
+golden-file dump, `to_json()`/`from_json()` the wire form, `to_dot()` a Graphviz view.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ ROLES = ("system", "user", "assistant")
 SET_SOURCES = ("literal", "arg", "var")
 DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams' default: what a gen without max_tokens may use
 FORMAT = "forklm.graph/1"
+MAX_VALUE_DEPTH = 64  # nested lists/objects in a JSON value (a set value, an argument, a schema)
 
 
 class ProgramLimitError(InvalidArgumentError):
@@ -52,12 +55,81 @@ class LogprobOptions:
 LOGPROB_OPTIONS = tuple(f.name for f in dataclasses.fields(LogprobOptions))
 
 
+def quote(v: Any) -> str:
+    """A value as the text dump writes it (JSON, keys sorted)."""
+    return json.dumps(v, ensure_ascii=False, sort_keys=True)
+
+
+def value_chars(value: Any, name: str, max_depth: int = MAX_VALUE_DEPTH) -> int:
+    """Characters of the strings in a JSON-like value (keys included), walked without recursion;
+    InvalidArgumentError naming `name` if lists/objects nest deeper than `max_depth` (deeper
+    values would overflow the stack of whatever encodes, prints or copies them later)."""
+    total, stack = 0, [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, (list, tuple, dict)):
+            if depth >= max_depth:
+                raise InvalidArgumentError(name, "...", f"lists/objects are nested deeper than "
+                                           f"{max_depth}")
+            items = list(v.items()) if isinstance(v, dict) else v
+            stack.extend((item, depth + 1) for item in items)
+    return total
+
+
 @dataclass
 class Node(Expr):
-    """Base of the nodes; `id` is the node's position in a pre-order walk (see Graph)."""
+    """Base of the nodes; `id` is the node's position in a pre-order walk (see Graph). A field
+    typed `list[Node]` is a nested block, `list[list[Node]]` a fork's branches."""
 
     op: ClassVar[str] = ""
+    # A program appends it (`s += node`); the others are structure: arguments and reads the
+    # interpreter resolves, blocks it walks, forks and joins a state's fork() and join() queue.
+    appendable: ClassVar[bool] = True
+    exclusive_blocks: ClassVar[bool] = False  # at most one of its blocks runs (an if)
     id: int = field(default=-1, kw_only=True)
+
+    def label(self) -> str:
+        """The node as `op(args)`, without id or blocks (the text dump and DOT)."""
+        return self.op
+
+    def blocks(self) -> list[list[Node]]:
+        """The nested node lists, in execution (and numbering) order."""
+        return []
+
+    def titled_blocks(self) -> list[tuple[str, list[Node]]]:
+        """The blocks the text dump lists, each under its title ("" = indented, untitled)."""
+        return []
+
+    def produced_names(self) -> list[str]:
+        """Every variable the node sets when it runs."""
+        return []
+
+    @property
+    def iterations(self) -> int:
+        """How many times its blocks may run each time the node runs."""
+        return 1
+
+    def chars(self) -> int:
+        """Characters of text, choices and values it holds (max_text_chars)."""
+        return 0
+
+    def requests(self, default_n: int) -> int:
+        """Engine requests it has in flight at once (max_parallel_requests)."""
+        return 0
+
+    def total_requests(self, default_n: int) -> int:
+        """Engine requests it issues in all (max_requests)."""
+        return self.requests(default_n)
+
+    def tokens(self, default_max_new_tokens: int, default_n: int) -> int:
+        """Tokens it may generate (max_total_tokens)."""
+        return 0
+
+    def bad_reference(self, args: list[str], forks: dict[int, Fork]) -> tuple[str, Any, str] | None:
+        """(field, value, why) when it names an argument or fork branch the graph lacks."""
+        return None
 
 
 @dataclass
@@ -65,13 +137,28 @@ class Text(Node):
     op: ClassVar[str] = "text"
     text: str
 
+    def label(self) -> str:
+        return f"text({quote(self.text)})"
+
+    def chars(self) -> int:
+        return len(self.text)
+
 
 @dataclass
 class Arg(Node):
     """Append the program argument `name` (as str)."""
 
     op: ClassVar[str] = "arg"
+    appendable: ClassVar[bool] = False
     name: str
+
+    def label(self) -> str:
+        return f"arg({self.name})"
+
+    def bad_reference(self, args: list[str], forks: dict[int, Fork]) -> tuple[str, Any, str] | None:
+        if self.name not in args:
+            return "name", self.name, f"not an argument of the graph {args}"
+        return None
 
 
 @dataclass
@@ -90,6 +177,32 @@ class Gen(Node):
     dtype: str | None = None
     separate_reasoning: str | None = None
 
+    def label(self) -> str:
+        opts = {**self.sampling, **self.logprob_options.to_dict()}
+        parts = [quote(self.name)] + [f"{k}={quote(opts[k])}" for k in sorted(opts)]
+        if self.dtype:
+            parts.append(f"dtype={self.dtype}")
+        if self.separate_reasoning:
+            parts.append(f"separate_reasoning={self.separate_reasoning}")
+        return f"gen({', '.join(parts)})"
+
+    def produced_names(self) -> list[str]:
+        if self.name is None:
+            return []
+        if self.separate_reasoning is not None:
+            return [self.name, reasoning_name(self.name)]
+        return [self.name]
+
+    def chars(self) -> int:  # stop strings, regex, schema
+        return value_chars(self.sampling, f"gen {self.name}")
+
+    def requests(self, default_n: int) -> int:
+        return int(self.sampling.get("n", default_n))
+
+    def tokens(self, default_max_new_tokens: int, default_n: int) -> int:
+        return self.requests(default_n) * int(
+            self.sampling.get("max_new_tokens", default_max_new_tokens))
+
 
 @dataclass
 class Select(Node):
@@ -105,17 +218,44 @@ class Select(Node):
     def __post_init__(self) -> None:
         self.choices_method = builtin_name(self.choices_method) or self.choices_method
 
+    def label(self) -> str:
+        method = ("" if self.choices_method == "token_length_normalized"
+                  else f", method={self.choices_method}")  # a custom method object: its repr
+        return f"select({quote(self.name)}, choices={quote(self.choices)}{method})"
+
+    def produced_names(self) -> list[str]:
+        return [] if self.name is None else [self.name]
+
+    def chars(self) -> int:
+        return sum(len(c) for c in self.choices)
+
+    def requests(self, default_n: int) -> int:
+        return len(self.choices)
+
+    def total_requests(self, default_n: int) -> int:
+        """A method that rescores without the prompt scores every choice twice."""
+        method = (BUILTIN_METHODS.get(self.choices_method)
+                  if isinstance(self.choices_method, str) else None)
+        rescored = method is not None and method.requires_unconditional_logprobs
+        return len(self.choices) * (2 if rescored else 1)
+
 
 @dataclass
 class RoleBegin(Node):
     op: ClassVar[str] = "role_begin"
     role: str
 
+    def label(self) -> str:
+        return f"role_begin({self.role})"
+
 
 @dataclass
 class RoleEnd(Node):
     op: ClassVar[str] = "role_end"
     role: str
+
+    def label(self) -> str:
+        return f"role_end({self.role})"
 
 
 @dataclass
@@ -125,11 +265,20 @@ class ScopeBegin(Node):
     op: ClassVar[str] = "scope_begin"
     name: str
 
+    def label(self) -> str:
+        return f"scope_begin({quote(self.name)})"
+
 
 @dataclass
 class ScopeEnd(Node):
     op: ClassVar[str] = "scope_end"
     name: str
+
+    def label(self) -> str:
+        return f"scope_end({quote(self.name)})"
+
+    def produced_names(self) -> list[str]:
+        return [self.name]
 
 
 @dataclass
@@ -138,8 +287,15 @@ class Read(Node):
     None = this state, [] = the root state, [fork_id, branch] = a branch of that fork."""
 
     op: ClassVar[str] = "read"
+    appendable: ClassVar[bool] = False
     name: str
     state: list[int] | None = None
+
+    def label(self) -> str:
+        return f"read({quote(self.name)}{_state_label(self.state)})"
+
+    def bad_reference(self, args: list[str], forks: dict[int, Fork]) -> tuple[str, Any, str] | None:
+        return _bad_state(self.state, forks)
 
 
 @dataclass
@@ -152,21 +308,54 @@ class SetVar(Node):
     source: str = "literal"
     state: list[int] | None = None
 
+    def label(self) -> str:
+        src = "" if self.source == "literal" else f"{self.source}="
+        return f"set({quote(self.name)}, {src}{quote(self.value)}{_state_label(self.state)})"
+
+    def produced_names(self) -> list[str]:
+        return [self.name]
+
+    def chars(self) -> int:
+        return value_chars(self.value, f"set {self.name}")
+
+    def bad_reference(self, args: list[str], forks: dict[int, Fork]) -> tuple[str, Any, str] | None:
+        if self.source == "arg" and self.value not in args:
+            return "value", self.value, f"not an argument of the graph {args}"
+        return _bad_state(self.state, forks)
+
 
 @dataclass
 class Fork(Node):
     """`s.fork(size)`: branch i runs `branches[i]` on its own copy of the state."""
 
     op: ClassVar[str] = "fork"
+    appendable: ClassVar[bool] = False
     size: int
     branches: list[list[Node]]
+
+    def label(self) -> str:
+        return f"fork({self.size})"
+
+    def blocks(self) -> list[list[Node]]:
+        return self.branches
+
+    def titled_blocks(self) -> list[tuple[str, list[Node]]]:
+        return [(f"branch {i}:", branch) for i, branch in enumerate(self.branches)]
 
 
 @dataclass
 class Join(Node):
     op: ClassVar[str] = "join"
+    appendable: ClassVar[bool] = False
     fork: int
     mode: str = "gather_variable"
+
+    def label(self) -> str:
+        mode = "" if self.mode == "gather_variable" else f", mode={quote(self.mode)}"
+        return f"join(%{self.fork}{mode})"
+
+    def bad_reference(self, args: list[str], forks: dict[int, Fork]) -> tuple[str, Any, str] | None:
+        return None if self.fork in forks else ("fork", self.fork, "no fork node has this id")
 
 
 @dataclass
@@ -174,10 +363,21 @@ class If(Node):
     """Run `then` when variable `var` (read when reached) equals `equals`, else `orelse`."""
 
     op: ClassVar[str] = "if"
+    appendable: ClassVar[bool] = False
+    exclusive_blocks: ClassVar[bool] = True
     var: str
     equals: str
     then: list[Node] = field(default_factory=list)
     orelse: list[Node] = field(default_factory=list)
+
+    def label(self) -> str:
+        return f"if({self.var} == {quote(self.equals)})"
+
+    def blocks(self) -> list[list[Node]]:
+        return [self.then, self.orelse]
+
+    def titled_blocks(self) -> list[tuple[str, list[Node]]]:
+        return [("then:", self.then)] + ([("else:", self.orelse)] if self.orelse else [])
 
 
 @dataclass
@@ -185,13 +385,28 @@ class Repeat(Node):
     """Run `body` up to `count` times; a Break inside it (not inside a fork) ends the loop."""
 
     op: ClassVar[str] = "repeat"
+    appendable: ClassVar[bool] = False
     count: int
     body: list[Node] = field(default_factory=list)
+
+    def label(self) -> str:
+        return f"repeat({self.count})"
+
+    def blocks(self) -> list[list[Node]]:
+        return [self.body]
+
+    def titled_blocks(self) -> list[tuple[str, list[Node]]]:
+        return [("", self.body)]
+
+    @property
+    def iterations(self) -> int:
+        return self.count
 
 
 @dataclass
 class Break(Node):
     op: ClassVar[str] = "break"
+    appendable: ClassVar[bool] = False
 
 
 NODE_TYPES: dict[str, type[Node]] = {t.op: t for t in (
@@ -199,19 +414,16 @@ NODE_TYPES: dict[str, type[Node]] = {t.op: t for t in (
     If, Repeat, Break)}
 
 
-def produced_name(node: Any) -> str | None:
-    """The variable a node sets when it runs (a gen, select, scope end or set), else None."""
-    return node.name if isinstance(node, (Gen, Select, ScopeEnd, SetVar)) else None
+def _state_label(state: list[int] | None) -> str:
+    if state is None:
+        return ""
+    return ", of=root" if not state else f", of=%{state[0]}[{state[1]}]"
 
 
-def produced_names(node: Any) -> list[str]:
-    """Every variable a node sets when it runs: a reasoning gen sets two."""
-    name = produced_name(node)
-    if name is None:
-        return []
-    if isinstance(node, Gen) and node.separate_reasoning is not None:
-        return [name, reasoning_name(name)]
-    return [name]
+def _bad_state(state: list[int] | None, forks: dict[int, Fork]) -> tuple[str, Any, str] | None:
+    if state and (state[0] not in forks or state[1] >= forks[state[0]].size):
+        return "state", state, "no such fork branch"
+    return None
 
 
 def reasoning_name(name: str) -> str:
@@ -219,23 +431,12 @@ def reasoning_name(name: str) -> str:
     return f"{name}_reasoning_content"
 
 
-def child_blocks(node: Node) -> list[list[Node]]:
-    """The nested node lists of a block node, in execution (and numbering) order."""
-    if isinstance(node, Fork):
-        return node.branches
-    if isinstance(node, If):
-        return [node.then, node.orelse]
-    if isinstance(node, Repeat):
-        return [node.body]
-    return []
-
-
 def walk(nodes: list[Node]) -> list[Node]:
     """Every node, pre-order (a block node before its children)."""
     out: list[Node] = []
     for node in nodes:
         out.append(node)
-        for block in child_blocks(node):
+        for block in node.blocks():
             out.extend(walk(block))
     return out
 
@@ -335,7 +536,7 @@ class Graph:
 def _merge_texts(nodes: list[Node]) -> list[Node]:
     out: list[Node] = []
     for node in nodes:
-        for block in child_blocks(node):
+        for block in node.blocks():
             block[:] = _merge_texts(block)
         if isinstance(node, Text):
             if not node.text:

@@ -11,37 +11,40 @@ from typing import Any
 
 from forklm.frontend_dsl import ir
 from forklm.frontend_dsl.defaults import DTYPE_RULES
-from forklm.frontend_dsl.ir import LOGPROB_OPTIONS
-from forklm.frontend_dsl.limits import BuildBudget, value_chars
+from forklm.frontend_dsl.ir import LOGPROB_OPTIONS, value_chars
+from forklm.frontend_dsl.limits import BuildBudget
 from forklm.parsers.reasoning import REASONING_PARSERS
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
 
 DTYPES = tuple(DTYPE_RULES)
 _MISSING = object()
-_BLOCK_FIELDS = ("branches", "then", "orelse", "body")  # nested node lists, decoded in order
+_BLOCK = "list[Node]"  # a field of this type is a nested block
+_BRANCHES = "list[list[Node]]"  # a fork's branches, one block per `size`
 
 
 # -- to dict -----------------------------------------------------------------------------------
 def node_to_dict(node: ir.Node) -> dict[str, Any]:
-    """The node as JSON values; InvalidArgumentError for a select whose choices_method is an
-    object (JSON names only the built-ins)."""
+    """The node as JSON values, field by field; InvalidArgumentError for a select whose
+    choices_method is an object (JSON names only the built-ins)."""
     out: dict[str, Any] = {"op": node.op, "id": node.id}
     for f in dataclasses.fields(node):
-        if f.name == "id":
-            continue
-        value = getattr(node, f.name)
-        if f.name == "branches":
-            value = [[node_to_dict(n) for n in branch] for branch in value]
-        elif f.name in ("then", "orelse", "body"):
-            value = [node_to_dict(n) for n in value]
-        elif f.name == "logprob_options":
-            value = value.to_dict()
-        elif f.name == "choices_method" and not isinstance(value, str):
-            raise _bad("choices_method", value, f"select {getattr(node, 'name', None)!r} has a "
-                       f"custom choices method; a graph can name only {ir.CHOICES_METHODS}")
-        out[f.name] = value
+        if f.name != "id":
+            out[f.name] = _encode(node, f, getattr(node, f.name))
     return out
+
+
+def _encode(node: ir.Node, f: dataclasses.Field[Any], value: Any) -> Any:
+    if f.type == _BLOCK:
+        return [node_to_dict(n) for n in value]
+    if f.type == _BRANCHES:
+        return [[node_to_dict(n) for n in branch] for branch in value]
+    if isinstance(value, ir.LogprobOptions):
+        return value.to_dict()
+    if f.name == "choices_method" and not isinstance(value, str):
+        raise _bad("choices_method", value, f"select {getattr(node, 'name', None)!r} has a "
+                   f"custom choices method; a graph can name only {ir.CHOICES_METHODS}")
+    return value
 
 
 def graph_to_dict(graph: ir.Graph) -> dict[str, Any]:
@@ -65,10 +68,6 @@ def _name(path: str, v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise _bad(path, v, "must be a non-empty string")
     return v
-
-
-def _opt_name(path: str, v: Any) -> str | None:
-    return None if v is None else _name(path, v)
 
 
 def _pos_int(path: str, v: Any) -> int:
@@ -154,11 +153,10 @@ def _branches(path: str, v: Any, size: int, budget: BuildBudget, depth: int
     return [_nodes(f"{path}[{i}]", b, budget, depth) for i, b in enumerate(v)]
 
 
+# Each node field's check, by field name; a field typed `X | None` also takes null.
 _FIELDS: dict[str, Callable[[str, Any], Any]] = {
-    "text": _str, "sampling": _sampling, "logprob_options": _logprob_options,
-    "dtype": lambda p, v: None if v is None else _one_of(DTYPES)(p, v),
-    "separate_reasoning": lambda p, v: None if v is None else _one_of(tuple(REASONING_PARSERS))(
-        p, v),
+    "name": _name, "text": _str, "sampling": _sampling, "logprob_options": _logprob_options,
+    "dtype": _one_of(DTYPES), "separate_reasoning": _one_of(tuple(REASONING_PARSERS)),
     "choices": _choices, "temperature": _temperature,
     "choices_method": _one_of(ir.CHOICES_METHODS), "role": _one_of(ir.ROLES),
     "state": _state, "value": _json_value, "source": _one_of(ir.SET_SOURCES),
@@ -192,18 +190,14 @@ def node_from_dict(path: str, d: Any, budget: BuildBudget | None = None,
             raise _bad(f"{path}.{name}", None, f"missing in a {cls.op} node")
         if name == "id":
             kwargs[name] = value if isinstance(value, int) else -1
-        elif name in _BLOCK_FIELDS:
-            continue  # decoded below, once the node's own fields are valid and counted
-        elif name == "name":
-            kwargs[name] = (_opt_name if cls in (ir.Gen, ir.Select) else _name)(
-                f"{path}.name", value)
-        else:
-            kwargs[name] = _FIELDS[name](f"{path}.{name}", value)
-    if cls is ir.Fork:
-        kwargs["branches"] = _branches(f"{path}.branches", d.get("branches"), kwargs["size"],
-                                       budget, depth + 1)
-    else:
-        for name in (n for n in _BLOCK_FIELDS if n in fields and n in d):
+        elif f.type not in (_BLOCK, _BRANCHES):  # blocks: once the node's own fields are valid
+            nullable = value is None and "None" in str(f.type)
+            kwargs[name] = None if nullable else _FIELDS[name](f"{path}.{name}", value)
+    for name, f in fields.items():
+        if f.type == _BRANCHES:
+            kwargs[name] = _branches(f"{path}.{name}", d.get(name), kwargs["size"], budget,
+                                     depth + 1)
+        elif f.type == _BLOCK and name in d:
             kwargs[name] = _nodes(f"{path}.{name}", d[name], budget, depth + 1)
     node = cls(**kwargs)
     budget.add(node)
@@ -248,16 +242,10 @@ def check_references(graph: ir.Graph) -> None:
             raise _bad(f"node %{node.id} ({node.op}).id", node.id, "node ids must be unique and "
                        ">= 0 (Graph.normalized() numbers them)")
         seen.add(node.id)
-        where = f"node %{node.id} ({node.op})"
-        if isinstance(node, ir.Arg) and node.name not in graph.args:
-            raise _bad(f"{where}.name", node.name, f"not an argument of the graph {graph.args}")
-        if isinstance(node, ir.SetVar) and node.source == "arg" and node.value not in graph.args:
-            raise _bad(f"{where}.value", node.value, f"not an argument of the graph {graph.args}")
-        if isinstance(node, ir.Join) and node.fork not in forks:
-            raise _bad(f"{where}.fork", node.fork, "no fork node has this id")
-        state = getattr(node, "state", None)
-        if state and (state[0] not in forks or state[1] >= forks[state[0]].size):
-            raise _bad(f"{where}.state", state, "no such fork branch")
+        bad = node.bad_reference(graph.args, forks)
+        if bad is not None:
+            field, value, why = bad
+            raise _bad(f"node %{node.id} ({node.op}).{field}", value, why)
     _check_breaks(graph.nodes, in_loop=False)
 
 
@@ -265,6 +253,6 @@ def _check_breaks(nodes: list[ir.Node], in_loop: bool) -> None:
     for node in nodes:
         if isinstance(node, ir.Break) and not in_loop:
             raise _bad(f"node %{node.id} (break)", None, "break outside a repeat block")
-        for block in ir.child_blocks(node):
+        for block in node.blocks():
             _check_breaks(block, isinstance(node, ir.Repeat) or (
                 in_loop and not isinstance(node, ir.Fork)))

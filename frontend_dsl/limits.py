@@ -3,27 +3,18 @@ graph is built (parsed from text, decoded from JSON), `check_limits` once it exi
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
-from forklm.frontend_dsl.choices import BUILTIN_METHODS
 from forklm.frontend_dsl.ir import (
     Fork,
-    Gen,
     Graph,
-    If,
     Join,
     Node,
     ProgramLimitError,
     ProgramLimits,
-    Repeat,
     Select,
-    SetVar,
-    Text,
-    child_blocks,
 )
-from forklm.runtime.errors import InvalidArgumentError
 
-MAX_VALUE_DEPTH = 64  # nested lists/objects in a JSON value (a set value, an argument, a schema)
 MAX_INT_DIGITS = 18  # an int literal in program text: anything longer is no count or size
 
 
@@ -50,7 +41,7 @@ class BuildBudget:
         if isinstance(node, Select) and len(node.choices) > self.limits.max_choices:
             raise ProgramLimitError("max_choices", len(node.choices), f"select {node.name!r} has "
                                     f"more than {self.limits.max_choices} choices")
-        self.add_chars(_node_chars(node))
+        self.add_chars(node.chars())
         return node
 
     def add_chars(self, num: int) -> None:
@@ -71,36 +62,6 @@ class BuildBudget:
         if depth > self.limits.max_depth:
             raise ProgramLimitError("max_depth", depth, f"blocks are nested deeper than "
                                     f"{self.limits.max_depth}")
-
-
-def value_chars(value: Any, name: str, max_depth: int = MAX_VALUE_DEPTH) -> int:
-    """Characters of the strings in a JSON-like value (keys included), walked without recursion;
-    InvalidArgumentError naming `name` if lists/objects nest deeper than `max_depth` (deeper
-    values would overflow the stack of whatever encodes, prints or copies them later)."""
-    total, stack = 0, [(value, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, str):
-            total += len(v)
-        elif isinstance(v, (list, tuple, dict)):
-            if depth >= max_depth:
-                raise InvalidArgumentError(name, "...", f"lists/objects are nested deeper than "
-                                           f"{max_depth}")
-            items = list(v.items()) if isinstance(v, dict) else v
-            stack.extend((item, depth + 1) for item in items)
-    return total
-
-
-def _node_chars(node: Node) -> int:
-    if isinstance(node, Text):
-        return len(node.text)
-    if isinstance(node, Select):
-        return sum(len(c) for c in node.choices)
-    if isinstance(node, SetVar):
-        return value_chars(node.value, f"set {node.name}")
-    if isinstance(node, Gen):  # stop strings, regex, schema
-        return value_chars(node.sampling, f"gen {node.name}")
-    return 0
 
 
 def check_limits(graph: Graph, limits: ProgramLimits, default_max_new_tokens: int,
@@ -138,35 +99,31 @@ def _count(nodes: list[Node], budget: BuildBudget, depth: int) -> None:
     budget.check_depth(depth)
     for node in nodes:
         budget.add(node)
-        for block in child_blocks(node):
+        for block in node.blocks():
             _count(block, budget, depth + 1)
 
 
-def _requests_of(node: Node, default_n: int) -> int:
-    """Engine requests a gen or select issues at once (0 for other nodes)."""
-    if isinstance(node, Gen):
-        return int(node.sampling.get("n", default_n))
-    if isinstance(node, Select):
-        return len(node.choices)
-    return 0
+def _over_blocks(node: Node, measure: Callable[[list[Node]], int]) -> int:
+    """`measure` of a node's blocks: the largest when only one of them runs, else their sum."""
+    values = [measure(block) for block in node.blocks()]
+    return (max(values, default=0) if node.exclusive_blocks else sum(values))
 
 
 def _total_requests(nodes: list[Node], default_n: int) -> int:
-    total = 0
-    for node in nodes:
-        if isinstance(node, Select) and isinstance(node.choices_method, str):
-            method = BUILTIN_METHODS.get(node.choices_method)
-            rescored = method is not None and method.requires_unconditional_logprobs
-            total += len(node.choices) * (2 if rescored else 1)
-        elif isinstance(node, Repeat):
-            total += node.count * _total_requests(node.body, default_n)
-        elif isinstance(node, If):
-            total += max(_total_requests(node.then, default_n),
-                         _total_requests(node.orelse, default_n))
-        else:
-            total += _requests_of(node, default_n) + sum(
-                _total_requests(block, default_n) for block in child_blocks(node))
-    return total
+    return sum(node.iterations * (node.total_requests(default_n) + _over_blocks(
+        node, lambda block: _total_requests(block, default_n))) for node in nodes)
+
+
+def _total_tokens(nodes: list[Node], default: int, default_n: int) -> int:
+    """Upper bound on generated tokens (fork branches are listed one by one already)."""
+    return sum(node.iterations * (node.tokens(default, default_n) + _over_blocks(
+        node, lambda block: _total_tokens(block, default, default_n))) for node in nodes)
+
+
+def _max_iterations(nodes: list[Node]) -> int:
+    """How many times the most repeated node may run (the product of its enclosing counts)."""
+    return max([1, *(node.iterations * _max_iterations(block)
+                     for node in nodes for block in node.blocks())])
 
 
 def _in_flight(nodes: list[Node], default_n: int) -> tuple[int, int]:
@@ -184,41 +141,19 @@ def _in_flight(nodes: list[Node], default_n: int) -> tuple[int, int]:
         elif isinstance(node, Join) and node.fork in open_forks:
             width, left = open_forks.pop(node.fork)
             running += left - width
-        elif isinstance(node, Repeat):  # each iteration may leave unjoined branches running
-            body_peak, left = _in_flight(node.body, default_n)
-            peak = max(peak, running + body_peak + (node.count - 1) * left)
-            running += node.count * left
-        elif isinstance(node, If):
-            spans = [_in_flight(node.then, default_n), _in_flight(node.orelse, default_n)]
-            peak = max(peak, running + max(p for p, _ in spans))
-            running += max(left for _, left in spans)
+        elif node.blocks():  # each iteration may leave unjoined branches running
+            body_peak, left = _blocks_in_flight(node, default_n)
+            peak = max(peak, running + body_peak + (node.iterations - 1) * left)
+            running += node.iterations * left
         else:  # a gen or select runs after the state's earlier nodes: they add to `running`
-            peak = max(peak, running + _requests_of(node, default_n))
+            peak = max(peak, running + node.requests(default_n))
     return peak, running
 
 
-def _total_tokens(nodes: list[Node], default: int, default_n: int) -> int:
-    """Upper bound on generated tokens (fork branches are listed one by one already)."""
-    total = 0
-    for node in nodes:
-        if isinstance(node, Gen):
-            n = int(node.sampling.get("n", default_n))
-            total += n * int(node.sampling.get("max_new_tokens", default))
-        elif isinstance(node, Repeat):
-            total += node.count * _total_tokens(node.body, default, default_n)
-        elif isinstance(node, If):
-            total += max(_total_tokens(node.then, default, default_n),
-                         _total_tokens(node.orelse, default, default_n))
-        else:
-            total += sum(_total_tokens(block, default, default_n) for block in child_blocks(node))
-    return total
-
-
-def _max_iterations(nodes: list[Node]) -> int:
-    """How many times the most repeated node may run (the product of its enclosing counts)."""
-    most = 1
-    for node in nodes:
-        factor = node.count if isinstance(node, Repeat) else 1
-        for block in child_blocks(node):
-            most = max(most, factor * _max_iterations(block))
-    return most
+def _blocks_in_flight(node: Node, default_n: int) -> tuple[int, int]:
+    """(peak, left) of one run of a block node's blocks, run one after another or, for an
+    if, the larger of its alternatives."""
+    if not node.exclusive_blocks:
+        return _in_flight([n for block in node.blocks() for n in block], default_n)
+    spans = [_in_flight(block, default_n) for block in node.blocks()]
+    return max(p for p, _ in spans), max(left for _, left in spans)

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Generic, TypeVar
 
-from forklm.frontend_dsl.executor import Executor, JoinNode
+from forklm.frontend_dsl.executor import Executor
 from forklm.frontend_dsl.expr import Expr, ExprList
 from forklm.frontend_dsl.ir import JOIN_MODES, RoleBegin, RoleEnd, ScopeBegin, ScopeEnd, SetVar
 from forklm.frontend_dsl.streaming import PieceFilter, TextEvent
@@ -170,7 +170,8 @@ class ProgramState(Appending):
         same engine batches; waits for this state's queued work first. `position_ids_offset`
         (SGLang's) may only be None or zeros: see check_fork."""
         check_fork(size, position_ids_offset)
-        return ProgramStateGroup([ProgramState(c) for c in self._ex.fork(size)], self)
+        fork_id, branches = self._ex.fork(size)
+        return ProgramStateGroup([ProgramState(b) for b in branches], self, fork_id)
 
     def __repr__(self) -> str:
         self._ex.wait()
@@ -241,8 +242,8 @@ class BranchGroup(Generic[S]):
 class ProgramStateGroup(BranchGroup[ProgramState]):
     """What `s.fork(n)` returns at run time."""
 
-    def __init__(self, states: list[ProgramState], parent: ProgramState):
-        self.states, self.parent = states, parent
+    def __init__(self, states: list[ProgramState], parent: ProgramState, fork_id: int):
+        self.states, self.parent, self.fork_id = states, parent, fork_id
 
     def join(self, mode: str = "gather_variable") -> None:
         """Wait for every branch; each variable a branch set becomes a list (branch order) on the
@@ -251,12 +252,5 @@ class ProgramStateGroup(BranchGroup[ProgramState]):
         executors = [state._ex for state in self.states]
         for ex in executors:
             ex.sync()  # a branch's error is raised here, in the caller's thread
-        names = list(dict.fromkeys(n for ex in executors for n in ex.produced if n is not None))
-        text = ""
-        if mode == "concate_and_append":
-            text = "".join(ex.text[ex.fork_start:] for ex in executors)
-        self.parent._ex.submit(JoinNode(
-            variables={n: [ex.variables.get(n) for ex in executors] for n in names},
-            meta_info={n: [ex.meta_info.get(n) for ex in executors] for n in names},
-            text=text))
+        self.parent._ex.join(self.fork_id, executors, mode)
 

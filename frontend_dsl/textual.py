@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,9 @@ from typing import Any
 from lark import Lark, Token, Tree, UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 
 from forklm.frontend_dsl import api, ir
+from forklm.frontend_dsl.ir import MAX_VALUE_DEPTH
 from forklm.frontend_dsl.ir_codec import check_references
-from forklm.frontend_dsl.limits import MAX_INT_DIGITS, MAX_VALUE_DEPTH, BuildBudget
+from forklm.frontend_dsl.limits import MAX_INT_DIGITS, BuildBudget
 from forklm.runtime.errors import ForkLMError, InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
 
@@ -55,7 +57,9 @@ class ProgramSyntaxError(ForkLMError, ValueError):
 def _parser() -> Lark:
     global _PARSER
     if _PARSER is None:
-        _PARSER = Lark(_GRAMMAR.read_text(), parser="lalr", propagate_positions=True)
+        calls = " | ".join(f'"{name}"' for name in api.TEXT_CALLS)
+        _PARSER = Lark(f"{_GRAMMAR.read_text()}\nCALL.2: {calls}\n", parser="lalr",
+                       propagate_positions=True)
     return _PARSER
 
 
@@ -75,12 +79,14 @@ def parse_program(source: str, limits: ir.ProgramLimits | None = None) -> ir.Gra
 def _syntax_error(e: UnexpectedInput, source: str) -> ProgramSyntaxError:
     parser = _parser()
 
-    def show(name: str) -> str:
+    def show(name: str) -> list[str]:
+        if name == "CALL":
+            return [f'"{call}"' for call in api.TEXT_CALLS]
         try:
             pattern = parser.get_terminal(name).pattern
         except KeyError:
-            return name
-        return f'"{pattern.value}"' if pattern.type == "str" else name
+            return [name]
+        return [f'"{pattern.value}"' if pattern.type == "str" else name]
 
     line, column = getattr(e, "line", -1), getattr(e, "column", -1)
     token = getattr(e, "token", None)
@@ -96,7 +102,7 @@ def _syntax_error(e: UnexpectedInput, source: str) -> ProgramSyntaxError:
     else:
         got = f"unexpected {str(token)!r}"
         expected = set(getattr(e, "expected", None) or getattr(e, "accepts", None) or ())
-    return ProgramSyntaxError(got, line, column, [show(n) for n in expected])
+    return ProgramSyntaxError(got, line, column, [shown for n in expected for shown in show(n)])
 
 
 def _error_at(item: Tree | Token, why: str, expected: list[str] | None = None
@@ -164,39 +170,49 @@ class _Builder:
         return out
 
     def statement(self, st: Tree, scope: _Scope) -> list[ir.Node]:
-        kind, ch = st.data, st.children
-        if kind == "text":
-            return self.text(ch[0], scope)
-        if kind in ("gen", "select"):
-            return [self.call(st, scope)]
-        if kind == "role_block":
-            role = str(ch[0])
-            return [self.node(ir.RoleBegin(role)), *self.block(ch[1].children, scope.inner()),
-                    self.node(ir.RoleEnd(role))]
-        if kind == "scope_block":
-            name = str(ch[0])
-            return [self.node(ir.ScopeBegin(name)), *self.block(ch[1].children, scope.inner()),
-                    self.node(ir.ScopeEnd(name))]
-        if kind == "set_var":
-            return [self.node(ir.SetVar(str(ch[0]), self.value(ch[1], f"set {ch[0]}")))]
-        if kind == "break_":
-            if not scope.in_loop:
-                raise _error_at(st, "break outside a repeat block")
-            return [self.node(ir.Break())]
-        if kind == "if_block":
-            if str(ch[0]) in self.args:
-                raise _error_at(ch[0], f"if tests a generated variable; {str(ch[0])!r} is an "
-                                "argument of the program")
-            then = self.block(ch[2].children, scope.inner())
-            orelse = self.block(ch[3].children, scope.inner()) if ch[3] is not None else []
-            return [self.node(ir.If(str(ch[0]), decode_string(ch[1]), then, orelse))]
-        if kind == "repeat_block":
-            count = self.positive(ch[0], "repeat count")
-            loop = scope.inner(in_loop=True)
-            return [self.node(ir.Repeat(count, self.block(ch[1].children, loop)))]
-        if kind == "fork_block":
-            return self.fork(st, scope)
-        raise AssertionError(f"unhandled statement {kind}")
+        build = _STATEMENTS.get(st.data)
+        assert build is not None, f"unhandled statement {st.data}"
+        return build(self, st, scope)
+
+    # -- one builder per statement of program.lark (see _STATEMENTS) ---------------------------
+    def text_statement(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        return self.text(st.children[0], scope)
+
+    def call_statement(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        return [self.call(st, scope)]
+
+    def role_block(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        role, body = str(st.children[0]), st.children[1]
+        return [self.node(ir.RoleBegin(role)), *self.block(body.children, scope.inner()),
+                self.node(ir.RoleEnd(role))]
+
+    def scope_block(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        name, body = str(st.children[0]), st.children[1]
+        return [self.node(ir.ScopeBegin(name)), *self.block(body.children, scope.inner()),
+                self.node(ir.ScopeEnd(name))]
+
+    def set_var(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        name, value = st.children
+        return [self.node(ir.SetVar(str(name), self.value(value, f"set {name}")))]
+
+    def break_(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        if not scope.in_loop:
+            raise _error_at(st, "break outside a repeat block")
+        return [self.node(ir.Break())]
+
+    def if_block(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        var, equals, then, orelse = st.children
+        if str(var) in self.args:
+            raise _error_at(var, f"if tests a generated variable; {str(var)!r} is an argument "
+                            "of the program")
+        then_nodes = self.block(then.children, scope.inner())
+        else_nodes = self.block(orelse.children, scope.inner()) if orelse is not None else []
+        return [self.node(ir.If(str(var), decode_string(equals), then_nodes, else_nodes))]
+
+    def repeat_block(self, st: Tree, scope: _Scope) -> list[ir.Node]:
+        count = self.positive(st.children[0], "repeat count")
+        loop = scope.inner(in_loop=True)
+        return [self.node(ir.Repeat(count, self.block(st.children[1].children, loop)))]
 
     def fork(self, st: Tree, scope: _Scope) -> list[ir.Node]:
         size_tok, body, mode_tok = st.children
@@ -245,20 +261,20 @@ class _Builder:
 
     def call(self, st: Tree, scope: _Scope) -> ir.Node:
         """`gen`/`select NAME key=value...` built with the Python API (same names, validation)."""
-        name, *kwargs = st.children
+        call, name, *kwargs = st.children
+        func = api.TEXT_CALLS[str(call)]
         options: dict[str, Any] = {}
         for kw in kwargs:
             key = str(kw.children[0])
-            value = self.value(kw.children[1], f"{st.data} {str(name)!r}: {key}")
+            value = self.value(kw.children[1], f"{call} {str(name)!r}: {key}")
             if key in options:
                 raise _error_at(kw, f"keyword {key!r} given twice")
             options[key] = value
-        func = api.gen if st.data == "gen" else api.select
         known = func.__code__.co_varnames[1:func.__code__.co_argcount]
         unknown = [k for k in options if k not in known]
         if unknown:
             bad = next(kw for kw in kwargs if str(kw.children[0]) == unknown[0])
-            raise _error_at(bad, f"unknown keyword {unknown[0]!r} for {st.data}", list(known))
+            raise _error_at(bad, f"unknown keyword {unknown[0]!r} for {call}", list(known))
         method = options.get("choices_method")
         if method is not None and method not in ir.CHOICES_METHODS:
             raise _error_at(st, f"unknown choices_method {method!r}", list(ir.CHOICES_METHODS))
@@ -267,7 +283,7 @@ class _Builder:
             if isinstance(node, ir.Gen):
                 SamplingParams.from_dict(node.sampling)
         except (InvalidArgumentError, TypeError, ValueError) as e:
-            raise _error_at(st, f"{st.data} {str(name)!r}: {e}") from None
+            raise _error_at(st, f"{call} {str(name)!r}: {e}") from None
         return self.node(node)  # a limit it passes is a ProgramLimitError, named after the limit
 
     def value(self, tree: Any, what: str, depth: int = 0) -> Any:
@@ -284,6 +300,14 @@ class _Builder:
         if depth >= MAX_VALUE_DEPTH:
             raise _error_at(tree, f"{what}: lists are nested deeper than {MAX_VALUE_DEPTH}")
         return [self.value(v, what, depth + 1) for v in ch if v is not None]
+
+
+_STATEMENTS: dict[str, Callable[[_Builder, Tree, _Scope], list[ir.Node]]] = {
+    "text": _Builder.text_statement, "call": _Builder.call_statement,
+    "role_block": _Builder.role_block, "scope_block": _Builder.scope_block,
+    "set_var": _Builder.set_var, "break_": _Builder.break_, "if_block": _Builder.if_block,
+    "repeat_block": _Builder.repeat_block, "fork_block": _Builder.fork,
+}
 
 
 def _int(tok: Token, what: str) -> int:

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from forklm.frontend_dsl import ir
-from forklm.frontend_dsl.executor import runs
 from forklm.frontend_dsl.expr import Expr, flatten
 from forklm.frontend_dsl.ir_codec import node_to_dict
 from forklm.frontend_dsl.state import BranchGroup, ChatBlocks, check_fork
@@ -161,7 +160,7 @@ class TracerState(ChatBlocks):
     def _record(self, node: Any) -> ir.Node:
         """A copy of the appended node for the graph (the program may append one node twice);
         TraceError if a graph cannot hold it."""
-        if not isinstance(node, ir.Node) or not runs(node):
+        if not isinstance(node, ir.Node) or not node.appendable:
             raise TraceError(f"cannot put {node!r} in a graph")
         if isinstance(node, ir.Gen):
             self._check_no_markers(node.sampling)
@@ -170,7 +169,7 @@ class TracerState(ChatBlocks):
             node_to_dict(node)
         except InvalidArgumentError as e:  # e.g. a custom choices_method, which JSON cannot name
             raise TraceError(str(e)) from e
-        for name in ir.produced_names(node):
+        for name in node.produced_names():
             self._known.pop(name, None)
             self._produced.add(name)
         return copy.deepcopy(node)

@@ -52,9 +52,10 @@ from forklm.frontend_dsl.ir import (
     Graph,
     ProgramLimitError,
     ProgramLimits,
+    value_chars,
     walk,
 )
-from forklm.frontend_dsl.limits import max_in_flight, value_chars
+from forklm.frontend_dsl.limits import max_in_flight
 from forklm.frontend_dsl.state import ProgramState
 from forklm.frontend_dsl.textual import ProgramSyntaxError, parse_program
 from forklm.runtime.engine.engine import Engine
