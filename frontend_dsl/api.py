@@ -10,7 +10,7 @@ from typing import Any
 from forklm.frontend_dsl.choices import ChoicesSamplingMethod, token_length_normalized
 from forklm.frontend_dsl.defaults import DTYPE_RULES
 from forklm.frontend_dsl.expr import ExprList
-from forklm.frontend_dsl.ir import LOGPROB_OPTIONS, Gen, LogprobOptions, RoleBegin, RoleEnd, Select
+from forklm.frontend_dsl.ir import Gen, RoleBegin, RoleEnd, Select
 from forklm.frontend_dsl.program import (
     Program,
     as_backend,
@@ -19,6 +19,7 @@ from forklm.frontend_dsl.program import (
     set_default_backend,
 )
 from forklm.parsers.reasoning import REASONING_PARSERS
+from forklm.runtime.engine.engine_request import LOGPROB_OPTIONS, LogprobOptions
 from forklm.runtime.errors import InvalidArgumentError
 
 __all__ = [

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from forklm.frontend_dsl.ir import LOGPROB_OPTIONS, Gen, LogprobOptions
-from forklm.runtime.engine.engine_request import LogprobOptions as EngineLogprobOptions
+from forklm.frontend_dsl.ir import Gen
+from forklm.runtime.engine.engine_request import LOGPROB_OPTIONS, LogprobOptions
 from forklm.runtime.sampling.params import SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -54,7 +54,7 @@ class RunDefaults:
         """The defaults as the keywords `from_kwargs` reads back."""
         return {**self.sampling, **self.logprob.to_dict()}
 
-    def for_gen(self, gen: Gen) -> tuple[SamplingParams, EngineLogprobOptions]:
+    def for_gen(self, gen: Gen) -> tuple[SamplingParams, LogprobOptions]:
         """The engine call of `gen`: these defaults overlaid with its own settings; a dtype adds
         its regex and stop strings. Returns the parameters and the backend's logprob_options."""
         merged = {**self.sampling, **gen.sampling}
@@ -63,5 +63,4 @@ class RunDefaults:
             stop = merged.get("stop") or []
             merged["regex"] = regex
             merged["stop"] = [*([stop] if isinstance(stop, str) else stop), *stops] or None
-        options = EngineLogprobOptions(**self.logprob.overlay(gen.logprob_options).to_dict())
-        return SamplingParams.from_dict(merged), options
+        return SamplingParams.from_dict(merged), self.logprob.overlay(gen.logprob_options)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from forklm.frontend_dsl.choices import BUILTIN_METHODS, ChoicesSamplingMethod, builtin_name
 from forklm.frontend_dsl.expr import Expr
+from forklm.runtime.engine.engine_request import LogprobOptions  # a gen's own, over its run's
 from forklm.runtime.errors import InvalidArgumentError
 
 JOIN_MODES = ("gather_variable", "concate_and_append")
@@ -30,29 +31,6 @@ MAX_VALUE_DEPTH = 64  # nested lists/objects in a JSON value (a set value, an ar
 
 class ProgramLimitError(InvalidArgumentError):
     """A graph asks for more than the ProgramLimits allow; `.name` is the limit's field name."""
-
-
-@dataclass(frozen=True)
-class LogprobOptions:
-    """A gen's logprob request options (SGLang's names); None = not set here, so the run's
-    default (then the engine's) applies."""
-
-    return_logprob: bool | None = None
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
-    # Each logprob entry's token text (its third element); None = the engine's default (given).
-    return_text_in_logprobs: bool | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The options that are set."""
-        return {k: getattr(self, k) for k in LOGPROB_OPTIONS if getattr(self, k) is not None}
-
-    def overlay(self, other: LogprobOptions) -> LogprobOptions:
-        """These options with those set in `other` taking precedence."""
-        return LogprobOptions(**{**self.to_dict(), **other.to_dict()})
-
-
-LOGPROB_OPTIONS = tuple(f.name for f in dataclasses.fields(LogprobOptions))
 
 
 def quote(v: Any) -> str:

@@ -11,9 +11,10 @@ from typing import Any
 
 from forklm.frontend_dsl import ir
 from forklm.frontend_dsl.defaults import DTYPE_RULES
-from forklm.frontend_dsl.ir import LOGPROB_OPTIONS, value_chars
+from forklm.frontend_dsl.ir import value_chars
 from forklm.frontend_dsl.limits import BuildBudget
 from forklm.parsers.reasoning import REASONING_PARSERS
+from forklm.runtime.engine.engine_request import LOGPROB_OPTIONS
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
 

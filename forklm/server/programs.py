@@ -48,7 +48,6 @@ from forklm.frontend_dsl.defaults import SAMPLING_FIELDS, RunDefaults
 from forklm.frontend_dsl.interpreter import GraphProgram
 from forklm.frontend_dsl.ir import (
     DEFAULT_MAX_NEW_TOKENS,
-    LOGPROB_OPTIONS,
     Graph,
     ProgramLimitError,
     ProgramLimits,
@@ -59,6 +58,7 @@ from forklm.frontend_dsl.limits import max_in_flight
 from forklm.frontend_dsl.state import ProgramState
 from forklm.frontend_dsl.textual import ProgramSyntaxError, parse_program
 from forklm.runtime.engine.engine import Engine
+from forklm.runtime.engine.engine_request import LOGPROB_OPTIONS
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.server.errors import SSE_DONE, ApiError, sse_event
 from forklm.server.generation import Admission

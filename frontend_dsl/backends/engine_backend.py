@@ -154,7 +154,7 @@ class EngineBackend(Backend):
         (what state.get_meta_info gives); an abort raises."""
         for out in outs:
             _raise_if_aborted(out)
-        tokenizer = self.tokenizer if request.logprobs.return_text_in_logprobs else None
+        tokenizer = self.tokenizer if request.logprobs.with_text else None
         samples = [(out.text, out.meta_info(tokenizer)) for out in outs]
         return GenResult(*samples[0], samples if len(samples) > 1 else None)
 

@@ -156,7 +156,7 @@ class OpenAI(Backend):
         kwargs.update(_logprob_request(logprob_options, chat))
         text_in_logprobs = None
         if "logprobs" in kwargs:
-            text_in_logprobs = logprob_options.return_text_in_logprobs
+            text_in_logprobs = logprob_options.with_text
         return kwargs, text_in_logprobs
 
     def _call(self, create: Callable[..., Any], kwargs: dict[str, Any],

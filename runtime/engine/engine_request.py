@@ -18,13 +18,29 @@ Prompt = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
 
 @dataclass(frozen=True)
 class LogprobOptions:
-    """What a call asks back about token probabilities (SGLang's names). logprob_start_len None:
-    the output's only; top_logprobs_num None or 0: no top lists. Checked by the intake."""
+    """What a call asks back about token probabilities (SGLang's names); checked by the intake.
+    None is "not set", so a DSL gen's options overlay its run's: the engine's defaults are no
+    logprobs, the output's only (from logprob_start_len -1), no top lists, entries with text."""
 
-    return_logprob: bool = False
+    return_logprob: bool | None = None
     logprob_start_len: int | None = None
     top_logprobs_num: int | None = None
-    return_text_in_logprobs: bool = True  # False: entries' text is None, never decoded
+    return_text_in_logprobs: bool | None = None  # False: entries' text is None, never decoded
+
+    @property
+    def with_text(self) -> bool:
+        return self.return_text_in_logprobs is not False
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options that are set."""
+        return {k: getattr(self, k) for k in LOGPROB_OPTIONS if getattr(self, k) is not None}
+
+    def overlay(self, other: LogprobOptions) -> LogprobOptions:
+        """These options with those set in `other` taking precedence."""
+        return LogprobOptions(**{**self.to_dict(), **other.to_dict()})
+
+
+LOGPROB_OPTIONS = tuple(f.name for f in dataclasses.fields(LogprobOptions))
 
 
 @dataclass(frozen=True)
@@ -73,8 +89,7 @@ class EngineRequest:
                                    else [params_json(p) for p in params])
         options = self.logprobs
         if options.return_logprob:
-            body.update(return_logprob=True,
-                        return_text_in_logprobs=options.return_text_in_logprobs)
+            body.update(return_logprob=True, return_text_in_logprobs=options.with_text)
             for name in ("logprob_start_len", "top_logprobs_num"):
                 if getattr(options, name) is not None:
                     body[name] = getattr(options, name)

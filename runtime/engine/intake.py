@@ -99,7 +99,7 @@ class RequestIntake:
                 reqs[-1].session_id = request.session_id
         return RequestGroup(reqs, single and params_list[0].n == 1, given,
                             [p.n for p in params_list], stream,
-                            bool(request.logprobs.return_text_in_logprobs))
+                            request.logprobs.with_text)
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
