@@ -21,9 +21,6 @@ KNOWN_BACK_EDGES = {
     # ServerConfig needs the DSL's ProgramLimits, so it cannot move below the DSL. Removing this
     # means moving the launcher up to forklm/ (the DSL re-exporting it lazily).
     ("forklm.frontend_dsl.backends.runtime", "forklm.server.config"),
-    # Ray's `serve run` builds the app from `forklm serve` flags with the CLI's own parser, and
-    # `forklm serve --ray` starts Ray: both entry points, on the top floor.
-    ("forklm.ray_serve.app", "forklm.cli"),
 }
 
 

@@ -46,6 +46,21 @@ def test_ray_stays_optional():
     assert "pip install 'forklm[ray]'" in done.stderr, done.stderr
 
 
+def test_serve_run_builds_the_app_from_serve_flags():
+    """`serve run forklm.ray_serve:app dp-size=2 ...` reads `forklm serve`'s own flags (either
+    spelling, true/false switches) and refuses an unknown one, naming the arguments."""
+    pytest.importorskip("ray")
+    from ray.serve.deployment import Application
+
+    from forklm.ray_serve.app import application_from_flags
+
+    app = application_from_flags({"dp-size": 2, "max_total_tokens": 4096,
+                                  "disable-radix-cache": "true"})
+    assert isinstance(app, Application)
+    with pytest.raises(ValueError, match="no-such-flag"):
+        application_from_flags({"no-such-flag": 1})
+
+
 def test_replica_slots_reuse_a_removed_replicas_index():
     from forklm.ray_serve.replica_slots import ReplicaSlots
 

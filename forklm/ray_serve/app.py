@@ -3,6 +3,7 @@ replicas are routed by PolicyRequestRouter. Built from the same configs as `fork
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -75,9 +76,11 @@ def build_application(engine_kwargs: dict[str, Any], server_config: ServerConfig
 def application_from_flags(args: dict[str, Any]) -> Any:
     """build_application from `forklm serve` flags given as {name: value} (Ray Serve's
     application-builder arguments: dp-size=2 or dp_size: 2; true/false for switches)."""
-    from forklm.cli import build_parser, dataclass_kwargs, engine_kwargs
+    from forklm.server.flags import add_serve_flags, dataclass_kwargs, engine_kwargs
 
-    argv = ["serve"]
+    parser = argparse.ArgumentParser(prog="forklm serve")
+    add_serve_flags(parser)
+    argv = []
     for name, value in args.items():
         flag = "--" + str(name).replace("_", "-")
         text = str(value).lower()
@@ -86,7 +89,7 @@ def application_from_flags(args: dict[str, Any]) -> Any:
         else:
             argv += [flag, str(value)]
     try:
-        parsed = build_parser().parse_args(argv)
+        parsed = parser.parse_args(argv)
     except SystemExit as e:  # argparse printed why; a builder raises instead of exiting
         raise ValueError(f"forklm.ray_serve: invalid arguments {args!r}") from e
     server = ServerConfig.from_kwargs(**dataclass_kwargs(parsed, ServerConfig))
