@@ -1,5 +1,7 @@
 """The forklm program language: SGLang's frontend API over forklm backends."""
 
+from typing import TYPE_CHECKING, Any
+
 from forklm.frontend_dsl.api import (
     assistant,
     assistant_begin,
@@ -26,7 +28,6 @@ from forklm.frontend_dsl.backends import (
     BackendError,
     EngineBackend,
     OpenAI,
-    Runtime,
     RuntimeEndpoint,
 )
 from forklm.frontend_dsl.choices import (
@@ -58,3 +59,17 @@ __all__ = [
     "set_default_backend", "system", "system_begin", "system_end", "token_length_normalized",
     "unconditional_likelihood_normalized", "user", "user_begin", "user_end",
 ]
+
+if TYPE_CHECKING:
+    from forklm.server.local_runtime import Runtime
+
+
+def __getattr__(name: str) -> Any:
+    """`Runtime` (a local server process) loads with the server on first use."""
+    if name != "Runtime":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from forklm.frontend_dsl import backends
+
+    runtime = backends.Runtime
+    globals()[name] = runtime
+    return runtime

@@ -229,7 +229,7 @@ def test_runtime_refuses_unknown_flags_before_starting():
 def test_runtime_reports_a_server_that_dies_or_hangs(monkeypatch):
     import sys
 
-    from forklm.frontend_dsl.backends import runtime as runtime_module
+    from forklm.server import local_runtime as runtime_module
 
     def fake_serve(script):
         monkeypatch.setattr(runtime_module, "_serve_argv",

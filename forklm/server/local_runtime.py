@@ -1,4 +1,5 @@
-"""Runtime: SGLang's `sgl.Runtime`, a local `forklm serve` process that is also a backend."""
+"""Runtime: SGLang's `sgl.Runtime`, a local `forklm serve` process that is also a backend. It
+sits with the server, whose flags it checks before starting one; the language re-exports it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from forklm.runtime.child_process import forklm_command
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.cpu_threads import sleeping_threads_env
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.server.config import ServerConfig
 
 _POLL_S = 0.2
 _LOG_TAIL_CHARS = 4000  # of the server's output, quoted when it fails to start
@@ -107,8 +109,6 @@ class Runtime(RuntimeEndpoint):
 def _serve_argv(model_path: str | None, flags: dict[str, Any]) -> list[str]:
     """The `forklm serve` command line; every flag is checked against the configs first, so a
     misspelt or invalid flag fails here, naming it."""
-    from forklm.server.config import ServerConfig
-
     if flags.get("host", "127.0.0.1") != "127.0.0.1":
         raise InvalidArgumentError("host", flags["host"], "Runtime serves on 127.0.0.1 only; "
                                    "run `forklm serve --host ...` to serve elsewhere")
