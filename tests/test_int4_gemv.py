@@ -160,7 +160,10 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("ggml_type", [*TYPES, T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+SPLIT_TYPES = [T.Q8_0, T.Q6_K, T.Q5_0, T.Q5_1, T.Q5_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+
+
+@pytest.mark.parametrize("ggml_type", [*TYPES, *SPLIT_TYPES], ids=lambda t: t.name)
 @pytest.mark.parametrize("out_features", [16, 80, 200])  # tail only, block + tail, with padding
 def test_native_rows_equal_the_torch_dequantization(ggml_type, out_features):
     """The embedding's rows (int4_rows_f32) bit for bit as Int4Matrix.rows' torch ops give them,
@@ -318,3 +321,27 @@ def test_int8_activations_on_split_matrices():
         assert torch.equal(layer.direct()(x), int8_y)
         torch.testing.assert_close(int8_y.float(), y.float(), rtol=0.05,
                                    atol=0.05 * y.float().abs().max().item())
+
+
+@needs_vnni
+@pytest.mark.parametrize("ggml_type", SPLIT_TYPES[2:], ids=lambda t: t.name)
+def test_int8_activations_on_the_five_bit_and_codebook_types(ggml_type):
+    """Split types without offsets (Q5_0, IQ4_NL, IQ4_XS, MXFP4) take Q8_0's 8-bit records; those
+    with offsets (Q5_1, Q5_K) are refused there and take the int4 records. Either way the result
+    stays within int8 steps of the bf16-dot one."""
+    from torch import nn
+
+    from forklm.runtime.quant.linear import use_int8_activations
+
+    layer = QuantizedLinear.from_gguf([make_weight(ggml_type, 48, 512, seed=4)], None,
+                                      torch.bfloat16)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
+    before = layer(x)
+    assert use_int8_activations(nn.Sequential(layer)) > 0
+    matrix = layer.matrices[0]
+    records = native_kernels.int8_vnni(matrix.packed, matrix.scale_zeros, 48, pack_block_n())
+    assert (records is None) == (ggml_type in (T.Q5_1, T.Q5_K))
+    int8_y = layer(x)
+    assert torch.equal(layer.direct()(x), int8_y)
+    torch.testing.assert_close(int8_y.float(), before.float(), rtol=0.05,
+                               atol=0.05 * before.float().abs().max().item())

@@ -22,17 +22,20 @@ from forklm.runtime.quant.linear import (
     supported_gguf_type,
 )
 
-TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K]
+TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q5_0, T.Q5_1, T.Q5_K, T.IQ4_NL, T.IQ4_XS,
+         T.MXFP4]
+_QUANTIZED_BY_GGUF = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4)
+_SUPER_BLOCK_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
 # Largest |kernel weight - gguf weight| / max |gguf weight| seen with bf16 scales (Q6_K's int8
 # sub-scales times fp16 d lose the most when rounded to bf16): measured 3.2e-3, under 2^-8.
 BF16_WEIGHT_RTOL = 2.0**-8
 
 
 def make_weight(ggml_type: T, out_features: int, in_features: int, seed: int = 0) -> GGUFWeight:
-    """Realistic blocks: gguf's own quantizer where it has one (Q8_0, Q4_0, Q4_1), else random
-    bytes with fp16 super-block scales of a trained model's size (Q4_K, Q6_K)."""
+    """Realistic blocks: gguf's own quantizer where it has one, else random bytes with fp16
+    scales of a trained model's size."""
     rng = np.random.default_rng(seed)
-    if ggml_type in (T.Q8_0, T.Q4_0, T.Q4_1):
+    if ggml_type in _QUANTIZED_BY_GGUF:
         w = rng.standard_normal((out_features, in_features)).astype(np.float32) * 0.02
         return GGUFWeight(quantize(w, ggml_type), ggml_type, (out_features, in_features))
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
@@ -42,15 +45,17 @@ def make_weight(ggml_type: T, out_features: int, in_features: int, seed: int = 0
     def fp16_scales(size: float) -> np.ndarray:
         return (rng.random(blocks.shape[:2]) * size).astype(np.float16)[..., None].view(np.uint8)
 
-    if ggml_type == T.Q4_K:  # d, dmin lead the block; 6-bit sub-scales up to 63, codes 0..15
+    if ggml_type in (T.Q4_K, T.Q5_K):  # d, dmin lead the block; 6-bit sub-scales up to 63
         blocks[..., 0:2], blocks[..., 2:4] = fp16_scales(1e-4), fp16_scales(1e-4)
-    else:  # Q6_K: d closes the block; int8 sub-scales, codes -32..31
+    elif ggml_type == T.Q6_K:  # d closes the block; int8 sub-scales, codes -32..31
         blocks[..., 208:210] = fp16_scales(2e-5)
+    else:  # IQ4_NL, IQ4_XS: d leads; codebook values up to 127, IQ4_XS sub-scales up to 32
+        blocks[..., 0:2] = fp16_scales(2e-4 if ggml_type == T.IQ4_NL else 6e-6)
     return GGUFWeight(data, ggml_type, (out_features, in_features))
 
 
 def in_features_for(ggml_type: T) -> int:
-    return 512 if ggml_type in (T.Q4_K, T.Q6_K) else 96
+    return 512 if ggml_type in _SUPER_BLOCK_TYPES else 96
 
 
 def reference(weight: GGUFWeight) -> torch.Tensor:
@@ -171,9 +176,9 @@ def test_nbytes_close_to_gguf_bytes(ggml_type, ratio):
 
 def test_supported_types():
     assert all(supported_gguf_type(t) for t in TYPES)
-    assert not supported_gguf_type(T.Q5_K) and not supported_gguf_type(T.F16)
-    with pytest.raises(NotImplementedError, match="Q5_0"):
-        QuantizedLinear.from_gguf([GGUFWeight(np.zeros((16, 22), np.uint8), T.Q5_0, (16, 32))],
+    assert not any(supported_gguf_type(t) for t in (T.Q2_K, T.Q3_K, T.F16))
+    with pytest.raises(NotImplementedError, match="Q3_K"):
+        QuantizedLinear.from_gguf([GGUFWeight(np.zeros((16, 110), np.uint8), T.Q3_K, (16, 256))],
                                   None, torch.float32)
 
 

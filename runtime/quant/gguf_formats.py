@@ -9,6 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants  # the codebooks of the IQ4 and MXFP4 formats
 
 QK_K = 256  # elements in a K-quant super-block
 
@@ -59,7 +60,7 @@ class GroupCodes(NamedTuple):
 
 
 def decode(weight: GGUFWeight) -> GroupCodes:
-    """Integer codes and fp32 group scales/offsets of a Q8_0, Q4_0, Q4_1, Q4_K or Q6_K matrix."""
+    """Integer codes and fp32 group scales/offsets of a matrix of a SUPPORTED_TYPES format."""
     if weight.ggml_type not in _DECODERS:
         raise NotImplementedError(f"no decoder for GGUF type {weight.ggml_type.name}")
     _, type_size = GGML_QUANT_SIZES[weight.ggml_type]
@@ -141,11 +142,81 @@ def _decode_q6_k(blocks: np.ndarray) -> _Decoded:
     return codes, scales, None, 16
 
 
+def _five_bit(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1 codes 0..31 of a block of 32: nibbles as Q4's, and bit i of the little-endian
+    32-bit qh the fifth bit of value i."""
+    return _nibbles(qs) | (np.unpackbits(qh, axis=-1, bitorder="little") << 4)
+
+
+def _decode_q5_0(blocks: np.ndarray) -> _Decoded:
+    # block: fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles; w = d * (q - 16)
+    codes = (_five_bit(blocks[..., 2:6], blocks[..., 6:]).astype(np.int8) - 16).astype(np.int8)
+    return codes, _f16(blocks[..., :2]), None, 32
+
+
+def _decode_q5_1(blocks: np.ndarray) -> _Decoded:
+    # block: fp16 d, fp16 m, 4 bytes of fifth bits, 16 bytes of nibbles; w = d * q + m
+    codes = _five_bit(blocks[..., 4:8], blocks[..., 8:]).astype(np.int8)
+    return codes, _f16(blocks[..., :2]), _f16(blocks[..., 2:4]), 32
+
+
+def _decode_q5_k(blocks: np.ndarray) -> _Decoded:
+    # super-block: Q4_K's d, dmin and 12 bytes of scales/mins, 32 bytes of fifth bits (bit s of
+    # byte l: value l of sub-block s), 128 bytes of nibbles laid out as Q4_K's
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    scale, minimum = _q4_k_scale_min(blocks[..., 4:16])
+    qs = blocks[..., 48:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-2)  # [out, nb, 4, 2, 32]
+    fifth = (blocks[..., 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1  # [out, nb, 32, 8]
+    high = np.moveaxis(fifth, -1, -2).reshape(low.shape)
+    codes = (low | (high << 4)).astype(np.int8)
+    scales = d[..., None] * scale.astype(np.float32)
+    offsets = -(dmin[..., None] * minimum.astype(np.float32))
+    return codes, scales, offsets, 32
+
+
+def _codebook(nibbles: np.ndarray, values: tuple[int, ...]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int8)[nibbles]
+
+
+def _decode_iq4_nl(blocks: np.ndarray) -> _Decoded:
+    # block: fp16 d, 16 bytes of nibbles indexing a non-linear int8 codebook; w = d * value
+    codes = _codebook(_nibbles(blocks[..., 2:]), gguf_quants.IQ4_NL.kvalues)
+    return codes, _f16(blocks[..., :2]), None, 32
+
+
+def _decode_iq4_xs(blocks: np.ndarray) -> _Decoded:
+    # super-block: fp16 d, 2 + 4 bytes of 6-bit sub-block scales (low nibbles in bytes 4-7, two
+    # high bits each in the uint16 at 2-3), 8 x 16 bytes of IQ4_NL nibbles; w = d * (ls - 32) * v
+    lead = blocks.shape[:-1]
+    low_bits = np.stack([blocks[..., 4:8] & 0x0F, blocks[..., 4:8] >> 4], -1).reshape(*lead, 8)
+    high_word = blocks[..., 2:4].copy().view(np.uint16)  # [out, nb, 1]
+    high_bits = (high_word >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [out, nb, 8]
+    ls = (low_bits | (high_bits.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+    scales = _f16(blocks[..., :2])[..., None] * ls.astype(np.float32)
+    qs = blocks[..., 8:].reshape(*lead, 8, 16)
+    codes = _codebook(_nibbles(qs), gguf_quants.IQ4_NL.kvalues)  # [out, nb, 8, 32]
+    return codes, scales, None, 32
+
+
+def _decode_mxfp4(blocks: np.ndarray) -> _Decoded:
+    # block: an E8M0 exponent byte, 16 bytes of nibbles indexing FP4 (E2M1) values doubled to
+    # integers; w = 2**(e - 128) * value
+    scales = gguf_quants.MXFP4.e8m0_to_fp32_half(blocks[..., 0])
+    return _codebook(_nibbles(blocks[..., 1:]), gguf_quants.MXFP4.kvalues), scales, None, 32
+
+
 _DECODERS = {
     GGMLQuantizationType.Q8_0: _decode_q8_0,
     GGMLQuantizationType.Q4_0: _decode_q4_0,
     GGMLQuantizationType.Q4_1: _decode_q4_1,
     GGMLQuantizationType.Q4_K: _decode_q4_k,
     GGMLQuantizationType.Q6_K: _decode_q6_k,
+    GGMLQuantizationType.Q5_0: _decode_q5_0,
+    GGMLQuantizationType.Q5_1: _decode_q5_1,
+    GGMLQuantizationType.Q5_K: _decode_q5_k,
+    GGMLQuantizationType.IQ4_NL: _decode_iq4_nl,
+    GGMLQuantizationType.IQ4_XS: _decode_iq4_xs,
+    GGMLQuantizationType.MXFP4: _decode_mxfp4,
 }
 SUPPORTED_TYPES = frozenset(_DECODERS)

@@ -41,12 +41,17 @@ NATIVE_DENSE_COPY_MIN_ROWS = native_kernels.INT4_MAX_ROWS + 1
 NATIVE_SPLIT_DENSE_COPY_MIN_ROWS = 8
 
 # How each type's integer codes map onto 4-bit kernel codes. 4-bit types use c = code + shift.
-# 8-bit Q8_0 and 6-bit Q6_K codes are split code = hi * 2**lo_bits + lo into two 4-bit codes
-# that sit side by side along a doubled K; the activations are repeated to match, the hi copy
-# multiplied by 2**lo_bits (a power of two, so exact). Measured in benchmarks/quant_speed.py:
-# this is faster than dequantizing int8 codes in row chunks, and exact.
+# Wider codes (8-bit Q8_0 and the IQ4/MXFP4 codebook values, 5-bit Q5_*, 6-bit Q6_K) are split
+# code = hi * 2**lo_bits + lo into two 4-bit codes that sit side by side along a doubled K; the
+# activations are repeated to match, the hi copy multiplied by 2**lo_bits (a power of two, so
+# exact). Measured in benchmarks/quant_speed.py: this is faster than dequantizing int8 codes in
+# row chunks, and exact. A split matrix without offsets is Q8_0's form, which the int8 VNNI
+# kernel takes as 8-bit records.
 _SHIFT = {GGMLQuantizationType.Q4_0: 8, GGMLQuantizationType.Q4_1: 0, GGMLQuantizationType.Q4_K: 0}
-_LO_BITS = {GGMLQuantizationType.Q8_0: 4, GGMLQuantizationType.Q6_K: 2}
+_LO_BITS = {GGMLQuantizationType.Q6_K: 2, **dict.fromkeys((
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q5_K, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS,
+    GGMLQuantizationType.MXFP4), 4)}
 
 
 def supported_gguf_type(ggml_type: GGMLQuantizationType) -> bool:
@@ -344,9 +349,9 @@ def _shift_codes(group: GroupCodes, shift: int) -> tuple[torch.Tensor, ...]:
 def _split_codes(group: GroupCodes, lo_bits: int) -> tuple[torch.Tensor, ...]:
     """Wider codes: hi = code >> lo_bits (-8..7) and lo = code & mask, each a 4-bit kernel code.
 
-    A chunk of 32 (Q8_0) gives two kernel groups, hi (zero 0) and lo (c = lo, zero 8s). A chunk
-    of 16 (Q6_K) gives one kernel group [hi 16, lo 16] sharing one zero, so lo is stored as
-    lo + 8 (lo <= 3) and the zero is 0."""
+    A chunk of 32 (Q8_0) gives two kernel groups, hi (zero 0) and lo (c = lo, zero 8s, plus the
+    group's offset where it has one: Q5_1, Q5_K). A chunk of 16 (Q6_K) gives one kernel group
+    [hi 16, lo 16] sharing one zero, so lo is stored as lo + 8 (lo <= 3) and the zero is 0."""
     out_features = group.codes.shape[0]
     chunk, codes = group.group_size, group.codes.to(torch.int16)
     codes = codes.view(out_features, -1, 1, chunk)  # [out, K / chunk, 1, chunk]
@@ -356,9 +361,11 @@ def _split_codes(group: GroupCodes, lo_bits: int) -> tuple[torch.Tensor, ...]:
     s = group.scales  # [out, K / chunk]
     if chunk == KERNEL_GROUP:
         scales = torch.stack([s, s], -1).view(out_features, -1)  # [out, 2K / 32]
-        zeros = torch.stack([torch.zeros_like(s), 8 * s], -1).view(out_features, -1)
+        lo_zeros = 8 * s if group.offsets is None else 8 * s + group.offsets
+        zeros = torch.stack([torch.zeros_like(s), lo_zeros], -1).view(out_features, -1)
     else:
-        assert 2 * chunk == KERNEL_GROUP and lo_shift == 8, f"chunk {chunk}, lo_bits {lo_bits}"
+        assert 2 * chunk == KERNEL_GROUP and lo_shift == 8 and group.offsets is None, (
+            f"chunk {chunk}, lo_bits {lo_bits}")
         scales, zeros = s, torch.zeros_like(s)
     return kernel_codes, scales, zeros
 
