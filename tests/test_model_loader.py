@@ -14,7 +14,7 @@ import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from forklm.runtime.errors import ModelNotFoundError, UnsupportedModelError
-from forklm.runtime.models import gguf_loader
+from forklm.runtime.models import gguf_archs, gguf_loader
 from forklm.runtime.models import source as model_source
 from forklm.runtime.models.loader import LoadedModel, load_model
 from forklm.runtime.models.source import default_model_gguf, resolve_model_source
@@ -217,8 +217,8 @@ def test_hf_folder(default_model, tmp_path, config, shard_size):
 # ---- Tiny GGUFs written here ----------------------------------------------------------------
 
 
-_GGUF_LAYER = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
-_GGUF_GLOBAL = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
+_GGUF_LAYER = {v: k for k, v in gguf_archs.LAYER_NAMES.items()}
+_GGUF_GLOBAL = {v: k for k, v in gguf_archs.GLOBAL_NAMES.items()}
 BYTE_TOKENS = list(bytes_to_unicode().values())
 
 

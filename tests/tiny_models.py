@@ -145,13 +145,17 @@ def tiny_config(name: str, tokenizer, **overrides: Any) -> transformers.Pretrain
     return ARCHITECTURES[name].make_config({**_common(tokenizer), **overrides})
 
 
-def build_tiny_model(name: str, folder: pathlib.Path | str, tokenizer,
-                     seed: int = 0, **overrides: Any) -> transformers.PreTrainedModel:
+def build_tiny_model(name: str, folder: pathlib.Path | str, tokenizer, seed: int = 0,
+                     edit: Callable[[Any], None] | None = None,
+                     **overrides: Any) -> transformers.PreTrainedModel:
     """Build ARCHITECTURES[name] with random fp32 weights (scaled by its weight_scale, norm weights
     jittered), save it and `tokenizer` into `folder` (safetensors), and return it in eval mode on
-    transformers' eager attention. `overrides` change common config fields (tiny_config)."""
+    transformers' eager attention. `overrides` change common config fields (tiny_config); `edit`
+    changes the config in place before the model is built."""
     arch = ARCHITECTURES[name]
     config = tiny_config(name, tokenizer, **overrides)
+    if edit is not None:
+        edit(config)
     config._attn_implementation = "eager"  # the plainest reference: explicit masks and soft-caps
     torch.manual_seed(seed)
     model = arch.model_class(config).float().eval()

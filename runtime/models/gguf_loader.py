@@ -14,7 +14,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,38 +22,16 @@ import torch
 import transformers
 
 from forklm.runtime.errors import ModelNotFoundError, UnsupportedModelError
+from forklm.runtime.models.gguf_archs import EXPERT_NAMES, GGUF_ARCHS, GLOBAL_NAMES
 
 logger = logging.getLogger(__name__)
 
 # Bump when the cached files change meaning, so caches written by an older loader are not reused.
 _CACHE_VERSION = 2
 
-# GGUF architecture -> (config class, whether llama.cpp permuted the Q/K rows for its RoPE).
-_GGUF_ARCHS = {
-    "llama": (transformers.LlamaConfig, True),
-    "qwen2": (transformers.Qwen2Config, False),
-    "qwen3": (transformers.Qwen3Config, False),
-}
-_ROPE_FREQS = "rope_freqs.weight"
+_ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 rope scaling
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
 _TOKENIZER_ARRAYS = {f"tokenizer.ggml.{k}" for k in ("tokens", "token_type", "scores", "merges")}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
 
 
 class GGUFModel:
@@ -66,11 +44,11 @@ class GGUFModel:
         self.tokenizer: transformers.PreTrainedTokenizerBase
         self.reader = gguf.GGUFReader(path)
         arch = self.reader.fields["general.architecture"].contents()
-        if arch not in _GGUF_ARCHS:
+        if arch not in GGUF_ARCHS:
             raise UnsupportedModelError(
                 f"{path}: GGUF architecture {arch!r} is not supported; expected one of "
-                f"{sorted(_GGUF_ARCHS)}")
-        self.arch = arch
+                f"{sorted(GGUF_ARCHS)}")
+        self.arch, self.spec = arch, GGUF_ARCHS[arch]
         cached = _cache_dir_for(path)
         if cached.is_dir():
             logger.info("config and tokenizer of %s from cache %s", path.name, cached)
@@ -82,10 +60,7 @@ class GGUFModel:
             return
         meta = {k: f.contents() for k, f in self.reader.fields.items() if k not in _TOKENIZER_ARRAYS}
         meta.setdefault(f"{arch}.vocab_size", len(self.reader.fields["tokenizer.ggml.tokens"].data))
-        self.config = _gguf_config(meta, arch, {t.name for t in self.reader.tensors})
-        factors = next((t for t in self.reader.tensors if t.name == _ROPE_FREQS), None)
-        if factors is not None:  # llama.cpp's form of Llama 3 rope scaling: inv_freq / factors
-            self.config.rope_parameters["freq_factors"] = [float(f) for f in factors.data]
+        self.config = _gguf_config(meta, arch, {t.name: t for t in self.reader.tensors})
         self.tokenizer = _gguf_tokenizer(path, meta)
         eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
         self.eos_token_ids = list(dict.fromkeys(meta[k] for k in eos_keys if k in meta))
@@ -104,9 +79,9 @@ class GGUFModel:
             supported = supported_gguf_type
         dequantized = set()
         for tensor in self.reader.tensors:
-            if tensor.name == _ROPE_FREQS:
+            if tensor.name == _ROPE_FREQS or tensor.name in _ROPE_FACTORS:
                 continue  # in the config's rope parameters, not a weight
-            name = _hf_name(tensor.name, self.path)
+            name = _hf_name(tensor.name, self.spec.layer_names, self.path)
             shape = tuple(int(n) for n in tensor.shape.tolist()[::-1])  # GGUF lists dims fastest-first
             rows = self._qk_row_order(name, shape[0])
             if supported is not None and len(shape) == 2 and supported(tensor.tensor_type):
@@ -117,14 +92,24 @@ class GGUFModel:
                 dequantized.add(tensor.tensor_type.name)
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
-            yield name, weight if rows is None else weight[rows]
+            if rows is not None:
+                weight = weight[rows]
+            if self.spec.norm_plus_one and name.endswith("norm.weight"):
+                weight = weight - 1  # llama.cpp stored Gemma's 1 + w
+            if name.endswith("shared_expert_gate.weight") and weight.dim() == 1:
+                weight = weight[None]  # llama.cpp keeps the [1, hidden] gate as [hidden]
+            if "{expert}" in name:  # stacked experts [experts, rows, cols]: one matrix each
+                for expert, matrix in enumerate(weight):
+                    yield name.format(expert=expert), matrix
+                continue
+            yield name, weight
         if dequantized:
             logger.info("%s: %s tensors have no quantized kernel here; dequantized at load",
                         self.path.name, ", ".join(sorted(dequantized)))
 
     def _qk_row_order(self, name: str, rows: int) -> torch.Tensor | None:
         """Row order that undoes llama.cpp's RoPE permutation of q/k (None: rows are as HF's)."""
-        if not _GGUF_ARCHS[self.arch][1] or not (".q_proj." in name or ".k_proj." in name):
+        if not self.spec.permuted_qk or not (".q_proj." in name or ".k_proj." in name):
             return None
         heads = (self.config.num_attention_heads if ".q_proj." in name
                  else self.config.num_key_value_heads)
@@ -132,23 +117,32 @@ class GGUFModel:
         return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def _gguf_config(meta: dict, arch: str, tensor_names: set[str]) -> transformers.PretrainedConfig:
-    def key(name: str, default=None):
+def _gguf_config(meta: dict, arch: str, tensors: dict[str, Any]) -> transformers.PretrainedConfig:
+    def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
 
+    spec, tensor_names = GGUF_ARCHS[arch], set(tensors)
     heads, hidden = key("attention.head_count"), key("embedding_length")
-    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0))}
+    extra = spec.extra_config(key, hidden, heads)
+    rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0)),
+            **extra.pop("rope", {})}
+    original_context = key("rope.scaling.original_context_length")
     if key("rope.scaling.type") not in (None, "none"):
         rope.update(rope_type=key("rope.scaling.type"), factor=float(key("rope.scaling.factor")))
-        if key("rope.scaling.original_context_length"):
-            rope["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
-    extra = {}
-    if arch in ("llama", "qwen3"):
-        extra["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-        extra["head_dim"] = key("attention.key_length") or hidden // heads
+        if original_context:
+            rope["original_max_position_embeddings"] = original_context
+    if _ROPE_FREQS in tensors:  # llama.cpp's form of Llama 3 rope scaling: inv_freq / factors
+        rope["freq_factors"] = _floats(tensors[_ROPE_FREQS])
+    if all(name in tensors for name in _ROPE_FACTORS):  # Phi-3's LongRoPE
+        rope.update(rope_type="longrope", long_factor=_floats(tensors[_ROPE_FACTORS[0]]),
+                    short_factor=_floats(tensors[_ROPE_FACTORS[1]]),
+                    original_max_position_embeddings=original_context)
+        extra["original_max_position_embeddings"] = original_context
+    if hasattr(spec.config_class(), "attention_bias"):
+        extra.setdefault("attention_bias", "blk.0.attn_q.bias" in tensor_names)
     # The GGUF stores eps as float32 (9.9999997e-06); its shortest repr is the intended 1e-05.
     eps = np.float32(key("attention.layer_norm_rms_epsilon", 1e-6))
-    return _GGUF_ARCHS[arch][0](
+    fields = dict(
         vocab_size=key("vocab_size"),
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
@@ -162,17 +156,25 @@ def _gguf_config(meta: dict, arch: str, tensor_names: set[str]) -> transformers.
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        **extra,
     )
+    return spec.config_class(**{**fields, **extra})
 
 
-def _hf_name(gguf_name: str, path: pathlib.Path) -> str:
+def _floats(tensor: Any) -> list[float]:
+    return [float(f) for f in tensor.data]
+
+
+def _hf_name(gguf_name: str, layer_names: Mapping[str, str], path: pathlib.Path) -> str:
+    """The Hugging Face name of a GGUF tensor; a stacked experts tensor's has an `{expert}`
+    field for each expert's index."""
     stem, _, kind = gguf_name.rpartition(".")  # kind: "weight" or "bias"
-    if stem in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    if stem in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in EXPERT_NAMES:
+        return f"model.layers.{parts[1]}.mlp.experts.{{expert}}.{EXPERT_NAMES[parts[2]]}.{kind}"
     raise ModelNotFoundError(f"{path}: tensor {gguf_name!r} has no Hugging Face counterpart")
 
 

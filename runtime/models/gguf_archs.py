@@ -1,0 +1,120 @@
+"""What differs per GGUF architecture: the Hugging Face config its metadata makes, the Hugging Face
+names of its tensors, and what llama.cpp's converter changed in them (q/k row order, Gemma's norm
+weights). Metadata keys are llama.cpp's (`{arch}.attention.head_count`, ...)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import transformers
+
+Key = Callable[..., Any]  # key(name, default=None): the metadata value `{arch}.{name}`
+
+# GGUF layer tensor -> Hugging Face module, for the Llama layout every family starts from.
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                "output": "lm_head"}
+# Stacked experts [experts, rows, cols]: one Hugging Face matrix per expert.
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                "ffn_down_exps": "down_proj"}
+_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",  # the router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # stored as [hidden], a [1, hidden] Linear
+}
+# Gemma's four norms: llama.cpp names the pre-MLP one ffn_norm, as Llama's only second norm.
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3 keeps q/k/v and gate/up fused, as its Hugging Face checkpoints do.
+_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """One GGUF architecture: its config class and the fields its metadata adds to the common
+    ones; `permuted_qk`: llama.cpp interleaved each q/k head's rotary halves; `norm_plus_one`:
+    llama.cpp stored Gemma's RMSNorm weights as 1 + w (Hugging Face stores w)."""
+
+    config_class: type
+    extra_config: Callable[[Key, int, int], dict[str, Any]] = lambda key, hidden, heads: {}
+    layer_names: Mapping[str, str] = field(default_factory=lambda: LAYER_NAMES)
+    permuted_qk: bool = False
+    norm_plus_one: bool = False
+
+
+def _head_dim(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    return {"head_dim": key("attention.key_length") or hidden // heads}
+
+
+def _moe(key: Key, norm_topk_prob: bool) -> dict[str, Any]:
+    return {"num_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+            "moe_intermediate_size": key("expert_feed_forward_length"),
+            "shared_expert_intermediate_size": key("expert_shared_feed_forward_length", 0),
+            "norm_topk_prob": bool(key("expert_weights_norm", norm_topk_prob)),
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def _gemma(key: Key, hidden: int, heads: int, num_layers_27b: int) -> dict[str, Any]:
+    """llama.cpp scales Gemma's attention by 1/sqrt(head_dim) except on the 27B models (by their
+    layer count), which use hidden / heads: the GGUF has no key for query_pre_attn_scalar."""
+    head_dim = _head_dim(key, hidden, heads)["head_dim"]
+    scalar = hidden // heads if key("block_count") == num_layers_27b else head_dim
+    return {"head_dim": head_dim, "query_pre_attn_scalar": scalar,
+            "sliding_window": key("attention.sliding_window")}
+
+
+def _gemma2(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    return {**_gemma(key, hidden, heads, num_layers_27b=46),
+            "attn_logit_softcapping": key("attn_logit_softcapping"),
+            "final_logit_softcapping": key("final_logit_softcapping")}
+
+
+def _gemma3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # Global layers take the file's RoPE (with its scaling); local ones llama.cpp's fixed 10k.
+    full = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 1e6))}
+    if key("rope.scaling.type") not in (None, "none"):
+        full.update(rope_type=key("rope.scaling.type"), factor=float(key("rope.scaling.factor")))
+    rope = {"full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    return {**_gemma(key, hidden, heads, num_layers_27b=62), "rope_parameters": rope,
+            "final_logit_softcapping": None, "attn_logit_softcapping": None}
+
+
+def _phi3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    rotary = key("rope.dimension_count")  # Phi-4-mini rotates 3/4 of each head
+    return {"rope": {"partial_rotary_factor": rotary / (hidden // heads)}} if rotary else {}
+
+
+GGUF_ARCHS = {
+    "llama": GGUFArch(transformers.LlamaConfig, _head_dim, permuted_qk=True),
+    "qwen2": GGUFArch(transformers.Qwen2Config),
+    "qwen3": GGUFArch(transformers.Qwen3Config, _head_dim),
+    "qwen2moe": GGUFArch(transformers.Qwen2MoeConfig, lambda key, hidden, heads: _moe(key, False),
+                         {**LAYER_NAMES, **_MOE_NAMES}),
+    "qwen3moe": GGUFArch(transformers.Qwen3MoeConfig,
+                         lambda key, hidden, heads: {**_head_dim(key, hidden, heads),
+                                                     **_moe(key, True)},
+                         {**LAYER_NAMES, **_MOE_NAMES}),
+    "gemma2": GGUFArch(transformers.Gemma2Config, _gemma2, {**LAYER_NAMES, **_GEMMA_NAMES},
+                       norm_plus_one=True),
+    "gemma3": GGUFArch(transformers.Gemma3TextConfig, _gemma3, {**LAYER_NAMES, **_GEMMA_NAMES},
+                       norm_plus_one=True),
+    "phi3": GGUFArch(transformers.Phi3Config, _phi3, {**LAYER_NAMES, **_PHI3_NAMES}),
+}

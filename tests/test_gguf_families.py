@@ -1,0 +1,172 @@
+"""Every family forklm serves from Hugging Face folders, written as a GGUF the way llama.cpp's
+converter writes it (gguf-py's tensor names for the architecture, Gemma's norms as 1 + w, Llama's
+q/k rows interleaved, MoE experts stacked, the shared-expert gate flattened) and loaded back by
+forklm: greedy tokens equal transformers' on the original model, in fp32. The tiny models are
+tests/tiny_models.py's, with the fields a GGUF cannot carry set to what llama.cpp assumes."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from forklm.runtime.engine.engine import Engine
+from forklm.runtime.models.source import default_model_gguf
+from tests.conftest import hf_greedy
+from tests.test_model_loader import _permute_qk
+from tests.tiny_models import ARCHITECTURES, build_tiny_model
+
+NUM_NEW = 12
+PROMPT_TEXTS = ["Paris is the capital of",
+                "The quick brown fox jumps over the lazy dog near the river bank."]
+
+
+def _gemma_defaults(config) -> None:
+    # llama.cpp scales attention by 1/sqrt(head_dim) (no GGUF key for query_pre_attn_scalar).
+    config.query_pre_attn_scalar = config.head_dim
+
+
+def _gemma3_defaults(config) -> None:
+    # ... and slides every layer but each sixth: six layers, the last one global.
+    _gemma_defaults(config)
+    config.num_hidden_layers = 6
+    config.layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+
+
+def _plain_rope(config) -> None:
+    # Llama 3's rope scaling travels as a rope_freqs tensor: test_model_loader.py covers it.
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+# case -> (tiny_models architecture, GGUF architecture, config edit)
+CASES = {
+    "llama": ("llama3", "llama", _plain_rope),
+    "qwen3": ("qwen3", "qwen3", None),
+    "gemma2": ("gemma2", "gemma2", _gemma_defaults),
+    "gemma3": ("gemma3", "gemma3", _gemma3_defaults),
+    "phi3": ("phi3_short", "phi3", None),
+    "qwen2_moe": ("qwen2_moe", "qwen2moe", None),
+    "qwen3_moe": ("qwen3_moe", "qwen3moe", None),
+}
+
+
+def write_gguf(path, model, arch: str) -> None:
+    """`model` (a transformers CausalLM) as llama.cpp's converter would write it, with the
+    default model's tokenizer."""
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    _write_metadata(writer, config)
+    _copy_tokenizer(writer)
+    march = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(march, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            array = array + 1
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            array = _permute_qk(array, heads)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * ff, hidden]: gate, then up
+            gate, up = np.split(array, 2, axis=1)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(array))
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            array = array[0]
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None and name == "lm_head.weight":  # gguf-py's Gemma 2 map has it tied
+            gguf_name = "output.weight"
+        assert gguf_name is not None, name
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "longrope":
+        writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight",
+                          np.asarray(rope["short_factor"], np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_metadata(writer, config) -> None:
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "attn_logit_softcapping", None):
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if getattr(config, "num_experts", None):
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def _copy_tokenizer(writer) -> None:
+    fields = gguf.GGUFReader(default_model_gguf()).fields
+    value = {name: fields[name].contents() for name in fields if name.startswith("tokenizer.")}
+    writer.add_tokenizer_model(value["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(value["tokenizer.ggml.pre"])
+    writer.add_token_list(value["tokenizer.ggml.tokens"])
+    writer.add_token_types(value["tokenizer.ggml.token_type"])
+    writer.add_token_merges(value["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(value["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(value["tokenizer.ggml.eos_token_id"])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_family_from_gguf_generates_as_transformers(case, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    tiny, arch, edit = CASES[case]
+    model = build_tiny_model(tiny, tmp_path / "hf", tokenizer, edit=edit)
+    write_gguf(tmp_path / f"{case}.gguf", model, arch)
+    prompts = [tokenizer.encode(text) for text in PROMPT_TEXTS]
+    expected = [hf_greedy(model, ids, NUM_NEW) for ids in prompts]
+    engine = Engine(model_path=str(tmp_path / f"{case}.gguf"), dtype="float32",
+                    max_total_tokens=2048, **ARCHITECTURES[tiny].engine_config)
+    try:
+        assert engine.parts.runner.model.spec.model_type == model.config.model_type
+        outs = engine.generate(input_ids=prompts, sampling_params={
+            "temperature": 0, "max_new_tokens": NUM_NEW, "ignore_eos": True})
+        assert [out["output_ids"] for out in outs] == expected
+    finally:
+        engine.shutdown()
+
+
+def test_an_architecture_forklm_lacks_is_refused_by_name(tmp_path):
+    from forklm.runtime.errors import UnsupportedModelError
+    from forklm.runtime.models.gguf_loader import GGUFModel
+
+    writer = gguf.GGUFWriter(tmp_path / "mamba.gguf", "mamba")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'mamba' is not supported.*gemma3"):
+        GGUFModel(tmp_path / "mamba.gguf")
