@@ -45,6 +45,7 @@ CASES = {
     "gemma2": ("gemma2", "gemma2", _gemma_defaults),
     "gemma3": ("gemma3", "gemma3", _gemma3_defaults),
     "phi3": ("phi3_short", "phi3", None),
+    "mixtral": ("mixtral", "llama", None),  # llama.cpp writes Mixtral as llama with experts
     "qwen2_moe": ("qwen2_moe", "qwen2moe", None),
     "qwen3_moe": ("qwen3_moe", "qwen3moe", None),
 }
@@ -119,12 +120,15 @@ def _write_metadata(writer, config) -> None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
-    if getattr(config, "num_experts", None):
+    if getattr(config, "moe_intermediate_size", None):  # Qwen-MoE
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if getattr(config, "shared_expert_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    elif getattr(config, "num_local_experts", None):  # Mixtral: experts as wide as the MLP
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
 
 
 def _copy_tokenizer(writer) -> None:

@@ -102,6 +102,15 @@ def _phi3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
     return {"rope": {"partial_rotary_factor": rotary / (hidden // heads)}} if rotary else {}
 
 
+def _mixtral(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    return {**_head_dim(key, hidden, heads), "num_local_experts": key("expert_count"),
+            "num_experts_per_tok": key("expert_used_count")}
+
+
+# llama.cpp writes Mixtral as `llama` whose layers have experts (`llama.expert_count`).
+LLAMA_WITH_EXPERTS = GGUFArch(transformers.MixtralConfig, _mixtral,
+                              {**LAYER_NAMES, "ffn_gate_inp": "mlp.gate"}, permuted_qk=True)
+
 GGUF_ARCHS = {
     "llama": GGUFArch(transformers.LlamaConfig, _head_dim, permuted_qk=True),
     "qwen2": GGUFArch(transformers.Qwen2Config),
@@ -118,3 +127,8 @@ GGUF_ARCHS = {
                        norm_plus_one=True),
     "phi3": GGUFArch(transformers.Phi3Config, _phi3, {**LAYER_NAMES, **_PHI3_NAMES}),
 }
+
+
+def arch_of(name: str, expert_count: int | None) -> GGUFArch:
+    """The GGUFArch of a file's `general.architecture` (KeyError: not one forklm reads)."""
+    return LLAMA_WITH_EXPERTS if name == "llama" and expert_count else GGUF_ARCHS[name]

@@ -22,7 +22,13 @@ import torch
 import transformers
 
 from forklm.runtime.errors import ModelNotFoundError, UnsupportedModelError
-from forklm.runtime.models.gguf_archs import EXPERT_NAMES, GGUF_ARCHS, GLOBAL_NAMES
+from forklm.runtime.models.gguf_archs import (
+    EXPERT_NAMES,
+    GGUF_ARCHS,
+    GLOBAL_NAMES,
+    GGUFArch,
+    arch_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +54,8 @@ class GGUFModel:
             raise UnsupportedModelError(
                 f"{path}: GGUF architecture {arch!r} is not supported; expected one of "
                 f"{sorted(GGUF_ARCHS)}")
-        self.arch, self.spec = arch, GGUF_ARCHS[arch]
+        experts = self.reader.fields.get(f"{arch}.expert_count")
+        self.arch, self.spec = arch, arch_of(arch, experts.contents() if experts else None)
         cached = _cache_dir_for(path)
         if cached.is_dir():
             logger.info("config and tokenizer of %s from cache %s", path.name, cached)
@@ -60,7 +67,8 @@ class GGUFModel:
             return
         meta = {k: f.contents() for k, f in self.reader.fields.items() if k not in _TOKENIZER_ARRAYS}
         meta.setdefault(f"{arch}.vocab_size", len(self.reader.fields["tokenizer.ggml.tokens"].data))
-        self.config = _gguf_config(meta, arch, {t.name: t for t in self.reader.tensors})
+        self.config = _gguf_config(meta, arch, self.spec,
+                                   {t.name: t for t in self.reader.tensors})
         self.tokenizer = _gguf_tokenizer(path, meta)
         eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
         self.eos_token_ids = list(dict.fromkeys(meta[k] for k in eos_keys if k in meta))
@@ -117,11 +125,12 @@ class GGUFModel:
         return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def _gguf_config(meta: dict, arch: str, tensors: dict[str, Any]) -> transformers.PretrainedConfig:
+def _gguf_config(meta: dict, arch: str, spec: GGUFArch,
+                 tensors: dict[str, Any]) -> transformers.PretrainedConfig:
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
 
-    spec, tensor_names = GGUF_ARCHS[arch], set(tensors)
+    tensor_names = set(tensors)
     heads, hidden = key("attention.head_count"), key("embedding_length")
     extra = spec.extra_config(key, hidden, heads)
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0)),
