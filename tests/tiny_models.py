@@ -158,12 +158,21 @@ def build_tiny_model(name: str, folder: pathlib.Path | str, tokenizer, seed: int
         edit(config)
     config._attn_implementation = "eager"  # the plainest reference: explicit masks and soft-caps
     torch.manual_seed(seed)
-    model = arch.model_class(config).float().eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            p.mul_(arch.weight_scale)
-            if "norm" in param_name:  # norms start as constants; vary them so a misread shows
-                p.add_(torch.randn_like(p) * 0.5)
+    model = randomized(arch.model_class(config), arch.weight_scale)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    return model
+
+
+def randomized(model: transformers.PreTrainedModel, weight_scale: float
+               ) -> transformers.PreTrainedModel:
+    """`model` in fp32 eval mode, its random init scaled by `weight_scale` (random init gives
+    near-uniform logits) and its norm weights jittered (they start as constants, which would hide
+    a misread one)."""
+    model = model.float().eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            p.mul_(weight_scale)
+            if "norm" in param_name:
+                p.add_(torch.randn_like(p) * 0.5)
     return model

@@ -62,8 +62,20 @@ def load_model(model_path: str, revision: str | None = None,
 # ---- Hugging Face folders -------------------------------------------------------------------
 
 
+# Multimodal checkpoints whose language model forklm serves alone (text in, text out): their
+# config's text_config, and their weights under the language model's prefix (the Hub's names and
+# transformers 5's); the vision tower and projector are not loaded.
+_TEXT_OF_MULTIMODAL = frozenset({"gemma3"})
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+
+
 def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    outer = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    multimodal = outer.model_type in _TEXT_OF_MULTIMODAL
+    config = outer.get_text_config() if multimodal else outer
+    if multimodal:  # the multimodal model ties (or not) its language model's head
+        config.tie_word_embeddings = bool(getattr(outer, "tie_word_embeddings", False))
     shards = _safetensors_files(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     eos_ids = _eos_ids_from(_read_json(folder / "generation_config.json"), config, tokenizer)
@@ -74,11 +86,21 @@ def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
             with safe_open(shard, framework="pt") as f:
                 names = f.keys()  # a safe_open handle is not iterable itself
                 for name in names:
-                    if tied and name == "lm_head.weight":
-                        continue  # one contract for every source: tied models carry no lm_head
-                    yield name, f.get_tensor(name)
+                    hf_name = language_model_name(name) if multimodal else name
+                    if hf_name is None or (tied and hf_name == "lm_head.weight"):
+                        continue  # tied models carry no lm_head, whatever the source
+                    yield hf_name, f.get_tensor(name)
 
     return LoadedModel(config, tokenizer, str(folder), eos_ids, weights)
+
+
+def language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under its language model's own name (None: another
+    tower's)."""
+    for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return "lm_head.weight" if name == "lm_head.weight" else None
 
 
 def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -96,7 +118,8 @@ def _read_json(path: pathlib.Path) -> dict | None:
 
 def _eos_ids_from(generation: dict | None, config, tokenizer) -> list[int]:
     """The first source that names EOS wins: generation_config.json, then config, then tokenizer."""
-    sources = ((generation or {}).get("eos_token_id"), config.eos_token_id, tokenizer.eos_token_id)
+    sources = ((generation or {}).get("eos_token_id"), getattr(config, "eos_token_id", None),
+               tokenizer.eos_token_id)
     for ids in sources:
         if ids is not None:
             ids = [ids] if isinstance(ids, int) else list(ids)

@@ -72,9 +72,6 @@ class ModelSpec:
 def spec_from_config(config: Any) -> ModelSpec:
     """The ModelSpec of a transformers config; UnsupportedModelError for an unknown model_type or
     a field whose effect forklm does not implement."""
-    if config.model_type == "gemma3":
-        _refuse(config, "model_type", "gemma3",
-                "this is the multimodal Gemma 3 checkpoint; use a text-only (gemma3_text) one")
     family = _FAMILIES.get(config.model_type)
     if family is None:
         raise UnsupportedModelError(
