@@ -1,10 +1,11 @@
 """QuantizedLinear forward vs F.linear on the dequantized weight (fp32 and bf16), per linear shape
-of the default model and for random Q4_K/Q6_K/Q8_0 matrices: `python -m benchmarks.quant_speed`.
+of the default model and for a random matrix of every GGUF type kept quantized:
+`python -m benchmarks.quant_speed`.
 
 Milliseconds, median of many runs after warm-up. Columns: q-bf16 = QuantizedLinear with the bf16
 int4 kernel (x given in bf16; q-bf16(x32) = fp32 x converted there and back), q-fp32 = the exact
 fp32 int4 kernel, chunked = int8 codes dequantized in 256-row chunks then F.linear (the rejected
-alternative for Q8_0/Q6_K)."""
+alternative for the types whose codes are wider than 4 bits)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from forklm.runtime.quant.gguf_formats import GGUFWeight, GroupCodes, decode
+from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
 from forklm.runtime.quant.linear import QuantizedLinear
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -74,14 +75,8 @@ def model_weights() -> list[tuple[str, GGUFWeight]]:
 def random_weights() -> list[tuple[str, GGUFWeight]]:
     from tests.test_quant import make_weight
 
-    types = [gguf_type("Q4_K"), gguf_type("Q6_K"), gguf_type("Q8_0")]
+    types = sorted(SUPPORTED_TYPES, key=lambda t: t.name)
     return [(f"random {t.name}", make_weight(t, 576, 1536)) for t in types]
-
-
-def gguf_type(name: str):
-    from gguf import GGMLQuantizationType
-
-    return GGMLQuantizationType[name]
 
 
 def chunked_linear(group: GroupCodes, rows: int = 256) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -122,7 +117,7 @@ def time_slow(row: dict[str, object], weight: GGUFWeight, exact: bool) -> None:
     if exact:
         slow = QuantizedLinear.from_gguf([weight], None, torch.float32, torch.float32)
         row["q-fp32"] = median_ms(lambda: slow(x), budget_s=0.3, max_runs=20)
-    if weight.ggml_type.name in ("Q8_0", "Q6_K"):
+    if weight.ggml_type.name not in ("Q4_0", "Q4_1", "Q4_K"):  # codes wider than 4 bits
         chunked = chunked_linear(decode(weight))
         row["chunked"] = median_ms(lambda: chunked(x), budget_s=0.3, max_runs=50)
 
