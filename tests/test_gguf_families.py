@@ -13,7 +13,7 @@ import pytest
 from forklm.runtime.engine.engine import Engine
 from forklm.runtime.models.source import default_model_gguf
 from tests.conftest import hf_greedy
-from tests.test_model_loader import _permute_qk
+from tests.test_model_loader import _permute_qk, write_shape
 from tests.tiny_models import ARCHITECTURES, build_tiny_model
 
 NUM_NEW = 12
@@ -97,12 +97,7 @@ def write_gguf(path, model, arch: str) -> None:
 
 
 def _write_metadata(writer, config) -> None:
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    write_shape(writer, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)

@@ -229,15 +229,20 @@ def _permute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_gguf(path: pathlib.Path, arch: str, config, state_dict: dict[str, torch.Tensor],
-                quantize_linears: bool = False):
-    writer = gguf.GGUFWriter(path, arch)
+def write_shape(writer: gguf.GGUFWriter, config) -> None:
+    """The metadata of a transformers config's sizes, as llama.cpp's converter writes them."""
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+
+
+def _write_gguf(path: pathlib.Path, arch: str, config, state_dict: dict[str, torch.Tensor],
+                quantize_linears: bool = False):
+    writer = gguf.GGUFWriter(path, arch)
+    write_shape(writer, config)
     writer.add_rope_freq_base(5e5)
     writer.add_layer_norm_rms_eps(1e-6)
     # A byte-level BPE vocabulary: the 256 bytes, one merge, and two special tokens.
