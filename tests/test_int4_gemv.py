@@ -160,7 +160,7 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-SPLIT_TYPES = [T.Q8_0, T.Q6_K, T.Q5_0, T.Q5_1, T.Q5_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
+SPLIT_TYPES = [T.Q8_0, T.Q6_K, T.Q5_0, T.Q5_1, T.Q5_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.Q3_K]
 
 
 @pytest.mark.parametrize("ggml_type", [*TYPES, *SPLIT_TYPES], ids=lambda t: t.name)
@@ -326,9 +326,10 @@ def test_int8_activations_on_split_matrices():
 @needs_vnni
 @pytest.mark.parametrize("ggml_type", SPLIT_TYPES[2:], ids=lambda t: t.name)
 def test_int8_activations_on_the_five_bit_and_codebook_types(ggml_type):
-    """Split types without offsets (Q5_0, IQ4_NL, IQ4_XS, MXFP4) take Q8_0's 8-bit records; those
-    with offsets (Q5_1, Q5_K) are refused there and take the int4 records. Either way the result
-    stays within int8 steps of the bf16-dot one."""
+    """Split types without offsets in chunks of 32 (Q5_0, IQ4_NL, IQ4_XS, MXFP4) take Q8_0's 8-bit
+    records; those with offsets (Q5_1, Q5_K) or sub-blocks of 16 (Q3_K, as Q6_K) are refused
+    there and take the int4 records. Either way the result stays within int8 steps of the
+    bf16-dot one."""
     from torch import nn
 
     from forklm.runtime.quant.linear import use_int8_activations
@@ -340,7 +341,7 @@ def test_int8_activations_on_the_five_bit_and_codebook_types(ggml_type):
     assert use_int8_activations(nn.Sequential(layer)) > 0
     matrix = layer.matrices[0]
     records = native_kernels.int8_vnni(matrix.packed, matrix.scale_zeros, 48, pack_block_n())
-    assert (records is None) == (ggml_type in (T.Q5_1, T.Q5_K))
+    assert (records is None) == (ggml_type in (T.Q5_1, T.Q5_K, T.Q3_K))
     int8_y = layer(x)
     assert torch.equal(layer.direct()(x), int8_y)
     torch.testing.assert_close(int8_y.float(), before.float(), rtol=0.05,

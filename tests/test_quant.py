@@ -23,9 +23,9 @@ from forklm.runtime.quant.linear import (
 )
 
 TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q5_0, T.Q5_1, T.Q5_K, T.IQ4_NL, T.IQ4_XS,
-         T.MXFP4]
+         T.MXFP4, T.Q3_K]
 _QUANTIZED_BY_GGUF = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4)
-_SUPER_BLOCK_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
+_SUPER_BLOCK_TYPES = (T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
 # Largest |kernel weight - gguf weight| / max |gguf weight| seen with bf16 scales (Q6_K's int8
 # sub-scales times fp16 d lose the most when rounded to bf16): measured 3.2e-3, under 2^-8.
 BF16_WEIGHT_RTOL = 2.0**-8
@@ -49,6 +49,8 @@ def make_weight(ggml_type: T, out_features: int, in_features: int, seed: int = 0
         blocks[..., 0:2], blocks[..., 2:4] = fp16_scales(1e-4), fp16_scales(1e-4)
     elif ggml_type == T.Q6_K:  # d closes the block; int8 sub-scales, codes -32..31
         blocks[..., 208:210] = fp16_scales(2e-5)
+    elif ggml_type == T.Q3_K:  # d closes the block; 6-bit sub-scales -32..31, codes -4..3
+        blocks[..., 108:110] = fp16_scales(1.5e-4)
     else:  # IQ4_NL, IQ4_XS: d leads; codebook values up to 127, IQ4_XS sub-scales up to 32
         blocks[..., 0:2] = fp16_scales(2e-4 if ggml_type == T.IQ4_NL else 6e-6)
     return GGUFWeight(data, ggml_type, (out_features, in_features))
@@ -176,9 +178,9 @@ def test_nbytes_close_to_gguf_bytes(ggml_type, ratio):
 
 def test_supported_types():
     assert all(supported_gguf_type(t) for t in TYPES)
-    assert not any(supported_gguf_type(t) for t in (T.Q2_K, T.Q3_K, T.F16))
-    with pytest.raises(NotImplementedError, match="Q3_K"):
-        QuantizedLinear.from_gguf([GGUFWeight(np.zeros((16, 110), np.uint8), T.Q3_K, (16, 256))],
+    assert not any(supported_gguf_type(t) for t in (T.Q2_K, T.F16))
+    with pytest.raises(NotImplementedError, match="Q2_K"):
+        QuantizedLinear.from_gguf([GGUFWeight(np.zeros((16, 84), np.uint8), T.Q2_K, (16, 256))],
                                   None, torch.float32)
 
 

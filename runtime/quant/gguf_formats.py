@@ -142,6 +142,24 @@ def _decode_q6_k(blocks: np.ndarray) -> _Decoded:
     return codes, scales, None, 16
 
 
+def _decode_q3_k(blocks: np.ndarray) -> _Decoded:
+    # super-block: 32 bytes of third bits (hmask), 64 bytes of 2-bit lows, 12 bytes of sixteen
+    # 6-bit scales (low nibbles in bytes 0-7, two high bits each in bytes 8-11), fp16 d;
+    # w = d * (sc - 32) * (low - 4 * (1 - high)), in sub-blocks of 16
+    lead = blocks.shape[:-1]
+    packed = blocks[..., 96:108]
+    low_bits = (packed[..., None, 0:8] >> np.array([[0], [4]], dtype=np.uint8)) & 0x0F
+    high_bits = (packed[..., None, 8:12] >> np.array([[0], [2], [4], [6]], dtype=np.uint8)) & 3
+    sc = (low_bits.reshape(*lead, 16) | (high_bits.reshape(*lead, 16) << 4)).astype(np.int8) - 32
+    scales = _f16(blocks[..., 108:110])[..., None] * sc.astype(np.float32)  # [out, nb, 16]
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]
+    low = (blocks[..., 32:96].reshape(*lead, 2, 1, 32) >> shifts) & 3  # [out, nb, 2, 4, 32]
+    high = (blocks[..., None, 0:32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., 8, 32]
+    codes = low.reshape(*lead, 16, 16).astype(np.int8) - (
+        ((high.reshape(*lead, 16, 16) ^ 1) << 2).astype(np.int8))
+    return codes, scales, None, 16
+
+
 def _five_bit(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1 codes 0..31 of a block of 32: nibbles as Q4's, and bit i of the little-endian
     32-bit qh the fifth bit of value i."""
@@ -212,6 +230,7 @@ _DECODERS = {
     GGMLQuantizationType.Q4_1: _decode_q4_1,
     GGMLQuantizationType.Q4_K: _decode_q4_k,
     GGMLQuantizationType.Q6_K: _decode_q6_k,
+    GGMLQuantizationType.Q3_K: _decode_q3_k,
     GGMLQuantizationType.Q5_0: _decode_q5_0,
     GGMLQuantizationType.Q5_1: _decode_q5_1,
     GGMLQuantizationType.Q5_K: _decode_q5_k,

@@ -41,14 +41,15 @@ NATIVE_DENSE_COPY_MIN_ROWS = native_kernels.INT4_MAX_ROWS + 1
 NATIVE_SPLIT_DENSE_COPY_MIN_ROWS = 8
 
 # How each type's integer codes map onto 4-bit kernel codes. 4-bit types use c = code + shift.
-# Wider codes (8-bit Q8_0 and the IQ4/MXFP4 codebook values, 5-bit Q5_*, 6-bit Q6_K) are split
+# Other codes (8-bit Q8_0 and the IQ4/MXFP4 codebook values, 5-bit Q5_*, 6-bit Q6_K, and 3-bit
+# Q3_K, whose sub-blocks of 16 need Q6_K's layout) are split
 # code = hi * 2**lo_bits + lo into two 4-bit codes that sit side by side along a doubled K; the
 # activations are repeated to match, the hi copy multiplied by 2**lo_bits (a power of two, so
 # exact). Measured in benchmarks/quant_speed.py: this is faster than dequantizing int8 codes in
 # row chunks, and exact. A split matrix without offsets is Q8_0's form, which the int8 VNNI
 # kernel takes as 8-bit records.
 _SHIFT = {GGMLQuantizationType.Q4_0: 8, GGMLQuantizationType.Q4_1: 0, GGMLQuantizationType.Q4_K: 0}
-_LO_BITS = {GGMLQuantizationType.Q6_K: 2, **dict.fromkeys((
+_LO_BITS = {GGMLQuantizationType.Q6_K: 2, GGMLQuantizationType.Q3_K: 2, **dict.fromkeys((
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q5_K, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS,
     GGMLQuantizationType.MXFP4), 4)}
