@@ -18,7 +18,7 @@ import httpx
 from benchmarks.dp_routing import policy_row, print_policy_table, workloads
 from benchmarks.http_runner import HTTPRunner
 from benchmarks.tensor_parallel import cpu_name
-from forklm.router.replicas import free_port
+from forklm.runtime.child_process import free_port
 
 CONFIGS = [(1, "cache_aware"), (2, "round_robin"), (2, "shortest_queue"), (2, "cache_aware")]
 APP = "forklm_bench"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
 import subprocess
 import tempfile
 import time
@@ -14,13 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from forklm.runtime.child_process import forklm_command
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from forklm.runtime.child_process import forklm_command, free_port
 
 
 @dataclass

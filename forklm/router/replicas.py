@@ -7,14 +7,13 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from forklm.runtime.child_process import forklm_command
+from forklm.runtime.child_process import forklm_command, free_port
 from forklm.runtime.cpu_threads import sleeping_threads_env
 
 logger = logging.getLogger(__name__)
@@ -49,12 +48,6 @@ class Replica:
         return {"index": self.index, "pid": self.proc.pid, "port": self.port, "alive": self.alive,
                 "death": self.death, "in_flight": self.in_flight, "routed": self.routed,
                 "cache_hits": self.cache_hits, "fallbacks": self.fallbacks, "failed": self.failed}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def replica_threads(dp_size: int, num_threads: int | None) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,7 +15,7 @@ import httpx
 
 from forklm.frontend_dsl.backends.base import BackendError
 from forklm.frontend_dsl.backends.runtime_endpoint import RuntimeEndpoint
-from forklm.runtime.child_process import forklm_command
+from forklm.runtime.child_process import forklm_command, free_port
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.cpu_threads import sleeping_threads_env
 from forklm.runtime.errors import InvalidArgumentError
@@ -37,7 +36,7 @@ class Runtime(RuntimeEndpoint):
     def __init__(self, model_path: str | None = None, launch_timeout: float = 300.0,
                  log_level: str = "error", **flags: Any):
         api_key = flags.get("api_key")
-        port = flags.pop("port", None) or _free_port()
+        port = flags.pop("port", None) or free_port()
         argv = _serve_argv(model_path, {**flags, "port": port, "log_level": log_level})
         self.url = f"http://127.0.0.1:{port}"
         # the server's output, read back when it fails to start
@@ -131,10 +130,3 @@ def _serve_argv(model_path: str | None, flags: dict[str, Any]) -> list[str]:
         elif value is not None:
             argv += [flag, str(value)]
     return argv
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port

@@ -85,8 +85,8 @@ class EngineRequest:
         body: dict[str, Any] = ({"text": _jsonable(self.prompt)} if self.prompt is not None
                                 else {"input_ids": _jsonable(self.input_ids)})
         params = self.sampling_params
-        body["sampling_params"] = (params_json(params) if isinstance(params, SamplingParams)
-                                   else [params_json(p) for p in params])
+        body["sampling_params"] = (_params_json(params) if isinstance(params, SamplingParams)
+                                   else [_params_json(p) for p in params])
         options = self.logprobs
         if options.return_logprob:
             body.update(return_logprob=True, return_text_in_logprobs=options.with_text)
@@ -100,7 +100,7 @@ class EngineRequest:
         return body
 
 
-def params_json(params: SamplingParams) -> dict[str, Any]:
+def _params_json(params: SamplingParams) -> dict[str, Any]:
     """The fields that differ from the defaults."""
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)
             if getattr(params, f.name) != f.default}
