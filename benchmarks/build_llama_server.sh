@@ -5,7 +5,7 @@
 #
 #   benchmarks/build_llama_server.sh [DEST]      # DEST defaults to /tmp/llama-server-build
 #   JOBS=2 nice -n 19 benchmarks/build_llama_server.sh   # on a shared machine
-#   -> DEST/bin/llama-server                       (10-30 minutes on 2 cores)
+#   -> DEST/bin/llama-server, DEST/bin/llama-quantize  (10-30 minutes on 2 cores)
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36 picks the sdist (and so the llama.cpp commit) to build.
 #
 # Then:  python -m benchmarks --workloads S1,W1 --systems forklm-http,llama-server-np16
@@ -45,8 +45,9 @@ isa_flags() {
 cmake -S "$LLAMA" -B "$DEST/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=OFF $(isa_flags) -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >/dev/null
-cmake --build "$DEST/build" --target llama-server -j "$JOBS"
+# llama-quantize makes the Q4_K_M / Q5_K_M mixes of the synthetic GGUFs (benchmarks/gguf_sizes.py).
+cmake --build "$DEST/build" --target llama-server llama-quantize -j "$JOBS"
 mkdir -p "$DEST/bin"
-cp "$DEST/build/bin/llama-server" "$DEST/bin/llama-server"
+cp "$DEST/build/bin/llama-server" "$DEST/build/bin/llama-quantize" "$DEST/bin/"
 echo "$DEST/bin/llama-server"
 "$DEST/bin/llama-server" --version 2>&1 | head -2 || true
