@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
+from forklm.runtime.quant import linear as linear_module
 from forklm.runtime.quant.gguf_formats import GGUFWeight, decode
 from forklm.runtime.quant.linear import (
     DENSE_MIN_ROWS,
@@ -140,6 +141,23 @@ def test_mixed_type_parts_stack_rows_and_same_types_share_a_matrix():
     y = linear(x)
     assert y.shape == (2, 3, 128)
     torch.testing.assert_close(y, x @ ref.T + bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_loading_in_row_chunks_packs_as_one_piece(ggml_type, monkeypatch):
+    """Parts of 100 and 150 rows loaded 64 rows at a time (chunks that cross the parts and end in
+    a padded tail) hold the same bytes as one piece, and the same weights as gguf."""
+    k = in_features_for(ggml_type)
+    parts = [make_weight(ggml_type, 100, k, 1), make_weight(ggml_type, 150, k, 2)]
+    whole = QuantizedLinear.from_gguf(parts, None, torch.float32).matrices[0]
+    monkeypatch.setattr(linear_module, "LOAD_CHUNK_ROWS", 64)
+    chunked = QuantizedLinear.from_gguf(parts, None, torch.float32).matrices[0]
+    assert chunked.packed.shape == (256, whole.packed.shape[1])
+    assert torch.equal(chunked.packed, whole.packed)
+    assert torch.equal(chunked.scale_zeros, whole.scale_zeros)
+    ref = torch.cat([reference(p) for p in parts])
+    fp32 = QuantizedLinear.from_gguf(parts, None, torch.float32, torch.float32)
+    assert torch.equal(fp32.dequantize(), ref)
 
 
 def test_bias_is_added_in_x_dtype():

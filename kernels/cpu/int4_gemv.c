@@ -300,8 +300,15 @@ int int4_gemv_bf16(const int4_matrix *w, const uint16_t *x, uint16_t *y, int64_t
     return 0;
 }
 
-/* The 4-bit code of packed row r at k (torch's packing, see the top of this file). */
-static inline int code_at(const int4_matrix *w, int64_t r, int64_t kx) {
+/* Where packed row r's codes lie (torch's packing, see the top of this file): the code at k is
+ * (base[k * stride] >> shift) & 15. */
+typedef struct {
+    const uint8_t *base;
+    int64_t stride;
+    int shift;
+} row_codes;
+
+static inline row_codes row_at(const int4_matrix *w, int64_t r) {
     const int64_t full = w->n_rows / w->block * w->block;
     int64_t start, half, col, nibble;
     if (r < full) {
@@ -311,7 +318,16 @@ static inline int code_at(const int4_matrix *w, int64_t r, int64_t kx) {
         start = full, half = (w->n_rows - full) / 2;
         col = (r - start) / 2, nibble = (r - start) % 2;
     }
-    return (w->packed[start * (w->k / 2) + kx * half + col] >> (4 * nibble)) & 15;
+    return (row_codes){w->packed + start * (w->k / 2) + col, half, (int)(4 * nibble)};
+}
+
+static inline int code_in(row_codes rc, int64_t kx) {
+    return (rc.base[kx * rc.stride] >> rc.shift) & 15;
+}
+
+/* The 4-bit code of packed row r at k. */
+static inline int code_at(const int4_matrix *w, int64_t r, int64_t kx) {
+    return code_in(row_at(w, r), kx);
 }
 
 /* Dequantized weight w' = (c - 8) * scale + zero of packed row r at k (no FMA: each product and
@@ -375,18 +391,21 @@ int int4_vnni_repack(const int4_matrix *w, uint8_t *out) {
     if (w->n_rows % 16 || w->k % GROUP) return -1;
     /* serial: an OpenMP team on the loading thread would stay behind it, and libgomp throttles
      * every team's spin once it manages more threads than cores (runtime/cpu_threads.py) */
-    for (int64_t b = 0; b < blocks; b++)
+    for (int64_t b = 0; b < blocks; b++) {
+        row_codes rows[16]; /* each row's place found once, not per code */
+        for (int i = 0; i < 16; i++) rows[i] = row_at(w, 16 * b + i);
         for (int64_t g = 0; g < groups; g++) {
             uint8_t *rec = out + (b * groups + g) * VNNI_RECORD;
             for (int t = 0; t < 4; t++)
                 for (int i = 0; i < 16; i++)
                     for (int j = 0; j < 4; j++) {
-                        const int64_t r = 16 * b + i, kx = g * GROUP + 8 * t + j;
+                        const int64_t kx = g * GROUP + 8 * t + j;
                         rec[64 * t + 4 * i + j] =
-                            (uint8_t)(code_at(w, r, kx) | code_at(w, r, kx + 4) << 4);
+                            (uint8_t)(code_in(rows[i], kx) | code_in(rows[i], kx + 4) << 4);
                     }
             memcpy(rec + 256, w->scale_zeros + (g * w->n_rows + 16 * b) * 2, 64);
         }
+    }
     return 0;
 }
 
@@ -446,15 +465,17 @@ static inline __m512i dot_broadcast(__m512i acc, __m512i codes, const int32_t *p
 int int8_vnni_repack(const int4_matrix *w, uint8_t *out) {
     const int64_t k8 = w->k / 2, groups = k8 / GROUP, blocks = w->n_rows / 16;
     if (w->n_rows % 16 || w->k % (2 * GROUP)) return -1;
-    for (int64_t b = 0; b < blocks; b++)
+    for (int64_t b = 0; b < blocks; b++) {
+        row_codes rows[16];
+        for (int i = 0; i < 16; i++) rows[i] = row_at(w, 16 * b + i);
         for (int64_t g = 0; g < groups; g++) {
             uint8_t *rec = out + (b * groups + g) * VNNI8_RECORD;
             for (int t = 0; t < 8; t++)
                 for (int i = 0; i < 16; i++)
                     for (int j = 0; j < 4; j++) {
-                        const int64_t r = 16 * b + i, kx = 64 * g + 4 * t + j;
+                        const int64_t kx = 64 * g + 4 * t + j;
                         rec[64 * t + 4 * i + j] =
-                            (uint8_t)(16 * code_at(w, r, kx) + code_at(w, r, kx + GROUP));
+                            (uint8_t)(16 * code_in(rows[i], kx) + code_in(rows[i], kx + GROUP));
                     }
             float *scales = (float *)(rec + 512);
             for (int i = 0; i < 16; i++) {
@@ -468,6 +489,7 @@ int int8_vnni_repack(const int4_matrix *w, uint8_t *out) {
                 scales[i] = s;
             }
         }
+    }
     return 0;
 }
 

@@ -29,6 +29,7 @@ from forklm.runtime.models.gguf_archs import (
     GGUFArch,
     arch_of,
 )
+from forklm.runtime.models.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -44,18 +45,18 @@ class GGUFModel:
     """One GGUF file: `config`, `tokenizer`, `eos_token_ids`, and `weights()` streamed."""
 
     def __init__(self, path: pathlib.Path):
-        import gguf  # only GGUF loading needs it
-
         self.path = path
         self.tokenizer: transformers.PreTrainedTokenizerBase
-        self.reader = gguf.GGUFReader(path)
-        arch = self.reader.fields["general.architecture"].contents()
+        try:
+            self.file = GGUFFile(path)
+        except ValueError as exc:
+            raise ModelNotFoundError(str(exc)) from exc
+        arch = self.file.fields["general.architecture"]
         if arch not in GGUF_ARCHS:
             raise UnsupportedModelError(
                 f"{path}: GGUF architecture {arch!r} is not supported; expected one of "
                 f"{sorted(GGUF_ARCHS)}")
-        experts = self.reader.fields.get(f"{arch}.expert_count")
-        self.arch, self.spec = arch, arch_of(arch, experts.contents() if experts else None)
+        self.arch, self.spec = arch, arch_of(arch, self.file.fields.get(f"{arch}.expert_count"))
         cached = _cache_dir_for(path)
         if cached.is_dir():
             logger.info("config and tokenizer of %s from cache %s", path.name, cached)
@@ -65,10 +66,10 @@ class GGUFModel:
             eos = generation.eos_token_id
             self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
             return
-        meta = {k: f.contents() for k, f in self.reader.fields.items() if k not in _TOKENIZER_ARRAYS}
-        meta.setdefault(f"{arch}.vocab_size", len(self.reader.fields["tokenizer.ggml.tokens"].data))
-        self.config = _gguf_config(meta, arch, self.spec,
-                                   {t.name: t for t in self.reader.tensors})
+        meta = {k: v.tolist() if isinstance(v, np.ndarray) else v
+                for k, v in self.file.fields.items() if k not in _TOKENIZER_ARRAYS}
+        meta.setdefault(f"{arch}.vocab_size", len(self.file.fields["tokenizer.ggml.tokens"]))
+        self.config = _gguf_config(meta, arch, self.spec, {t.name: t for t in self.file.tensors})
         self.tokenizer = _gguf_tokenizer(path, meta)
         eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
         self.eos_token_ids = list(dict.fromkeys(meta[k] for k in eos_keys if k in meta))
@@ -86,11 +87,11 @@ class GGUFModel:
 
             supported = supported_gguf_type
         dequantized = set()
-        for tensor in self.reader.tensors:
+        for tensor in self.file.tensors:
             if tensor.name == _ROPE_FREQS or tensor.name in _ROPE_FACTORS:
                 continue  # in the config's rope parameters, not a weight
             name = _hf_name(tensor.name, self.spec.layer_names, self.path)
-            shape = tuple(int(n) for n in tensor.shape.tolist()[::-1])  # GGUF lists dims fastest-first
+            shape = tensor.shape[::-1]  # GGUF lists dims fastest-first
             rows = self._qk_row_order(name, shape[0])
             if supported is not None and len(shape) == 2 and supported(tensor.tensor_type):
                 data = tensor.data if rows is None else tensor.data[rows.numpy()]

@@ -17,6 +17,9 @@ from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, Group
 _Fn = Callable[[torch.Tensor], torch.Tensor]
 KERNEL_GROUP = 32  # the smallest group the int4 kernel takes (it accepts 32, 64, 128, 256)
 ROW_MULTIPLE = 16  # the packing needs N divisible by 16; other sizes are padded with zero rows
+# Rows a load decodes and packs at a time (a multiple of the packing's 64-row blocks): 2048 rows
+# of a 2048-wide Q6_K matrix hold ~70 MB of transient codes.
+LOAD_CHUNK_ROWS = 2048
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 # From this many rows (prefill chunks) a bf16 matrix is dequantized for the call
 # and multiplied by a dense GEMM: torch's int4 kernel is a matrix-vector design whose cost grows
@@ -90,22 +93,28 @@ class Int4Matrix(nn.Module):
         return state
 
     @classmethod
-    def from_codes(cls, group: GroupCodes, ggml_type: GGMLQuantizationType,
-                   kernel_dtype: torch.dtype) -> Int4Matrix:
-        out_features, in_features = group.codes.shape
+    def from_gguf(cls, parts: list[GGUFWeight], kernel_dtype: torch.dtype) -> Int4Matrix:
+        """The row-stack of same-typed `parts`, decoded and packed LOAD_CHUNK_ROWS rows at a
+        time into buffers allocated once: loading never holds a whole matrix's codes (a
+        vocabulary-sized table's are gigabytes as the int32 the packing op takes)."""
+        ggml_type = parts[0].ggml_type
+        out_features, in_features = sum(p.shape[0] for p in parts), parts[0].shape[1]
         lo_bits = _LO_BITS.get(ggml_type, 0)
-        if lo_bits:
-            codes, scales, zeros = _split_codes(group, lo_bits)
-        else:
-            codes, scales, zeros = _shift_codes(group, _SHIFT[ggml_type])
-        pad = -out_features % ROW_MULTIPLE
-        if pad:  # code 8 with scale 0 and zero 0 is a zero weight
-            codes = nn.functional.pad(codes, (0, 0, 0, pad), value=8)
-            scales, zeros = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (scales, zeros))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
-        scale_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous()
-        return cls(packed, scale_zeros.to(kernel_dtype), out_features, in_features, lo_bits,
-                   group.group_size)
+        k_prime = in_features * (2 if lo_bits else 1)
+        padded = out_features + -out_features % ROW_MULTIPLE
+        packed = torch.empty(padded, k_prime // 2, dtype=torch.uint8)
+        scale_zeros = torch.empty(k_prime // KERNEL_GROUP, padded, 2, dtype=kernel_dtype)
+        chunk = 0
+        for start in range(0, out_features, LOAD_CHUNK_ROWS):
+            stop = min(start + LOAD_CHUNK_ROWS, out_features)
+            group = _stack(_row_slices(parts, start, stop))
+            chunk = group.group_size
+            end = padded if stop == out_features else stop
+            # each chunk starts on a packing block (LOAD_CHUNK_ROWS is a multiple of 64), so its
+            # packed bytes are those rows of the whole matrix's packing
+            packed[start:end], scale_zeros[:, start:end] = _pack(group, ggml_type, end - start,
+                                                                 kernel_dtype)
+        return cls(packed, scale_zeros, out_features, in_features, lo_bits, chunk)
 
     @property
     def k_prime(self) -> int:
@@ -223,8 +232,7 @@ class QuantizedLinear(nn.Module):
         for part in parts:
             if not supported_gguf_type(part.ggml_type):
                 raise NotImplementedError(f"GGUF type {part.ggml_type.name} cannot stay quantized")
-        segments = [Int4Matrix.from_codes(_stack(run), run[0].ggml_type, kernel_dtype)
-                    for run in _same_type_runs(parts)]
+        segments = [Int4Matrix.from_gguf(run, kernel_dtype) for run in _same_type_runs(parts)]
         return cls(segments, bias, dtype)
 
     @property
@@ -326,6 +334,17 @@ def _same_type_runs(parts: list[GGUFWeight]) -> list[list[GGUFWeight]]:
     return runs
 
 
+def _row_slices(parts: list[GGUFWeight], start: int, stop: int) -> list[GGUFWeight]:
+    """Rows [start, stop) of the row-stack of `parts`, as views of their blocks."""
+    out, offset = [], 0
+    for part in parts:
+        lo, hi = max(start - offset, 0), min(stop - offset, part.shape[0])
+        if lo < hi:
+            out.append(GGUFWeight(part.data[lo:hi], part.ggml_type, (hi - lo, part.shape[1])))
+        offset += part.shape[0]
+    return out
+
+
 def _stack(parts: list[GGUFWeight]) -> GroupCodes:
     decoded = [decode(p) for p in parts]
     offsets = [d.offsets for d in decoded if d.offsets is not None]
@@ -335,6 +354,23 @@ def _stack(parts: list[GGUFWeight]) -> GroupCodes:
         torch.cat(offsets) if offsets else None,
         decoded[0].group_size,
     )
+
+
+def _pack(group: GroupCodes, ggml_type: GGMLQuantizationType, rows: int,
+          kernel_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's int4 CPU packing [rows, K' / 2] and (scale, zero) [K' / 32, rows, 2] of `group`,
+    its rows padded to `rows` with zero weights."""
+    lo_bits = _LO_BITS.get(ggml_type, 0)
+    if lo_bits:
+        codes, scales, zeros = _split_codes(group, lo_bits)
+    else:
+        codes, scales, zeros = _shift_codes(group, _SHIFT[ggml_type])
+    pad = rows - codes.shape[0]
+    if pad:  # code 8 with scale 0 and zero 0 is a zero weight
+        codes = nn.functional.pad(codes, (0, 0, 0, pad), value=8)
+        scales, zeros = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (scales, zeros))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+    return packed, torch.stack([scales, zeros], -1).transpose(0, 1).to(kernel_dtype)
 
 
 def _shift_codes(group: GroupCodes, shift: int) -> tuple[torch.Tensor, ...]:
