@@ -30,15 +30,19 @@ from forklm.runtime.models.gguf_archs import (
     arch_of,
 )
 from forklm.runtime.models.gguf_file import GGUFFile
+from forklm.runtime.models.gguf_tokenizer import (
+    TOKENIZER_ARRAYS,
+    gguf_tokenizer,
+    load_saved_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
 # Bump when the cached files change meaning, so caches written by an older loader are not reused.
-_CACHE_VERSION = 2
+_CACHE_VERSION = 3  # 3: the tokenizer as llama.cpp reads the GGUF (gguf_tokenizer.py)
 
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 rope scaling
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
-_TOKENIZER_ARRAYS = {f"tokenizer.ggml.{k}" for k in ("tokens", "token_type", "scores", "merges")}
 
 
 class GGUFModel:
@@ -61,17 +65,18 @@ class GGUFModel:
         if cached.is_dir():
             logger.info("config and tokenizer of %s from cache %s", path.name, cached)
             self.config = transformers.AutoConfig.from_pretrained(cached, local_files_only=True)
-            self.tokenizer = transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
+            self.tokenizer = load_saved_tokenizer(cached)
             generation = transformers.GenerationConfig.from_pretrained(cached)
             eos = generation.eos_token_id
             self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
             return
         meta = {k: v.tolist() if isinstance(v, np.ndarray) else v
-                for k, v in self.file.fields.items() if k not in _TOKENIZER_ARRAYS}
+                for k, v in self.file.fields.items() if k not in TOKENIZER_ARRAYS}
         meta.setdefault(f"{arch}.vocab_size", len(self.file.fields["tokenizer.ggml.tokens"]))
         self.config = _gguf_config(meta, arch, self.spec, {t.name: t for t in self.file.tensors})
-        self.tokenizer = _gguf_tokenizer(path, meta)
-        eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        self.tokenizer = gguf_tokenizer(path, meta)
+        # llama.cpp ends generation at each (Llama 3.1's <|eom_id|> ends a tool call's turn).
+        eos_keys = [f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom")]
         self.eos_token_ids = list(dict.fromkeys(meta[k] for k in eos_keys if k in meta))
         _write_cache(self, cached)
 
@@ -186,16 +191,6 @@ def _hf_name(gguf_name: str, layer_names: Mapping[str, str], path: pathlib.Path)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in EXPERT_NAMES:
         return f"model.layers.{parts[1]}.mlp.experts.{{expert}}.{EXPERT_NAMES[parts[2]]}.{kind}"
     raise ModelNotFoundError(f"{path}: tensor {gguf_name!r} has no Hugging Face counterpart")
-
-
-def _gguf_tokenizer(path: pathlib.Path, meta: dict) -> transformers.PreTrainedTokenizerBase:
-    # transformers rebuilds the tokenizer from the GGUF vocabulary, merges and pre-tokenizer name.
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        path.parent, gguf_file=path.name, local_files_only=True
-    )
-    if meta.get("tokenizer.chat_template"):
-        tokenizer.chat_template = meta["tokenizer.chat_template"]
-    return tokenizer
 
 
 # ---- Config and tokenizer cache -------------------------------------------------------------

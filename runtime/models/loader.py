@@ -53,9 +53,13 @@ def load_model(model_path: str, revision: str | None = None,
                              gguf.weights, is_gguf=True)
     if tokenizer_path is not None:
         folder = resolve_tokenizer_source(tokenizer_path)
-        loaded.tokenizer = transformers.AutoTokenizer.from_pretrained(
-            folder if folder.is_dir() else folder.parent, local_files_only=True,
-            **({} if folder.is_dir() else {"gguf_file": folder.name}))
+        if folder.is_dir():
+            loaded.tokenizer = transformers.AutoTokenizer.from_pretrained(
+                folder, local_files_only=True)
+        else:
+            from forklm.runtime.models.gguf_tokenizer import tokenizer_of_gguf
+
+            loaded.tokenizer = tokenizer_of_gguf(folder)
     return loaded
 
 
