@@ -6,6 +6,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+import numpy as np
 import transformers
 from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
@@ -51,7 +52,8 @@ def tokenizer_of_gguf(path: pathlib.Path) -> transformers.PreTrainedTokenizerBas
     from forklm.runtime.models.gguf_file import GGUFFile
 
     fields = GGUFFile(path).fields
-    return gguf_tokenizer(path, {name: value for name, value in fields.items()
+    return gguf_tokenizer(path, {name: value.tolist() if isinstance(value, np.ndarray) else value
+                                 for name, value in fields.items()
                                  if name.startswith("tokenizer.") and name not in TOKENIZER_ARRAYS})
 
 
