@@ -7,6 +7,7 @@ runtime/quant read them unchanged."""
 
 from __future__ import annotations
 
+import mmap
 import pathlib
 import struct
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF's order: the fastest-varying dimension first
     data: np.ndarray  # read-only view of the mapped file, in numpy's (reversed) dimension order
+    offset: int  # where data starts in the file
 
 
 class GGUFFile:
@@ -45,8 +47,10 @@ class GGUFFile:
 
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self._buf = memoryview(self._map)  # type: ignore[arg-type]
+        with open(self.path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._map = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._buf = memoryview(self._mmap)
         self._pos = len(_MAGIC)
         if bytes(self._buf[:4]) != _MAGIC:
             raise ValueError(f"{self.path}: not a GGUF file (no GGUF magic)")
@@ -117,4 +121,13 @@ class GGUFFile:
             data = raw.view(_TENSOR_DTYPES[kind]).reshape(numpy_dims)
         else:  # rows of blocks: [..., row bytes]
             data = raw.reshape(*numpy_dims[:-1], numpy_dims[-1] // block_size * type_size)
-        return GGUFTensor(name, kind, dims, data)
+        return GGUFTensor(name, kind, dims, data, start)
+
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the tensor's pages from this process' resident memory (they stay in the page
+        cache, and a later read maps them again): a load that converts each tensor then holds
+        the converted weights, not the file as well."""
+        page = mmap.PAGESIZE
+        start = tensor.offset // page * page
+        end = tensor.offset + tensor.data.nbytes
+        self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -8,6 +8,7 @@ cached once as a small Hugging Face folder (no weights) under ~/.cache/forklm.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -99,13 +100,18 @@ class GGUFModel:
             shape = tensor.shape[::-1]  # GGUF lists dims fastest-first
             rows = self._qk_row_order(name, shape[0])
             if supported is not None and len(shape) == 2 and supported(tensor.tensor_type):
-                data = tensor.data if rows is None else tensor.data[rows.numpy()]
-                yield name, GGUFWeight(np.asarray(data), tensor.tensor_type, (shape[0], shape[1]))
+                if rows is None:  # the mapped blocks: their pages are let go once packed
+                    yield name, GGUFWeight(tensor.data, tensor.tensor_type, (shape[0], shape[1]),
+                                           release=functools.partial(self.file.release, tensor))
+                else:
+                    yield name, GGUFWeight(np.ascontiguousarray(tensor.data[rows.numpy()]),
+                                           tensor.tensor_type, (shape[0], shape[1]))
                 continue
             if keep_quantized and len(shape) == 2:
                 dequantized.add(tensor.tensor_type.name)
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-            weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+            weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # a copy
+            self.file.release(tensor)
             if rows is not None:
                 weight = weight[rows]
             if self.spec.norm_plus_one and name.endswith("norm.weight"):

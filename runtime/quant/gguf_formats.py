@@ -3,7 +3,8 @@ blocks: w = scale * code + offset per group, equal to `gguf.quants.dequantize` b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +22,9 @@ class GGUFWeight:
     data: np.ndarray  # uint8 [out_rows, row_bytes], as gguf.GGUFReader's tensor.data gives it
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]  # (out_features, in_features)
+    # Called once the blocks are converted: lets go of a memory-mapped file's pages (their
+    # data stay readable; see gguf_file.GGUFFile.release)
+    release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]

@@ -114,6 +114,9 @@ class Int4Matrix(nn.Module):
             # packed bytes are those rows of the whole matrix's packing
             packed[start:end], scale_zeros[:, start:end] = _pack(group, ggml_type, end - start,
                                                                  kernel_dtype)
+        for part in parts:
+            if part.release is not None:
+                part.release()
         return cls(packed, scale_zeros, out_features, in_features, lo_bits, chunk)
 
     @property
