@@ -92,9 +92,10 @@ def test_one_at_a_time(case):
 
 
 # Architectures whose decode runs through FusedDecodeLayers (runtime/models/fused_layers.py)
-# on this CPU (the tiny Phi-3 rotates whole heads); the others (GELU, sandwich norms, MoE) run
-# the eager layers.
-FUSED = {"llama3", "qwen2", "qwen2_sliding", "qwen3", "mistral", "phi3", "phi3_short"}
+# on this CPU (the tiny Phi-3 rotates whole heads; SmolLM3's NoPE layers rotate by an identity
+# table); the others (GELU, sandwich or post norms, MoE, Granite's residual scale) run the eager
+# layers.
+FUSED = {"llama3", "qwen2", "qwen2_sliding", "qwen3", "mistral", "phi3", "phi3_short", "smollm3"}
 
 
 def test_fused_layers_where_the_model_allows(case):
@@ -170,8 +171,8 @@ def test_unsupported_architecture_is_refused(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("field, value", [
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-    ("hidden_act", "relu2"),
-], ids=["rope_dynamic", "hidden_act_relu2"])
+    ("hidden_act", "quick_gelu"),  # relu2 is honoured (Nemotron)
+], ids=["rope_dynamic", "hidden_act_quick_gelu"])
 def test_unhonoured_config_field_is_refused(tmp_path, tokenizer, field, value):
     """A Llama checkpoint whose config asks for something forklm does not compute is refused, and
     the message names the field and its value (never silently served with default behaviour)."""

@@ -38,6 +38,18 @@ def _plain_rope(config) -> None:
     config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
 
 
+def _smollm3_defaults(config) -> None:
+    # llama.cpp drops RoPE on every fourth layer and slides no window (no GGUF key for either).
+    config.num_hidden_layers = 4
+    config.no_rope_layers = [1, 1, 1, 0]
+    config.use_sliding_window, config.sliding_window = False, None
+    config.layer_types = ["full_attention"] * 4
+
+
+def _no_attention_bias(config) -> None:
+    config.attention_bias = False  # llama.cpp's OLMo 2 reads no attention biases
+
+
 # case -> (tiny_models architecture, GGUF architecture, config edit)
 CASES = {
     "llama": ("llama3", "llama", _plain_rope),
@@ -48,7 +60,12 @@ CASES = {
     "mixtral": ("mixtral", "llama", None),  # llama.cpp writes Mixtral as llama with experts
     "qwen2_moe": ("qwen2_moe", "qwen2moe", None),
     "qwen3_moe": ("qwen3_moe", "qwen3moe", None),
+    "smollm3": ("smollm3", "smollm3", _smollm3_defaults),
+    "granite": ("granite", "granite", None),
+    "olmo2": ("olmo2", "olmo2", _no_attention_bias),
 }
+# llama.cpp's converter interleaves each q/k head's rotary halves for these (LlamaModel's).
+PERMUTED_QK = {"llama", "smollm3", "granite"}
 
 
 def write_gguf(path, model, arch: str) -> None:
@@ -64,7 +81,7 @@ def write_gguf(path, model, arch: str) -> None:
         array = tensor.float().numpy()
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             array = array + 1
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             array = _permute_qk(array, heads)
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
@@ -115,6 +132,11 @@ def _write_metadata(writer, config) -> None:
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.model_type == "granite":  # the converter renames Granite's multipliers
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if getattr(config, "moe_intermediate_size", None):  # Qwen-MoE
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

@@ -119,6 +119,28 @@ def _qwen2_moe(c: dict) -> transformers.PretrainedConfig:
         mlp_only_layers=[], rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
+def _smollm3(c: dict) -> transformers.PretrainedConfig:
+    # Layers 1 and 3 have no positions (NoPE), layers 1 and 2 slide: each of the four pairings.
+    return transformers.SmolLM3Config(
+        **{**c, "num_hidden_layers": 4}, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 5e4}, tie_word_embeddings=True)
+
+
+def _granite(c: dict) -> transformers.PretrainedConfig:
+    # Softmax scale 0.2 where 1/sqrt(head_dim 16) would be 0.25.
+    return transformers.GraniteConfig(
+        **c, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=2.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        tie_word_embeddings=True)
+
+
+def _olmo2(c: dict) -> transformers.PretrainedConfig:
+    return transformers.Olmo2Config(**c, attention_bias=True, tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+
+
 ARCHITECTURES: dict[str, TinyArch] = {
     "llama3": TinyArch(_llama3, transformers.LlamaForCausalLM, 3.0),
     "qwen2": TinyArch(_qwen2, transformers.Qwen2ForCausalLM, 3.0),
@@ -136,6 +158,9 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "mixtral": TinyArch(_mixtral, transformers.MixtralForCausalLM, 3.0),
     "qwen3_moe": TinyArch(_qwen3_moe, transformers.Qwen3MoeForCausalLM, 3.0),
     "qwen2_moe": TinyArch(_qwen2_moe, transformers.Qwen2MoeForCausalLM, 3.0),
+    "smollm3": TinyArch(_smollm3, transformers.SmolLM3ForCausalLM, 3.0),
+    "granite": TinyArch(_granite, transformers.GraniteForCausalLM, 3.0),
+    "olmo2": TinyArch(_olmo2, transformers.Olmo2ForCausalLM, 3.0),
 }
 
 

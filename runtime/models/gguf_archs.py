@@ -42,6 +42,9 @@ _MOE_NAMES = {
 _GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+# OLMo 2 has only the norms after attention and after the MLP.
+_POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3 keeps q/k/v and gate/up fused, as its Hugging Face checkpoints do.
 _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
@@ -107,6 +110,22 @@ def _mixtral(key: Key, hidden: int, heads: int) -> dict[str, Any]:
             "num_experts_per_tok": key("expert_used_count")}
 
 
+def _smollm3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # The GGUF has no key for the NoPE layers: llama.cpp drops RoPE on every fourth layer (the
+    # default of SmolLM3's config) and slides no window.
+    return {**_head_dim(key, hidden, heads), "no_rope_layer_interval": 4,
+            "use_sliding_window": False}
+
+
+def _granite(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    """llama.cpp scales nothing for a missing (or 0) scale key, and takes 1/sqrt(head_dim) as
+    the softmax scale; Granite's config defaults would multiply by 1 instead."""
+    return {"embedding_multiplier": key("embedding_scale") or 1.0,
+            "residual_multiplier": key("residual_scale") or 1.0,
+            "attention_multiplier": key("attention.scale") or (hidden // heads) ** -0.5,
+            "logits_scaling": key("logit_scale", 1.0)}
+
+
 # llama.cpp writes Mixtral as `llama` whose layers have experts (`llama.expert_count`).
 LLAMA_WITH_EXPERTS = GGUFArch(transformers.MixtralConfig, _mixtral,
                               {**LAYER_NAMES, "ffn_gate_inp": "mlp.gate"}, permuted_qk=True)
@@ -126,6 +145,9 @@ GGUF_ARCHS = {
     "gemma3": GGUFArch(transformers.Gemma3TextConfig, _gemma3, {**LAYER_NAMES, **_GEMMA_NAMES},
                        norm_plus_one=True),
     "phi3": GGUFArch(transformers.Phi3Config, _phi3, {**LAYER_NAMES, **_PHI3_NAMES}),
+    "smollm3": GGUFArch(transformers.SmolLM3Config, _smollm3, permuted_qk=True),
+    "granite": GGUFArch(transformers.GraniteConfig, _granite, permuted_qk=True),
+    "olmo2": GGUFArch(transformers.Olmo2Config, _head_dim, {**LAYER_NAMES, **_POST_NORM_NAMES}),
 }
 
 

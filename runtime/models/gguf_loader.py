@@ -189,7 +189,14 @@ def _hf_name(gguf_name: str, layer_names: Mapping[str, str], path: pathlib.Path)
 
 def _gguf_tokenizer(path: pathlib.Path, meta: dict) -> transformers.PreTrainedTokenizerBase:
     # transformers rebuilds the tokenizer from the GGUF vocabulary, merges and pre-tokenizer name.
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
+    # AutoTokenizer first reads the file's config, which it refuses for architectures it has no
+    # GGUF config mapping for (SmolLM3, Granite, OLMo 2); the tokenizers backend builds the same
+    # tokenizer from the tokenizer.* keys alone.
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    auto = meta["general.architecture"] in GGUF_SUPPORTED_ARCHITECTURES
+    tokenizer_class = transformers.AutoTokenizer if auto else transformers.TokenizersBackend
+    tokenizer = tokenizer_class.from_pretrained(
         path.parent, gguf_file=path.name, local_files_only=True
     )
     if meta.get("tokenizer.chat_template"):

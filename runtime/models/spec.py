@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forklm.runtime.errors import UnsupportedModelError
+from forklm.runtime.models.layers import NO_ROPE
 
 # rope_type values whose tables do not depend on the sequence being decoded ("dynamic" NTK does).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
-                "gelu_new": "gelu_tanh", "gelu": "gelu"}
+                "gelu_new": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,26 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    norm_eps: float  # every norm's epsilon
     tie_word_embeddings: bool
-    activation: str = "silu"  # "silu", "gelu_tanh" or "gelu"
+    activation: str = "silu"  # "silu", "gelu_tanh", "gelu" or "relu2"
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    norm_offset: float = 0.0  # Gemma stores RMSNorm weights as w - 1
-    embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden_size)
-    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k
-    sandwich_norm: bool = False  # Gemma 2/3: norms after attention and around the MLP
+    norm_kind: str = "rms"  # "rms", or "layer": LayerNorm with a bias (StableLM, StarCoder 2)
+    norm_offset: float = 0.0  # Gemma (RMS) and Nemotron (Layer) store norm weights as w - 1
+    embed_scale: float | None = None  # Gemma: sqrt(hidden_size); Granite: embedding_multiplier
+    # "head": one norm over each head's q and k (Qwen3, Gemma 3); "each_head": a norm of its own
+    # per head (StableLM); "proj": over the whole q and k projections (OLMo 2). "": none.
+    qk_norm: str = ""
+    # Where a layer's norms are: "pre" (Llama: before attention and before the MLP), "sandwich"
+    # (Gemma 2/3: also after each), "post" (OLMo 2: only after each, on the block's output).
+    norm_placement: str = "pre"
+    # StableLM: x + attn(norm(x)) + mlp(norm(x)), one norm feeding both blocks.
+    parallel_residual: bool = False
+    gated_mlp: bool = True  # False: down(act(up(x))) (StarCoder 2, Nemotron)
+    residual_scale: float = 1.0  # Granite: each block's output times this before it is added
+    logits_divisor: float = 1.0  # Granite's logits_scaling
     attn_scale: float = 0.0  # softmax scale; set from head_dim when 0
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None
@@ -63,6 +74,12 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not self.attn_scale:
             object.__setattr__(self, "attn_scale", self.head_dim**-0.5)
+        assert self.norm_kind in ("rms", "layer"), self.norm_kind
+        assert self.qk_norm in ("", "head", "each_head", "proj"), self.qk_norm
+        assert self.norm_placement in ("pre", "sandwich", "post"), self.norm_placement
+        assert not self.parallel_residual or self.norm_placement == "pre", "parallel: pre norms"
+        assert self.residual_scale == 1.0 or (self.norm_placement == "pre"
+                                              and not self.parallel_residual), "residual_scale"
 
     @property
     def has_sliding_window(self) -> bool:
@@ -97,7 +114,7 @@ def _common(config: Any, **overrides: Any) -> dict[str, Any]:
         hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+        head_dim=head_dim, norm_eps=getattr(config, "rms_norm_eps", None),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         activation=_ACTIVATIONS[act],
         qkv_bias=bool(getattr(config, "attention_bias", False)),
@@ -158,16 +175,17 @@ def _qwen2(config: Any) -> ModelSpec:
 
 
 def _qwen3(config: Any) -> ModelSpec:
-    return ModelSpec(**_common(config, qk_norm=True))
+    return ModelSpec(**_common(config, qk_norm="head"))
 
 
 def _phi3(config: Any) -> ModelSpec:
     return ModelSpec(**_common(config))
 
 
-def _gemma(config: Any, qk_norm: bool) -> dict[str, Any]:
+def _gemma(config: Any, qk_norm: str) -> dict[str, Any]:
     return dict(
-        norm_offset=1.0, embed_scale=config.hidden_size**0.5, qk_norm=qk_norm, sandwich_norm=True,
+        norm_offset=1.0, embed_scale=config.hidden_size**0.5, qk_norm=qk_norm,
+        norm_placement="sandwich",
         attn_scale=config.query_pre_attn_scalar**-0.5,
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
@@ -175,14 +193,14 @@ def _gemma(config: Any, qk_norm: bool) -> dict[str, Any]:
 
 
 def _gemma2(config: Any) -> ModelSpec:
-    return ModelSpec(**_common(config, **_gemma(config, qk_norm=False)))
+    return ModelSpec(**_common(config, **_gemma(config, qk_norm="")))
 
 
 def _gemma3(config: Any) -> ModelSpec:
     # Gemma 3 keeps one rope table per layer type: local layers use rope_local_base_freq.
     rope = {kind: _rope_parameters(config, params)
             for kind, params in config.rope_parameters.items() if params is not None}
-    return ModelSpec(**_common(config, **_gemma(config, qk_norm=True), rope=rope,
+    return ModelSpec(**_common(config, **_gemma(config, qk_norm="head"), rope=rope,
                                layers=_layers(config, _windows(config), list(config.layer_types))))
 
 
@@ -205,8 +223,31 @@ def _qwen_moe(config: Any) -> ModelSpec:
                   shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
     layers = _layers(config, _windows(config), moe=_moe_layers(config))
     extra = ({"qkv_bias": bool(getattr(config, "qkv_bias", True))}
-             if config.model_type == "qwen2_moe" else {"qk_norm": True})
+             if config.model_type == "qwen2_moe" else {"qk_norm": "head"})
     return ModelSpec(**_common(config, moe=moe, layers=layers, **extra))
+
+
+def _smollm3(config: Any) -> ModelSpec:
+    # no_rope_layers[i] == 0: layer i has no positions (NoPE), an identity rotary table.
+    keys = ["default" if use_rope else NO_ROPE for use_rope in config.no_rope_layers]
+    rope = {"default": _rope_parameters(config, config.rope_parameters)}
+    if NO_ROPE in keys:
+        rope[NO_ROPE] = {"rope_type": NO_ROPE}
+    return ModelSpec(**_common(config, rope=rope, layers=_layers(config, _windows(config), keys)))
+
+
+def _granite(config: Any) -> ModelSpec:
+    embed = float(config.embedding_multiplier)
+    return ModelSpec(**_common(
+        config, embed_scale=None if embed == 1.0 else embed,
+        residual_scale=float(config.residual_multiplier),
+        attn_scale=float(config.attention_multiplier),
+        logits_divisor=float(config.logits_scaling)))
+
+
+def _olmo2(config: Any) -> ModelSpec:
+    # OLMo 2's MLP has no biases whatever the config says.
+    return ModelSpec(**_common(config, qk_norm="proj", norm_placement="post", mlp_bias=False))
 
 
 _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
@@ -220,5 +261,8 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
+    "smollm3": _smollm3,
+    "granite": _granite,
+    "olmo2": _olmo2,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
