@@ -9,6 +9,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from forklm.runtime.engine.engine import Engine
 from forklm.runtime.models.source import default_model_gguf
@@ -63,7 +64,11 @@ CASES = {
     "smollm3": ("smollm3", "smollm3", _smollm3_defaults),
     "granite": ("granite", "granite", None),
     "olmo2": ("olmo2", "olmo2", _no_attention_bias),
+    "stablelm": ("stablelm", "stablelm", None),
+    "stablelm_parallel": ("stablelm_parallel", "stablelm", None),
 }
+# The LayerNorm families' epsilon field (llama.cpp's attention.layer_norm_epsilon).
+LAYER_NORM_EPS = {"stablelm": "layer_norm_eps"}
 # llama.cpp's converter interleaves each q/k head's rotary halves for these (LlamaModel's).
 PERMUTED_QK = {"llama", "smollm3", "granite"}
 
@@ -77,7 +82,7 @@ def write_gguf(path, model, arch: str) -> None:
     _copy_tokenizer(writer)
     march = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(march, config.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _stacked_per_head_norms(model.state_dict()).items():
         array = tensor.float().numpy()
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             array = array + 1
@@ -113,14 +118,36 @@ def write_gguf(path, model, arch: str) -> None:
     writer.close()
 
 
+def _stacked_per_head_norms(state: dict) -> dict:
+    """StableLM's per-head q/k LayerNorms stacked into one [heads, head_dim] tensor each, as
+    llama.cpp's converter stacks them."""
+    out, heads = {}, {}
+    for name, tensor in state.items():
+        stem, sep, rest = name.partition("_layernorm.norms.")
+        if not sep:
+            out[name] = tensor
+            continue
+        heads.setdefault(f"{stem}_layernorm.weight", []).append((int(rest.split(".")[0]), tensor))
+    for name, rows in heads.items():
+        out[name] = torch.stack([tensor for _, tensor in sorted(rows, key=lambda row: row[0])])
+    return out
+
+
 def _write_metadata(writer, config) -> None:
     write_shape(writer, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if config.model_type in LAYER_NORM_EPS:
+        writer.add_layer_norm_eps(getattr(config, LAYER_NORM_EPS[config.model_type]))
+    else:
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+    if hasattr(config, "use_parallel_residual"):
+        writer.add_parallel_residual(config.use_parallel_residual)
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])

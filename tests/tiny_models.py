@@ -141,6 +141,21 @@ def _olmo2(c: dict) -> transformers.PretrainedConfig:
                                     rope_parameters={"rope_type": "default", "rope_theta": 5e5})
 
 
+def _stablelm(c: dict) -> transformers.PretrainedConfig:
+    # StableLM 2 1.6B's shape: q/k/v biases, a quarter of each head rotated, norms in sequence.
+    return transformers.StableLmConfig(
+        **c, layer_norm_eps=1e-4, use_qkv_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+
+
+def _stablelm_parallel(c: dict) -> transformers.PretrainedConfig:
+    # StableLM 2 12B's: a LayerNorm of its own per q/k head, one norm feeding attention and MLP.
+    return transformers.StableLmConfig(
+        **c, layer_norm_eps=1e-4, qk_layernorm=True, use_parallel_residual=True,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+
+
 ARCHITECTURES: dict[str, TinyArch] = {
     "llama3": TinyArch(_llama3, transformers.LlamaForCausalLM, 3.0),
     "qwen2": TinyArch(_qwen2, transformers.Qwen2ForCausalLM, 3.0),
@@ -161,6 +176,8 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "smollm3": TinyArch(_smollm3, transformers.SmolLM3ForCausalLM, 3.0),
     "granite": TinyArch(_granite, transformers.GraniteForCausalLM, 3.0),
     "olmo2": TinyArch(_olmo2, transformers.Olmo2ForCausalLM, 3.0),
+    "stablelm": TinyArch(_stablelm, transformers.StableLmForCausalLM, 3.0),
+    "stablelm_parallel": TinyArch(_stablelm_parallel, transformers.StableLmForCausalLM, 3.0),
 }
 
 

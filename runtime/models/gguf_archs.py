@@ -52,12 +52,17 @@ _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 @dataclass(frozen=True)
 class GGUFArch:
     """One GGUF architecture: its config class and the fields its metadata adds to the common
-    ones; `permuted_qk`: llama.cpp interleaved each q/k head's rotary halves; `norm_plus_one`:
+    ones; `tensor_config`: fields told by which tensors the file has (biases, optional norms);
+    `eps_field`: the config field of the norms' epsilon (LayerNorm families read llama.cpp's
+    `attention.layer_norm_epsilon`, the others `attention.layer_norm_rms_epsilon`);
+    `permuted_qk`: llama.cpp interleaved each q/k head's rotary halves; `norm_plus_one`:
     llama.cpp stored Gemma's RMSNorm weights as 1 + w (Hugging Face stores w)."""
 
     config_class: type
     extra_config: Callable[[Key, int, int], dict[str, Any]] = lambda key, hidden, heads: {}
     layer_names: Mapping[str, str] = field(default_factory=lambda: LAYER_NAMES)
+    tensor_config: Callable[[set[str]], dict[str, Any]] = lambda names: {}
+    eps_field: str = "rms_norm_eps"
     permuted_qk: bool = False
     norm_plus_one: bool = False
 
@@ -100,9 +105,16 @@ def _gemma3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
             "final_logit_softcapping": None, "attn_logit_softcapping": None}
 
 
-def _phi3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
-    rotary = key("rope.dimension_count")  # Phi-4-mini rotates 3/4 of each head
+def _partial_rotary(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    rotary = key("rope.dimension_count")  # Phi-4-mini rotates 3/4 of each head, StableLM 1/4
     return {"rope": {"partial_rotary_factor": rotary / (hidden // heads)}} if rotary else {}
+
+
+def _stablelm_tensors(names: set[str]) -> dict[str, Any]:
+    # As llama.cpp decides: a layer without ffn_norm runs attention and MLP in parallel.
+    return {"use_qkv_bias": "blk.0.attn_q.bias" in names,
+            "qk_layernorm": "blk.0.attn_q_norm.weight" in names,
+            "use_parallel_residual": "blk.0.ffn_norm.weight" not in names}
 
 
 def _mixtral(key: Key, hidden: int, heads: int) -> dict[str, Any]:
@@ -144,10 +156,13 @@ GGUF_ARCHS = {
                        norm_plus_one=True),
     "gemma3": GGUFArch(transformers.Gemma3TextConfig, _gemma3, {**LAYER_NAMES, **_GEMMA_NAMES},
                        norm_plus_one=True),
-    "phi3": GGUFArch(transformers.Phi3Config, _phi3, {**LAYER_NAMES, **_PHI3_NAMES}),
+    "phi3": GGUFArch(transformers.Phi3Config, _partial_rotary, {**LAYER_NAMES, **_PHI3_NAMES}),
     "smollm3": GGUFArch(transformers.SmolLM3Config, _smollm3, permuted_qk=True),
     "granite": GGUFArch(transformers.GraniteConfig, _granite, permuted_qk=True),
     "olmo2": GGUFArch(transformers.Olmo2Config, _head_dim, {**LAYER_NAMES, **_POST_NORM_NAMES}),
+    # StableLM's per-head q/k norms arrive stacked, [heads, head_dim]: forklm's own layout.
+    "stablelm": GGUFArch(transformers.StableLmConfig, _partial_rotary,
+                         tensor_config=_stablelm_tensors, eps_field="layer_norm_eps"),
 }
 
 

@@ -250,6 +250,15 @@ def _olmo2(config: Any) -> ModelSpec:
     return ModelSpec(**_common(config, qk_norm="proj", norm_placement="post", mlp_bias=False))
 
 
+def _stablelm(config: Any) -> ModelSpec:
+    # LayerNorms with biases; q/k/v biases only (use_qkv_bias); partial rotary from rope params.
+    return ModelSpec(**_common(
+        config, norm_eps=config.layer_norm_eps, norm_kind="layer",
+        qkv_bias=bool(config.use_qkv_bias), o_bias=False, mlp_bias=False,
+        qk_norm="each_head" if config.qk_layernorm else "",
+        parallel_residual=bool(config.use_parallel_residual)))
+
+
 _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "llama": _llama,
     "mistral": _llama,  # Llama with a sliding window on every layer
@@ -264,5 +273,6 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "smollm3": _smollm3,
     "granite": _granite,
     "olmo2": _olmo2,
+    "stablelm": _stablelm,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
