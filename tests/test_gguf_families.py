@@ -47,6 +47,10 @@ def _smollm3_defaults(config) -> None:
     config.layer_types = ["full_attention"] * 4
 
 
+def _no_sliding_window(config) -> None:
+    config.sliding_window = None  # llama.cpp's StarCoder 2 has no window (and no key for one)
+
+
 def _no_attention_bias(config) -> None:
     config.attention_bias = False  # llama.cpp's OLMo 2 reads no attention biases
 
@@ -66,9 +70,14 @@ CASES = {
     "olmo2": ("olmo2", "olmo2", _no_attention_bias),
     "stablelm": ("stablelm", "stablelm", None),
     "stablelm_parallel": ("stablelm_parallel", "stablelm", None),
+    "starcoder2": ("starcoder2", "starcoder2", _no_sliding_window),
+    "nemotron": ("nemotron", "nemotron", None),
 }
 # The LayerNorm families' epsilon field (llama.cpp's attention.layer_norm_epsilon).
-LAYER_NORM_EPS = {"stablelm": "layer_norm_eps"}
+LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
+                  "nemotron": "norm_eps"}
+# llama.cpp's converter stores these families' norm weights as 1 + w.
+NORM_PLUS_ONE = ("gemma", "nemotron")
 # llama.cpp's converter interleaves each q/k head's rotary halves for these (LlamaModel's).
 PERMUTED_QK = {"llama", "smollm3", "granite"}
 
@@ -84,7 +93,7 @@ def write_gguf(path, model, arch: str) -> None:
     names = gguf.get_tensor_name_map(march, config.num_hidden_layers)
     for name, tensor in _stacked_per_head_norms(model.state_dict()).items():
         array = tensor.float().numpy()
-        if arch.startswith("gemma") and name.endswith("norm.weight"):
+        if arch.startswith(NORM_PLUS_ONE) and name.endswith("norm.weight"):
             array = array + 1
         if arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads

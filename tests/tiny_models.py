@@ -156,6 +156,21 @@ def _stablelm_parallel(c: dict) -> transformers.PretrainedConfig:
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
 
 
+def _starcoder2(c: dict) -> transformers.PretrainedConfig:
+    return transformers.Starcoder2Config(
+        **c, norm_epsilon=1e-4, use_bias=True, sliding_window=SLIDING_WINDOW,
+        hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e5})
+
+
+def _nemotron(c: dict) -> transformers.PretrainedConfig:
+    # Biases everywhere (Nemotron's own have none), 3/4 of each head rotated.
+    return transformers.NemotronConfig(
+        **c, norm_eps=1e-4, hidden_act="relu2", attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+
+
 ARCHITECTURES: dict[str, TinyArch] = {
     "llama3": TinyArch(_llama3, transformers.LlamaForCausalLM, 3.0),
     "qwen2": TinyArch(_qwen2, transformers.Qwen2ForCausalLM, 3.0),
@@ -178,6 +193,8 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "olmo2": TinyArch(_olmo2, transformers.Olmo2ForCausalLM, 3.0),
     "stablelm": TinyArch(_stablelm, transformers.StableLmForCausalLM, 3.0),
     "stablelm_parallel": TinyArch(_stablelm_parallel, transformers.StableLmForCausalLM, 3.0),
+    "starcoder2": TinyArch(_starcoder2, transformers.Starcoder2ForCausalLM, 3.0),
+    "nemotron": TinyArch(_nemotron, transformers.NemotronForCausalLM, 3.0),
 }
 
 

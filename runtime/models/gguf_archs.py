@@ -106,8 +106,17 @@ def _gemma3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
 
 
 def _partial_rotary(key: Key, hidden: int, heads: int) -> dict[str, Any]:
-    rotary = key("rope.dimension_count")  # Phi-4-mini rotates 3/4 of each head, StableLM 1/4
-    return {"rope": {"partial_rotary_factor": rotary / (hidden // heads)}} if rotary else {}
+    # Phi-4-mini rotates 3/4 of each head, StableLM 1/4, Nemotron 1/2
+    rotary, head_dim = key("rope.dimension_count"), _head_dim(key, hidden, heads)["head_dim"]
+    return {"rope": {"partial_rotary_factor": rotary / head_dim}} if rotary else {}
+
+
+def _nemotron(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    return {**_head_dim(key, hidden, heads), **_partial_rotary(key, hidden, heads)}
+
+
+def _mlp_bias(names: set[str]) -> dict[str, Any]:
+    return {"mlp_bias": "blk.0.ffn_up.bias" in names}
 
 
 def _stablelm_tensors(names: set[str]) -> dict[str, Any]:
@@ -163,6 +172,14 @@ GGUF_ARCHS = {
     # StableLM's per-head q/k norms arrive stacked, [heads, head_dim]: forklm's own layout.
     "stablelm": GGUFArch(transformers.StableLmConfig, _partial_rotary,
                          tensor_config=_stablelm_tensors, eps_field="layer_norm_eps"),
+    # llama.cpp reads no sliding window for StarCoder 2: every layer attends to all keys.
+    "starcoder2": GGUFArch(transformers.Starcoder2Config,
+                           tensor_config=lambda names: {"use_bias": "blk.0.attn_q.bias" in names,
+                                                        "sliding_window": None},
+                           eps_field="norm_epsilon"),
+    # llama.cpp's converter stores Nemotron's LayerNorm1P weights w - 1 as w (adds the 1).
+    "nemotron": GGUFArch(transformers.NemotronConfig, _nemotron, tensor_config=_mlp_bias,
+                         eps_field="norm_eps", norm_plus_one=True),
 }
 
 

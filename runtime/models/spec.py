@@ -259,6 +259,19 @@ def _stablelm(config: Any) -> ModelSpec:
         parallel_residual=bool(config.use_parallel_residual)))
 
 
+def _starcoder2(config: Any) -> ModelSpec:
+    # LayerNorms and every linear with a bias (use_bias), a plain c_fc -> act -> c_proj MLP.
+    bias = bool(config.use_bias)
+    return ModelSpec(**_common(config, norm_eps=config.norm_epsilon, norm_kind="layer",
+                               qkv_bias=bias, o_bias=bias, mlp_bias=bias, gated_mlp=False))
+
+
+def _nemotron(config: Any) -> ModelSpec:
+    # LayerNorm1P: weights stored as w - 1; a plain up -> relu2 -> down MLP; partial rotary.
+    return ModelSpec(**_common(config, norm_eps=config.norm_eps, norm_kind="layer",
+                               norm_offset=1.0, gated_mlp=False))
+
+
 _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "llama": _llama,
     "mistral": _llama,  # Llama with a sliding window on every layer
@@ -274,5 +287,7 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "granite": _granite,
     "olmo2": _olmo2,
     "stablelm": _stablelm,
+    "starcoder2": _starcoder2,
+    "nemotron": _nemotron,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
