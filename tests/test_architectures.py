@@ -158,14 +158,15 @@ def test_logits_match_transformers(case):
 
 
 def test_unsupported_architecture_is_refused(tmp_path, tokenizer):
-    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=1, n_head=4,
-                                     n_positions=64)
-    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    config = transformers.GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=64)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError) as info:
         Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
     message = str(info.value)
-    assert "gpt2" in message
+    assert "gpt_neox" in message
     assert all(name in message for name in ("llama", "qwen2", "gemma2", "phi3", "mixtral"))
 
 

@@ -51,6 +51,10 @@ def _no_sliding_window(config) -> None:
     config.sliding_window = None  # llama.cpp's StarCoder 2 has no window (and no key for one)
 
 
+def _mlp_four_times_wider(config) -> None:
+    config.n_inner = None  # llama.cpp's converter writes feed_forward_length = 4 * n_embd
+
+
 def _no_attention_bias(config) -> None:
     config.attention_bias = False  # llama.cpp's OLMo 2 reads no attention biases
 
@@ -72,10 +76,13 @@ CASES = {
     "stablelm_parallel": ("stablelm_parallel", "stablelm", None),
     "starcoder2": ("starcoder2", "starcoder2", _no_sliding_window),
     "nemotron": ("nemotron", "nemotron", None),
+    "gpt2": ("gpt2", "gpt2", _mlp_four_times_wider),
 }
 # The LayerNorm families' epsilon field (llama.cpp's attention.layer_norm_epsilon).
 LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
-                  "nemotron": "norm_eps"}
+                  "nemotron": "norm_eps", "gpt2": "layer_norm_epsilon"}
+# GPT-2's Conv1D matrices, [in, out]: the converter transposes them.
+GPT2_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 # llama.cpp's converter stores these families' norm weights as 1 + w.
 NORM_PLUS_ONE = ("gemma", "nemotron")
 # llama.cpp's converter interleaves each q/k head's rotary halves for these (LlamaModel's).
@@ -111,12 +118,14 @@ def write_gguf(path, model, arch: str) -> None:
             array = array[0]
         if name.endswith("rotary_emb.inv_freq"):
             continue
+        if arch == "gpt2" and name.endswith(GPT2_CONV1D):
+            array = array.T
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None and name == "lm_head.weight":  # gguf-py's Gemma 2 map has it tied
             gguf_name = "output.weight"
         assert gguf_name is not None, name
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
-    rope = config.rope_parameters
+    rope = getattr(config, "rope_parameters", None) or {}  # GPT-2 has none
     if rope.get("rope_type") == "longrope":
         writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         writer.add_tensor("rope_factors_short.weight",
@@ -142,6 +151,18 @@ def _stacked_per_head_norms(state: dict) -> dict:
     return out
 
 
+def _write_rope(writer, config, head_dim: int) -> None:
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if rope["rope_type"] == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
 def _write_metadata(writer, config) -> None:
     write_shape(writer, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -151,17 +172,10 @@ def _write_metadata(writer, config) -> None:
         writer.add_layer_norm_eps(getattr(config, LAYER_NORM_EPS[config.model_type]))
     else:
         writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
-    writer.add_rope_freq_base(rope["rope_theta"])
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+    if getattr(config, "rope_parameters", None):  # GPT-2 has learned positions instead
+        _write_rope(writer, config, head_dim)
     if hasattr(config, "use_parallel_residual"):
         writer.add_parallel_residual(config.use_parallel_residual)
-    if rope["rope_type"] == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope["factor"])
-    if rope["rope_type"] == "longrope":
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     if getattr(config, "attn_logit_softcapping", None):

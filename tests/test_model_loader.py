@@ -234,9 +234,11 @@ def write_shape(writer: gguf.GGUFWriter, config) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    # GPT-2's config calls the MLP width n_inner (None: 4 * hidden) and has no GQA
+    writer.add_feed_forward_length(getattr(config, "intermediate_size", None)
+                                   or getattr(config, "n_inner", None) or 4 * config.hidden_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", config.num_attention_heads))
 
 
 def _write_gguf(path: pathlib.Path, arch: str, config, state_dict: dict[str, torch.Tensor],

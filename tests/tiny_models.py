@@ -171,6 +171,16 @@ def _nemotron(c: dict) -> transformers.PretrainedConfig:
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
 
 
+def _gpt2(c: dict) -> transformers.PretrainedConfig:
+    # GPT-2 has no GQA and names its sizes otherwise; n_inner 96 where the default is 4 * 64.
+    return transformers.GPT2Config(
+        vocab_size=c["vocab_size"], n_embd=c["hidden_size"], n_inner=96,
+        n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"],
+        n_positions=c["max_position_embeddings"], layer_norm_epsilon=1e-4,
+        activation_function="gelu_new", bos_token_id=c["bos_token_id"],
+        eos_token_id=c["eos_token_id"], tie_word_embeddings=True)
+
+
 ARCHITECTURES: dict[str, TinyArch] = {
     "llama3": TinyArch(_llama3, transformers.LlamaForCausalLM, 3.0),
     "qwen2": TinyArch(_qwen2, transformers.Qwen2ForCausalLM, 3.0),
@@ -195,6 +205,7 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "stablelm_parallel": TinyArch(_stablelm_parallel, transformers.StableLmForCausalLM, 3.0),
     "starcoder2": TinyArch(_starcoder2, transformers.Starcoder2ForCausalLM, 3.0),
     "nemotron": TinyArch(_nemotron, transformers.NemotronForCausalLM, 3.0),
+    "gpt2": TinyArch(_gpt2, transformers.GPT2LMHeadModel, 3.0),
 }
 
 
@@ -232,6 +243,6 @@ def randomized(model: transformers.PreTrainedModel, weight_scale: float
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             p.mul_(weight_scale)
-            if "norm" in param_name:
+            if "norm" in param_name or ".ln_" in f".{param_name}":  # GPT-2, Falcon: ln_1, ln_f
                 p.add_(torch.randn_like(p) * 0.5)
     return model

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklm.runtime.attention.backends import AttentionBackend, AttentionLayerSpec
+from forklm.runtime.errors import UnsupportedModelError
 from forklm.runtime.models.batch_invariant import tiled_rows
 from forklm.runtime.models.layers import (
     ACTIVATIONS,
@@ -175,6 +176,12 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, config, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        if spec.position_embeddings:
+            if max_positions > spec.position_embeddings:
+                raise UnsupportedModelError(
+                    f"context length {max_positions} exceeds the {spec.position_embeddings} "
+                    f"learned positions of this {spec.model_type} model")
+            self.embed_positions = nn.Embedding(spec.position_embeddings, spec.hidden_size)
         rotaries = {key: RotaryEmbedding(config, rope, spec.head_dim, max_positions,
                                          layer_type=None if key == "default" else key)
                     for key, rope in spec.rope.items()}
@@ -215,6 +222,8 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         batch = attn.prepare(batch)
         x = self._embed(batch.input_ids)  # [T, hidden]
+        if self.spec.position_embeddings:  # GPT-2's learned absolute positions
+            x = x + _rows(self.model.embed_positions, batch.positions)
         if self.fused_layers is not None and self.fused_layers.takes(batch, x):
             x = self.fused_layers.run(x, batch)
         else:
@@ -233,8 +242,7 @@ class CausalLM(nn.Module):
         return self.compiled_steps.session(batch)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table: Any = self.model.embed_tokens
-        x = table.embedding(ids) if hasattr(table, "embedding") else table(ids)
+        x = _rows(self.model.embed_tokens, ids)
         if self.spec.embed_scale is not None:  # rounded to the model's dtype, as transformers does
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         return x
@@ -251,3 +259,8 @@ class CausalLM(nn.Module):
             return self.tied_head(x)
         table: Any = self.model.embed_tokens
         return table(x) if hasattr(table, "embedding") else F.linear(x, table.weight)
+
+
+def _rows(table: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table, an nn.Embedding or a quantized one (`embedding(ids)`)."""
+    return table.embedding(ids) if hasattr(table, "embedding") else table(ids)

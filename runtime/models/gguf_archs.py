@@ -27,7 +27,7 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                "output": "lm_head"}
+                "output": "lm_head", "position_embd": "model.embed_positions"}
 # Stacked experts [experts, rows, cols]: one Hugging Face matrix per expert.
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                 "ffn_down_exps": "down_proj"}
@@ -115,6 +115,11 @@ def _nemotron(key: Key, hidden: int, heads: int) -> dict[str, Any]:
     return {**_head_dim(key, hidden, heads), **_partial_rotary(key, hidden, heads)}
 
 
+def _gpt2(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # GPT-2's config names the MLP width n_inner (llama.cpp's converter writes 4 * n_embd).
+    return {"n_inner": key("feed_forward_length")}
+
+
 def _mlp_bias(names: set[str]) -> dict[str, Any]:
     return {"mlp_bias": "blk.0.ffn_up.bias" in names}
 
@@ -180,6 +185,11 @@ GGUF_ARCHS = {
     # llama.cpp's converter stores Nemotron's LayerNorm1P weights w - 1 as w (adds the 1).
     "nemotron": GGUFArch(transformers.NemotronConfig, _nemotron, tensor_config=_mlp_bias,
                          eps_field="norm_eps", norm_plus_one=True),
+    # llama.cpp's converter transposed GPT-2's Conv1D matrices; q/k/v stay fused as in its
+    # checkpoints; the learned positions are position_embd.
+    "gpt2": GGUFArch(transformers.GPT2Config, _gpt2,
+                     {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"},
+                     eps_field="layer_norm_epsilon"),
 }
 
 

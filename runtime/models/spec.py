@@ -63,6 +63,8 @@ class ModelSpec:
     gated_mlp: bool = True  # False: down(act(up(x))) (StarCoder 2, Nemotron)
     residual_scale: float = 1.0  # Granite: each block's output times this before it is added
     logits_divisor: float = 1.0  # Granite's logits_scaling
+    # GPT-2: rows of a learned absolute position table added to the embeddings; 0: none.
+    position_embeddings: int = 0
     attn_scale: float = 0.0  # softmax scale; set from head_dim when 0
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None
@@ -105,13 +107,16 @@ def _refuse(config: Any, name: str, value: Any, why: str) -> None:
 
 def _common(config: Any, **overrides: Any) -> dict[str, Any]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    # Gemma's MLP reads hidden_activation; the other families hidden_act.
-    act = str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
+    # Gemma's MLP reads hidden_activation, GPT-2's activation_function, the others hidden_act.
+    act_field = next((name for name in ("hidden_activation", "hidden_act", "activation_function")
+                      if getattr(config, name, None)), "hidden_act")
+    act = str(getattr(config, act_field, "silu"))
     if act not in _ACTIVATIONS:
-        _refuse(config, "hidden_act", act, f"supported: {', '.join(_ACTIVATIONS)}")
+        _refuse(config, act_field, act, f"supported: {', '.join(_ACTIVATIONS)}")
     fields = dict(
         model_type=config.model_type, vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "intermediate_size", None),
         num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim, norm_eps=getattr(config, "rms_norm_eps", None),
@@ -272,6 +277,23 @@ def _nemotron(config: Any) -> ModelSpec:
                                norm_offset=1.0, gated_mlp=False))
 
 
+def _gpt2(config: Any) -> ModelSpec:
+    # Learned absolute positions and no rotary (every layer's table is the identity), LayerNorms,
+    # biases on every linear, a plain MLP n_inner (default 4 * hidden) wide, no GQA.
+    if config.scale_attn_by_inverse_layer_idx:
+        _refuse(config, "scale_attn_by_inverse_layer_idx", True, "one softmax scale for all layers")
+    if config.add_cross_attention:
+        _refuse(config, "add_cross_attention", True, "decoder-only models only")
+    n = config.num_hidden_layers
+    return ModelSpec(**_common(
+        config, intermediate_size=config.n_inner or 4 * config.hidden_size,
+        num_kv_heads=config.num_attention_heads, norm_eps=config.layer_norm_epsilon,
+        norm_kind="layer", qkv_bias=True, o_bias=True, mlp_bias=True, gated_mlp=False,
+        attn_scale=0.0 if config.scale_attn_weights else 1.0,
+        position_embeddings=config.max_position_embeddings,
+        rope={NO_ROPE: {"rope_type": NO_ROPE}}, layers=_layers(config, [None] * n, [NO_ROPE] * n)))
+
+
 _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "llama": _llama,
     "mistral": _llama,  # Llama with a sliding window on every layer
@@ -289,5 +311,6 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "stablelm": _stablelm,
     "starcoder2": _starcoder2,
     "nemotron": _nemotron,
+    "gpt2": _gpt2,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
