@@ -55,6 +55,20 @@ def _mlp_four_times_wider(config) -> None:
     config.n_inner = None  # llama.cpp's converter writes feed_forward_length = 4 * n_embd
 
 
+def _falcon_defaults(config) -> None:
+    # llama.cpp's Falcon reads no biases, and its converter writes feed_forward_length 4 * hidden.
+    config.bias, config.ffn_hidden_size = False, 4 * config.hidden_size
+
+
+def _falcon_qkv(array: np.ndarray, config) -> np.ndarray:
+    """llama.cpp's converter: Falcon's query_key_value rows, [kv groups, group queries + k + v,
+    head_dim] (Falcon 7B: one group), regrouped as all q, all k, all v."""
+    kv, heads = config.num_key_value_heads, config.num_attention_heads
+    qkv = array.reshape(kv, heads // kv + 2, -1, *array.shape[1:])
+    parts = (qkv[:, :-2], qkv[:, -2:-1], qkv[:, -1:])
+    return np.concatenate([p.reshape(-1, *array.shape[1:]) for p in parts])
+
+
 def _no_attention_bias(config) -> None:
     config.attention_bias = False  # llama.cpp's OLMo 2 reads no attention biases
 
@@ -77,10 +91,13 @@ CASES = {
     "starcoder2": ("starcoder2", "starcoder2", _no_sliding_window),
     "nemotron": ("nemotron", "nemotron", None),
     "gpt2": ("gpt2", "gpt2", _mlp_four_times_wider),
+    "falcon": ("falcon", "falcon", _falcon_defaults),
+    "falcon_40b": ("falcon_40b", "falcon", _falcon_defaults),
 }
 # The LayerNorm families' epsilon field (llama.cpp's attention.layer_norm_epsilon).
 LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
-                  "nemotron": "norm_eps", "gpt2": "layer_norm_epsilon"}
+                  "nemotron": "norm_eps", "gpt2": "layer_norm_epsilon",
+                  "falcon": "layer_norm_epsilon"}
 # GPT-2's Conv1D matrices, [in, out]: the converter transposes them.
 GPT2_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 # llama.cpp's converter stores these families' norm weights as 1 + w.
@@ -120,6 +137,8 @@ def write_gguf(path, model, arch: str) -> None:
             continue
         if arch == "gpt2" and name.endswith(GPT2_CONV1D):
             array = array.T
+        if arch == "falcon" and ".query_key_value." in name:
+            array = _falcon_qkv(array, config)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None and name == "lm_head.weight":  # gguf-py's Gemma 2 map has it tied
             gguf_name = "output.weight"

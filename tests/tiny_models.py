@@ -181,6 +181,17 @@ def _gpt2(c: dict) -> transformers.PretrainedConfig:
         eos_token_id=c["eos_token_id"], tie_word_embeddings=True)
 
 
+def _falcon(**variant: Any) -> Callable[[dict], transformers.PretrainedConfig]:
+    def make(c: dict) -> transformers.PretrainedConfig:
+        common = {k: v for k, v in c.items() if k not in ("intermediate_size", "rms_norm_eps",
+                                                          "num_key_value_heads")}
+        return transformers.FalconConfig(
+            **common, layer_norm_epsilon=1e-4, ffn_hidden_size=96, alibi=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **variant)
+
+    return make
+
+
 ARCHITECTURES: dict[str, TinyArch] = {
     "llama3": TinyArch(_llama3, transformers.LlamaForCausalLM, 3.0),
     "qwen2": TinyArch(_qwen2, transformers.Qwen2ForCausalLM, 3.0),
@@ -206,6 +217,20 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "starcoder2": TinyArch(_starcoder2, transformers.Starcoder2ForCausalLM, 3.0),
     "nemotron": TinyArch(_nemotron, transformers.NemotronForCausalLM, 3.0),
     "gpt2": TinyArch(_gpt2, transformers.GPT2LMHeadModel, 3.0),
+    # Falcon 7B's layout: one key/value head, attention and MLP in parallel from one norm.
+    "falcon": TinyArch(_falcon(new_decoder_architecture=False, multi_query=True,
+                               parallel_attn=True, bias=False, tie_word_embeddings=True),
+                       transformers.FalconForCausalLM, 3.0),
+    # Falcon 40B's: grouped q/k/v rows (2 KV heads), ln_attn and ln_mlp; biases added.
+    "falcon_40b": TinyArch(_falcon(new_decoder_architecture=True, num_kv_heads=2,
+                                   num_ln_in_parallel_attn=2, parallel_attn=True, bias=True,
+                                   tie_word_embeddings=False),
+                           transformers.FalconForCausalLM, 3.0),
+    # In sequence, every head its own key and value, q/k/v interleaved per head.
+    "falcon_sequential": TinyArch(_falcon(new_decoder_architecture=False, multi_query=False,
+                                          parallel_attn=False, bias=True,
+                                          tie_word_embeddings=True),
+                                  transformers.FalconForCausalLM, 3.0),
 }
 
 

@@ -116,7 +116,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(spec, layer_id, rotary)
         if not self.parallel:
             self.post_attention_layernorm = norm()
-        if self.placement == "sandwich":
+        if self.placement == "sandwich" or self.parallel == "own_norm":  # the MLP's input norm
             self.pre_feedforward_layernorm = norm()
         if self.placement != "pre":
             self.post_feedforward_layernorm = norm()
@@ -146,8 +146,10 @@ class DecoderLayer(nn.Module):
     def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residuals, norms and MLP: attn_out [T, heads * d] -> [T, hidden]."""
         h = self.self_attn.o_proj(attn_out)
-        if self.parallel:  # the MLP reads the attention's input (its norm is recomputed)
+        if self.parallel == "shared_norm":  # the MLP reads the attention's input (recomputed)
             return x + h + self.mlp(self.input_layernorm(x))
+        if self.parallel == "own_norm":
+            return x + h + self.mlp(self.pre_feedforward_layernorm(x))
         if self.placement == "sandwich":
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -45,7 +45,7 @@ def unsupported_reason(model: CausalLM, attn: object) -> str:
         f"{spec.norm_placement} norms": spec.norm_placement != "pre",
         f"{spec.norm_kind} norms": spec.norm_kind != "rms",
         f"{spec.qk_norm} q/k norms": spec.qk_norm not in ("", "head"),
-        "a parallel residual": spec.parallel_residual,
+        "a parallel residual": bool(spec.parallel_residual),
         "a plain (ungated) MLP": not spec.gated_mlp,
         "a residual scale": spec.residual_scale != 1.0,
         f"head_dim {spec.head_dim}": spec.head_dim > lib.fused_max_head_dim(),

@@ -120,6 +120,19 @@ def _gpt2(key: Key, hidden: int, heads: int) -> dict[str, Any]:
     return {"n_inner": key("feed_forward_length")}
 
 
+def _falcon(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # llama.cpp runs every Falcon layout as the new decoder architecture does: q/k/v already
+    # regrouped by the converter, attention and MLP in parallel.
+    return {"num_kv_heads": key("attention.head_count_kv", 1), "alibi": False,
+            "ffn_hidden_size": key("feed_forward_length"), "new_decoder_architecture": True,
+            "parallel_attn": True}
+
+
+def _falcon_tensors(names: set[str]) -> dict[str, Any]:
+    return {"num_ln_in_parallel_attn": 2 if "blk.0.attn_norm_2.weight" in names else 1,
+            "bias": "blk.0.attn_qkv.bias" in names}
+
+
 def _mlp_bias(names: set[str]) -> dict[str, Any]:
     return {"mlp_bias": "blk.0.ffn_up.bias" in names}
 
@@ -151,6 +164,14 @@ def _granite(key: Key, hidden: int, heads: int) -> dict[str, Any]:
             "attention_multiplier": key("attention.scale") or (hidden // heads) ** -0.5,
             "logits_scaling": key("logit_scale", 1.0)}
 
+
+_FALCON_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"}
+# Falcon 40B's two norms: llama.cpp calls the MLP's (ln_mlp) attn_norm, the attention's (ln_attn)
+# attn_norm_2; Falcon 7B's one norm (attn_norm) feeds both.
+FALCON_TWO_NORMS = GGUFArch(transformers.FalconConfig, _falcon,
+                            {**_FALCON_NAMES, "attn_norm": "pre_feedforward_layernorm",
+                             "attn_norm_2": "input_layernorm"},
+                            tensor_config=_falcon_tensors, eps_field="layer_norm_epsilon")
 
 # llama.cpp writes Mixtral as `llama` whose layers have experts (`llama.expert_count`).
 LLAMA_WITH_EXPERTS = GGUFArch(transformers.MixtralConfig, _mixtral,
@@ -190,9 +211,17 @@ GGUF_ARCHS = {
     "gpt2": GGUFArch(transformers.GPT2Config, _gpt2,
                      {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"},
                      eps_field="layer_norm_epsilon"),
+    # GELU: llama.cpp's Falcon takes ggml's tanh approximation, transformers (and forklm) the
+    # exact GELU Falcon's config names.
+    "falcon": GGUFArch(transformers.FalconConfig, _falcon, _FALCON_NAMES,
+                       tensor_config=_falcon_tensors, eps_field="layer_norm_epsilon"),
 }
 
 
-def arch_of(name: str, expert_count: int | None) -> GGUFArch:
+def arch_of(name: str, expert_count: int | None, tensor_names: set[str]) -> GGUFArch:
     """The GGUFArch of a file's `general.architecture` (KeyError: not one forklm reads)."""
-    return LLAMA_WITH_EXPERTS if name == "llama" and expert_count else GGUF_ARCHS[name]
+    if name == "llama" and expert_count:
+        return LLAMA_WITH_EXPERTS
+    if name == "falcon" and "blk.0.attn_norm_2.weight" in tensor_names:
+        return FALCON_TWO_NORMS
+    return GGUF_ARCHS[name]

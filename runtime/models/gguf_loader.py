@@ -55,7 +55,8 @@ class GGUFModel:
                 f"{path}: GGUF architecture {arch!r} is not supported; expected one of "
                 f"{sorted(GGUF_ARCHS)}")
         experts = self.reader.fields.get(f"{arch}.expert_count")
-        self.arch, self.spec = arch, arch_of(arch, experts.contents() if experts else None)
+        self.arch, self.spec = arch, arch_of(arch, experts.contents() if experts else None,
+                                             {t.name for t in self.reader.tensors})
         cached = _cache_dir_for(path)
         if cached.is_dir():
             logger.info("config and tokenizer of %s from cache %s", path.name, cached)

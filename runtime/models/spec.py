@@ -58,8 +58,9 @@ class ModelSpec:
     # Where a layer's norms are: "pre" (Llama: before attention and before the MLP), "sandwich"
     # (Gemma 2/3: also after each), "post" (OLMo 2: only after each, on the block's output).
     norm_placement: str = "pre"
-    # StableLM: x + attn(norm(x)) + mlp(norm(x)), one norm feeding both blocks.
-    parallel_residual: bool = False
+    # Attention and MLP side by side, x + attn(norm(x)) + mlp(norm'(x)): "shared_norm" (StableLM,
+    # Falcon 7B: norm' is norm) or "own_norm" (Falcon 40B+: the MLP's own norm). "": in sequence.
+    parallel_residual: str = ""
     gated_mlp: bool = True  # False: down(act(up(x))) (StarCoder 2, Nemotron)
     residual_scale: float = 1.0  # Granite: each block's output times this before it is added
     logits_divisor: float = 1.0  # Granite's logits_scaling
@@ -79,6 +80,7 @@ class ModelSpec:
         assert self.norm_kind in ("rms", "layer"), self.norm_kind
         assert self.qk_norm in ("", "head", "each_head", "proj"), self.qk_norm
         assert self.norm_placement in ("pre", "sandwich", "post"), self.norm_placement
+        assert self.parallel_residual in ("", "shared_norm", "own_norm"), self.parallel_residual
         assert not self.parallel_residual or self.norm_placement == "pre", "parallel: pre norms"
         assert self.residual_scale == 1.0 or (self.norm_placement == "pre"
                                               and not self.parallel_residual), "residual_scale"
@@ -107,9 +109,10 @@ def _refuse(config: Any, name: str, value: Any, why: str) -> None:
 
 def _common(config: Any, **overrides: Any) -> dict[str, Any]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    # Gemma's MLP reads hidden_activation, GPT-2's activation_function, the others hidden_act.
-    act_field = next((name for name in ("hidden_activation", "hidden_act", "activation_function")
-                      if getattr(config, name, None)), "hidden_act")
+    # Gemma's MLP reads hidden_activation, GPT-2's activation_function, Falcon's activation, the
+    # others hidden_act.
+    act_field = next((name for name in ("hidden_activation", "hidden_act", "activation_function",
+                                        "activation") if getattr(config, name, None)), "hidden_act")
     act = str(getattr(config, act_field, "silu"))
     if act not in _ACTIVATIONS:
         _refuse(config, act_field, act, f"supported: {', '.join(_ACTIVATIONS)}")
@@ -261,7 +264,7 @@ def _stablelm(config: Any) -> ModelSpec:
         config, norm_eps=config.layer_norm_eps, norm_kind="layer",
         qkv_bias=bool(config.use_qkv_bias), o_bias=False, mlp_bias=False,
         qk_norm="each_head" if config.qk_layernorm else "",
-        parallel_residual=bool(config.use_parallel_residual)))
+        parallel_residual="shared_norm" if config.use_parallel_residual else ""))
 
 
 def _starcoder2(config: Any) -> ModelSpec:
@@ -294,6 +297,21 @@ def _gpt2(config: Any) -> ModelSpec:
         rope={NO_ROPE: {"rope_type": NO_ROPE}}, layers=_layers(config, [None] * n, [NO_ROPE] * n)))
 
 
+def _falcon(config: Any) -> ModelSpec:
+    # Attention and MLP in parallel (one shared norm, or ln_attn and ln_mlp on the 40B+ layout)
+    # or in sequence; multi-query, grouped or per-head q/k/v (checkpoint_layouts.py regroups it).
+    if config.alibi:
+        _refuse(config, "alibi", True, "ALiBi position biases are not implemented")
+    if config.new_decoder_architecture and not config.parallel_attn:
+        _refuse(config, "parallel_attn", False, "the new decoder architecture runs in parallel")
+    two_norms = config.new_decoder_architecture and (config.num_ln_in_parallel_attn or 2) == 2
+    parallel = ("own_norm" if two_norms else "shared_norm") if config.parallel_attn else ""
+    return ModelSpec(**_common(
+        config, intermediate_size=config.ffn_hidden_size, norm_eps=config.layer_norm_epsilon,
+        norm_kind="layer", qkv_bias=bool(config.bias), o_bias=bool(config.bias),
+        mlp_bias=bool(config.bias), gated_mlp=False, parallel_residual=parallel))
+
+
 _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "llama": _llama,
     "mistral": _llama,  # Llama with a sliding window on every layer
@@ -312,5 +330,6 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "starcoder2": _starcoder2,
     "nemotron": _nemotron,
     "gpt2": _gpt2,
+    "falcon": _falcon,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
