@@ -336,14 +336,14 @@ def test_non_gguf_file(tmp_path):
 
 def test_unsupported_gguf_arch(tmp_path, monkeypatch):
     monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
-    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    writer = gguf.GGUFWriter(tmp_path / "mpt.gguf", "mpt")  # gpt2 is supported now
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="architecture .gpt2. is not supported"):
-        load_model(str(tmp_path / "gpt2.gguf"))
+    with pytest.raises(UnsupportedModelError, match="architecture .mpt. is not supported"):
+        load_model(str(tmp_path / "mpt.gguf"))
 
 
 def test_default_model_not_installed(monkeypatch):
