@@ -2,8 +2,9 @@
 loading never holds more than the final weights plus the tensor being copied.
 
 Checkpoint names (Hugging Face's) map onto forklm's modules: q/k/v and gate/up go into slices of
-one fused parameter, each expert's matrices into a slice of the stacked expert parameters, and
-Mixtral's `block_sparse_moe` is `mlp`. A value that is not a tensor is a quantized weight (a GGUF
+one fused parameter (unless the model keeps them apart: a plain MLP's up_proj), each expert's
+matrices into a slice of the stacked expert parameters, StableLM's per-head q/k norms into rows of
+one [heads, d] weight, and Mixtral's `block_sparse_moe` is `mlp`. A value that is not a tensor is a quantized weight (a GGUF
 kept quantized): its parts are collected and the Linear is replaced by the module that
 `quantized_factory` builds from them once the stream ends.
 """
@@ -35,8 +36,7 @@ _PER_HEAD = re.compile(r"(?P<prefix>.*\.self_attn)\.(?P<part>q|k)_layernorm\.nor
                        r"(?P<kind>weight|bias)$")
 # Checkpoint module names forklm calls otherwise (StarCoder 2's plain MLP, Mixtral's experts).
 _RENAMED = ((".block_sparse_moe.", ".mlp."), (".mlp.c_fc.", ".mlp.up_proj."),
-            (".mlp.c_proj.", ".mlp.down_proj."), (".q_layernorm.", ".q_norm."),
-            (".k_layernorm.", ".k_norm."))
+            (".mlp.c_proj.", ".mlp.down_proj."))
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
@@ -45,7 +45,7 @@ class Target:
     module: str  # dotted path of the module holding the parameter
     param: str  # "weight", "bias", "w13", ...
     shard: int | None = None  # slice of a fused parameter (q, k, v / gate, up)
-    expert: int | None = None  # first-axis index of a stacked expert parameter
+    expert: int | None = None  # first-axis index of a stacked parameter (experts, per-head norms)
 
 
 def target_of(name: str, fused: bool = True) -> Target:
