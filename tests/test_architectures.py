@@ -92,9 +92,10 @@ def test_one_at_a_time(case):
 
 
 # Architectures whose decode runs through FusedDecodeLayers (runtime/models/fused_layers.py)
-# on this CPU (the tiny Phi-3 rotates whole heads); the others (GELU, sandwich norms, MoE) run
-# the eager layers.
-FUSED = {"llama3", "qwen2", "qwen2_sliding", "qwen3", "mistral", "phi3", "phi3_short"}
+# on this CPU (the tiny Phi-3 rotates whole heads; SmolLM3's NoPE layers rotate by an identity
+# table); the others (GELU, sandwich or post norms, MoE, Granite's residual scale) run the eager
+# layers.
+FUSED = {"llama3", "qwen2", "qwen2_sliding", "qwen3", "mistral", "phi3", "phi3_short", "smollm3"}
 
 
 def test_fused_layers_where_the_model_allows(case):
@@ -157,21 +158,22 @@ def test_logits_match_transformers(case):
 
 
 def test_unsupported_architecture_is_refused(tmp_path, tokenizer):
-    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=1, n_head=4,
-                                     n_positions=64)
-    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    config = transformers.GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=64)
+    transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError) as info:
         Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
     message = str(info.value)
-    assert "gpt2" in message
+    assert "gpt_neox" in message
     assert all(name in message for name in ("llama", "qwen2", "gemma2", "phi3", "mixtral"))
 
 
 @pytest.mark.parametrize("field, value", [
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
-    ("hidden_act", "relu2"),
-], ids=["rope_dynamic", "hidden_act_relu2"])
+    ("hidden_act", "quick_gelu"),  # relu2 is honoured (Nemotron)
+], ids=["rope_dynamic", "hidden_act_quick_gelu"])
 def test_unhonoured_config_field_is_refused(tmp_path, tokenizer, field, value):
     """A Llama checkpoint whose config asks for something forklm does not compute is refused, and
     the message names the field and its value (never silently served with default behaviour)."""

@@ -217,8 +217,8 @@ def test_unsupported_reasons(make_engine):
         def __init__(self, **changes):
             self.spec, self.model = dataclasses.replace(spec, **changes), model.model
 
-    assert unsupported_reason(Variant(qk_norm=True), native) == ""  # Qwen3's q/k norms are fused
-    reason = unsupported_reason(Variant(sandwich_norm=True, activation="gelu_tanh"), native)
+    assert unsupported_reason(Variant(qk_norm="head"), native) == ""  # Qwen3's q/k norms are fused
+    reason = unsupported_reason(Variant(norm_placement="sandwich", activation="gelu_tanh"), native)
     assert "sandwich norms" in reason and "gelu_tanh" in reason
 
 

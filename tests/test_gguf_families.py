@@ -9,6 +9,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
+import torch
 
 from forklm.runtime.engine.engine import Engine
 from forklm.runtime.models.source import default_model_gguf
@@ -38,6 +39,40 @@ def _plain_rope(config) -> None:
     config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
 
 
+def _smollm3_defaults(config) -> None:
+    # llama.cpp drops RoPE on every fourth layer and slides no window (no GGUF key for either).
+    config.num_hidden_layers = 4
+    config.no_rope_layers = [1, 1, 1, 0]
+    config.use_sliding_window, config.sliding_window = False, None
+    config.layer_types = ["full_attention"] * 4
+
+
+def _no_sliding_window(config) -> None:
+    config.sliding_window = None  # llama.cpp's StarCoder 2 has no window (and no key for one)
+
+
+def _mlp_four_times_wider(config) -> None:
+    config.n_inner = None  # llama.cpp's converter writes feed_forward_length = 4 * n_embd
+
+
+def _falcon_defaults(config) -> None:
+    # llama.cpp's Falcon reads no biases, and its converter writes feed_forward_length 4 * hidden.
+    config.bias, config.ffn_hidden_size = False, 4 * config.hidden_size
+
+
+def _falcon_qkv(array: np.ndarray, config) -> np.ndarray:
+    """llama.cpp's converter: Falcon's query_key_value rows, [kv groups, group queries + k + v,
+    head_dim] (Falcon 7B: one group), regrouped as all q, all k, all v."""
+    kv, heads = config.num_key_value_heads, config.num_attention_heads
+    qkv = array.reshape(kv, heads // kv + 2, -1, *array.shape[1:])
+    parts = (qkv[:, :-2], qkv[:, -2:-1], qkv[:, -1:])
+    return np.concatenate([p.reshape(-1, *array.shape[1:]) for p in parts])
+
+
+def _no_attention_bias(config) -> None:
+    config.attention_bias = False  # llama.cpp's OLMo 2 reads no attention biases
+
+
 # case -> (tiny_models architecture, GGUF architecture, config edit)
 CASES = {
     "llama": ("llama3", "llama", _plain_rope),
@@ -48,7 +83,27 @@ CASES = {
     "mixtral": ("mixtral", "llama", None),  # llama.cpp writes Mixtral as llama with experts
     "qwen2_moe": ("qwen2_moe", "qwen2moe", None),
     "qwen3_moe": ("qwen3_moe", "qwen3moe", None),
+    "smollm3": ("smollm3", "smollm3", _smollm3_defaults),
+    "granite": ("granite", "granite", None),
+    "olmo2": ("olmo2", "olmo2", _no_attention_bias),
+    "stablelm": ("stablelm", "stablelm", None),
+    "stablelm_parallel": ("stablelm_parallel", "stablelm", None),
+    "starcoder2": ("starcoder2", "starcoder2", _no_sliding_window),
+    "nemotron": ("nemotron", "nemotron", None),
+    "gpt2": ("gpt2", "gpt2", _mlp_four_times_wider),
+    "falcon": ("falcon", "falcon", _falcon_defaults),
+    "falcon_40b": ("falcon_40b", "falcon", _falcon_defaults),
 }
+# The LayerNorm families' epsilon field (llama.cpp's attention.layer_norm_epsilon).
+LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
+                  "nemotron": "norm_eps", "gpt2": "layer_norm_epsilon",
+                  "falcon": "layer_norm_epsilon"}
+# GPT-2's Conv1D matrices, [in, out]: the converter transposes them.
+GPT2_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+# llama.cpp's converter stores these families' norm weights as 1 + w.
+NORM_PLUS_ONE = ("gemma", "nemotron")
+# llama.cpp's converter interleaves each q/k head's rotary halves for these (LlamaModel's).
+PERMUTED_QK = {"llama", "smollm3", "granite"}
 
 
 def write_gguf(path, model, arch: str) -> None:
@@ -60,11 +115,11 @@ def write_gguf(path, model, arch: str) -> None:
     _copy_tokenizer(writer)
     march = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(march, config.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _stacked_per_head_norms(model.state_dict()).items():
         array = tensor.float().numpy()
-        if arch.startswith("gemma") and name.endswith("norm.weight"):
+        if arch.startswith(NORM_PLUS_ONE) and name.endswith("norm.weight"):
             array = array + 1
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             array = _permute_qk(array, heads)
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
@@ -80,12 +135,16 @@ def write_gguf(path, model, arch: str) -> None:
             array = array[0]
         if name.endswith("rotary_emb.inv_freq"):
             continue
+        if arch == "gpt2" and name.endswith(GPT2_CONV1D):
+            array = array.T
+        if arch == "falcon" and ".query_key_value." in name:
+            array = _falcon_qkv(array, config)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None and name == "lm_head.weight":  # gguf-py's Gemma 2 map has it tied
             gguf_name = "output.weight"
         assert gguf_name is not None, name
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
-    rope = config.rope_parameters
+    rope = getattr(config, "rope_parameters", None) or {}  # GPT-2 has none
     if rope.get("rope_type") == "longrope":
         writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         writer.add_tensor("rope_factors_short.weight",
@@ -96,25 +155,57 @@ def write_gguf(path, model, arch: str) -> None:
     writer.close()
 
 
-def _write_metadata(writer, config) -> None:
-    write_shape(writer, config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+def _stacked_per_head_norms(state: dict) -> dict:
+    """StableLM's per-head q/k LayerNorms stacked into one [heads, head_dim] tensor each, as
+    llama.cpp's converter stacks them."""
+    out, heads = {}, {}
+    for name, tensor in state.items():
+        stem, sep, rest = name.partition("_layernorm.norms.")
+        if not sep:
+            out[name] = tensor
+            continue
+        heads.setdefault(f"{stem}_layernorm.weight", []).append((int(rest.split(".")[0]), tensor))
+    for name, rows in heads.items():
+        out[name] = torch.stack([tensor for _, tensor in sorted(rows, key=lambda row: row[0])])
+    return out
+
+
+def _write_rope(writer, config, head_dim: int) -> None:
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)
     writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        writer.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
     if rope["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
     if rope["rope_type"] == "longrope":
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
+def _write_metadata(writer, config) -> None:
+    write_shape(writer, config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if config.model_type in LAYER_NORM_EPS:
+        writer.add_layer_norm_eps(getattr(config, LAYER_NORM_EPS[config.model_type]))
+    else:
+        writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if getattr(config, "rope_parameters", None):  # GPT-2 has learned positions instead
+        _write_rope(writer, config, head_dim)
+    if hasattr(config, "use_parallel_residual"):
+        writer.add_parallel_residual(config.use_parallel_residual)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     if getattr(config, "attn_logit_softcapping", None):
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    if config.model_type == "granite":  # the converter renames Granite's multipliers
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     if getattr(config, "moe_intermediate_size", None):  # Qwen-MoE
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

@@ -234,9 +234,11 @@ def write_shape(writer: gguf.GGUFWriter, config) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
+    # GPT-2's config calls the MLP width n_inner (None: 4 * hidden) and has no GQA
+    writer.add_feed_forward_length(getattr(config, "intermediate_size", None)
+                                   or getattr(config, "n_inner", None) or 4 * config.hidden_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", config.num_attention_heads))
 
 
 def _write_gguf(path: pathlib.Path, arch: str, config, state_dict: dict[str, torch.Tensor],
@@ -334,14 +336,14 @@ def test_non_gguf_file(tmp_path):
 
 def test_unsupported_gguf_arch(tmp_path, monkeypatch):
     monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
-    writer = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
+    writer = gguf.GGUFWriter(tmp_path / "mpt.gguf", "mpt")  # gpt2 is supported now
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="architecture .gpt2. is not supported"):
-        load_model(str(tmp_path / "gpt2.gguf"))
+    with pytest.raises(UnsupportedModelError, match="architecture .mpt. is not supported"):
+        load_model(str(tmp_path / "mpt.gguf"))
 
 
 def test_default_model_not_installed(monkeypatch):

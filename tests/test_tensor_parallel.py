@@ -42,7 +42,7 @@ ENGINE = dict(dtype="float32", max_total_tokens=192, chunked_prefill_size=16,
 def _spec(heads: int, kv_heads: int, **extra) -> ModelSpec:
     fields = dict(model_type="llama", vocab_size=101, hidden_size=heads * 4, intermediate_size=12,
                   num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=4,
-                  rms_norm_eps=1e-6, tie_word_embeddings=True)
+                  norm_eps=1e-6, tie_word_embeddings=True)
     return ModelSpec(**{**fields, **extra})
 
 
@@ -95,7 +95,8 @@ def test_shards_put_back_together_give_the_checkpoint():
 def test_what_cannot_be_split_is_refused_naming_the_flag():
     moe = MoESpec(num_experts=4, top_k=2, intermediate_size=8, renormalize=True)
     for spec, tp in ((_spec(6, 3, moe=moe), 2), (_spec(6, 3), 4), (_spec(9, 3), 4),
-                     (_spec(4, 2, intermediate_size=3), 4)):
+                     (_spec(4, 2, intermediate_size=3), 4),
+                     (_spec(6, 3, qk_norm="proj"), 2), (_spec(6, 3, qk_norm="each_head"), 2)):
         with pytest.raises(UnsupportedModelError, match="tp_size="):
             check_shardable(spec, tp)
     bad = [dict(tp_size=0), dict(tp_size=4, nnodes=3), dict(nnodes=2, tp_size=2),

@@ -119,6 +119,79 @@ def _qwen2_moe(c: dict) -> transformers.PretrainedConfig:
         mlp_only_layers=[], rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
+def _smollm3(c: dict) -> transformers.PretrainedConfig:
+    # Layers 1 and 3 have no positions (NoPE), layers 1 and 2 slide: each of the four pairings.
+    return transformers.SmolLM3Config(
+        **{**c, "num_hidden_layers": 4}, no_rope_layers=[1, 0, 1, 0], use_sliding_window=True,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 5e4}, tie_word_embeddings=True)
+
+
+def _granite(c: dict) -> transformers.PretrainedConfig:
+    # Softmax scale 0.2 where 1/sqrt(head_dim 16) would be 0.25.
+    return transformers.GraniteConfig(
+        **c, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=2.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        tie_word_embeddings=True)
+
+
+def _olmo2(c: dict) -> transformers.PretrainedConfig:
+    return transformers.Olmo2Config(**c, attention_bias=True, tie_word_embeddings=False,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+
+
+def _stablelm(c: dict) -> transformers.PretrainedConfig:
+    # StableLM 2 1.6B's shape: q/k/v biases, a quarter of each head rotated, norms in sequence.
+    return transformers.StableLmConfig(
+        **c, layer_norm_eps=1e-4, use_qkv_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+
+
+def _stablelm_parallel(c: dict) -> transformers.PretrainedConfig:
+    # StableLM 2 12B's: a LayerNorm of its own per q/k head, one norm feeding attention and MLP.
+    return transformers.StableLmConfig(
+        **c, layer_norm_eps=1e-4, qk_layernorm=True, use_parallel_residual=True,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+
+
+def _starcoder2(c: dict) -> transformers.PretrainedConfig:
+    return transformers.Starcoder2Config(
+        **c, norm_epsilon=1e-4, use_bias=True, sliding_window=SLIDING_WINDOW,
+        hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e5})
+
+
+def _nemotron(c: dict) -> transformers.PretrainedConfig:
+    # Biases everywhere (Nemotron's own have none), 3/4 of each head rotated.
+    return transformers.NemotronConfig(
+        **c, norm_eps=1e-4, hidden_act="relu2", attention_bias=True, mlp_bias=True,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+
+
+def _gpt2(c: dict) -> transformers.PretrainedConfig:
+    # GPT-2 has no GQA and names its sizes otherwise; n_inner 96 where the default is 4 * 64.
+    return transformers.GPT2Config(
+        vocab_size=c["vocab_size"], n_embd=c["hidden_size"], n_inner=96,
+        n_layer=c["num_hidden_layers"], n_head=c["num_attention_heads"],
+        n_positions=c["max_position_embeddings"], layer_norm_epsilon=1e-4,
+        activation_function="gelu_new", bos_token_id=c["bos_token_id"],
+        eos_token_id=c["eos_token_id"], tie_word_embeddings=True)
+
+
+def _falcon(**variant: Any) -> Callable[[dict], transformers.PretrainedConfig]:
+    def make(c: dict) -> transformers.PretrainedConfig:
+        common = {k: v for k, v in c.items() if k not in ("intermediate_size", "rms_norm_eps",
+                                                          "num_key_value_heads")}
+        return transformers.FalconConfig(
+            **common, layer_norm_epsilon=1e-4, ffn_hidden_size=96, alibi=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **variant)
+
+    return make
+
+
 ARCHITECTURES: dict[str, TinyArch] = {
     "llama3": TinyArch(_llama3, transformers.LlamaForCausalLM, 3.0),
     "qwen2": TinyArch(_qwen2, transformers.Qwen2ForCausalLM, 3.0),
@@ -136,6 +209,28 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "mixtral": TinyArch(_mixtral, transformers.MixtralForCausalLM, 3.0),
     "qwen3_moe": TinyArch(_qwen3_moe, transformers.Qwen3MoeForCausalLM, 3.0),
     "qwen2_moe": TinyArch(_qwen2_moe, transformers.Qwen2MoeForCausalLM, 3.0),
+    "smollm3": TinyArch(_smollm3, transformers.SmolLM3ForCausalLM, 3.0),
+    "granite": TinyArch(_granite, transformers.GraniteForCausalLM, 3.0),
+    "olmo2": TinyArch(_olmo2, transformers.Olmo2ForCausalLM, 3.0),
+    "stablelm": TinyArch(_stablelm, transformers.StableLmForCausalLM, 3.0),
+    "stablelm_parallel": TinyArch(_stablelm_parallel, transformers.StableLmForCausalLM, 3.0),
+    "starcoder2": TinyArch(_starcoder2, transformers.Starcoder2ForCausalLM, 3.0),
+    "nemotron": TinyArch(_nemotron, transformers.NemotronForCausalLM, 3.0),
+    "gpt2": TinyArch(_gpt2, transformers.GPT2LMHeadModel, 3.0),
+    # Falcon 7B's layout: one key/value head, attention and MLP in parallel from one norm.
+    "falcon": TinyArch(_falcon(new_decoder_architecture=False, multi_query=True,
+                               parallel_attn=True, bias=False, tie_word_embeddings=True),
+                       transformers.FalconForCausalLM, 3.0),
+    # Falcon 40B's: grouped q/k/v rows (2 KV heads), ln_attn and ln_mlp; biases added.
+    "falcon_40b": TinyArch(_falcon(new_decoder_architecture=True, num_kv_heads=2,
+                                   num_ln_in_parallel_attn=2, parallel_attn=True, bias=True,
+                                   tie_word_embeddings=False),
+                           transformers.FalconForCausalLM, 3.0),
+    # In sequence, every head its own key and value, q/k/v interleaved per head.
+    "falcon_sequential": TinyArch(_falcon(new_decoder_architecture=False, multi_query=False,
+                                          parallel_attn=False, bias=True,
+                                          tie_word_embeddings=True),
+                                  transformers.FalconForCausalLM, 3.0),
 }
 
 
@@ -173,6 +268,6 @@ def randomized(model: transformers.PreTrainedModel, weight_scale: float
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             p.mul_(weight_scale)
-            if "norm" in param_name:
+            if "norm" in param_name or ".ln_" in f".{param_name}":  # GPT-2, Falcon: ln_1, ln_f
                 p.add_(torch.randn_like(p) * 0.5)
     return model

@@ -161,8 +161,9 @@ def _run_steps(steps: LayerSteps, layer: DecoderLayer, num_tokens: int) -> None:
     """Both steps of `layer` on zero inputs of num_tokens rows, shaped and strided as a forward
     passes them."""
     attn = layer.self_attn
-    norm_weight = layer.input_layernorm.weight
-    x = torch.zeros(num_tokens, norm_weight.shape[0], dtype=norm_weight.dtype,
+    # a norm's weight: in the model's dtype, whatever the linears hold (every layer has a norm)
+    norm_weight = next(p for name, p in layer.named_parameters() if "norm" in name)
+    x = torch.zeros(num_tokens, layer.hidden_size, dtype=norm_weight.dtype,
                     device=norm_weight.device)
     # cos and sin as two tensors: dynamo guards on whether arguments alias each other
     cos, sin = (torch.zeros(num_tokens, 1, attn.rotary.rotary_dim, dtype=x.dtype,

@@ -7,6 +7,7 @@ the Hugging Face checkpoints, except that q/k/v and gate/up are fused into one m
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -15,8 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklm.runtime.attention.backends import AttentionBackend, AttentionLayerSpec
+from forklm.runtime.errors import UnsupportedModelError
 from forklm.runtime.models.batch_invariant import tiled_rows
-from forklm.runtime.models.layers import ACTIVATIONS, RMSNorm, RotaryEmbedding, soft_cap
+from forklm.runtime.models.layers import (
+    ACTIVATIONS,
+    LayerNorm,
+    RMSNorm,
+    RotaryEmbedding,
+    soft_cap,
+)
 from forklm.runtime.models.moe import SparseMoE
 from forklm.runtime.models.weights import FusedLinear
 
@@ -25,6 +33,14 @@ if TYPE_CHECKING:
     from forklm.runtime.forward.torch_compile import CompiledLayerSteps
     from forklm.runtime.models.fused_layers import FusedDecodeLayers
     from forklm.runtime.models.spec import ModelSpec
+
+
+def make_norm(spec: ModelSpec, shape: int | tuple[int, ...], bias: bool = True) -> nn.Module:
+    """The family's norm over the last axis; `bias` only matters for LayerNorm."""
+    if spec.norm_kind == "layer":
+        return LayerNorm(shape, spec.norm_eps, spec.norm_offset, bias)
+    assert isinstance(shape, int), "RMSNorm weights are one row"
+    return RMSNorm(shape, spec.norm_eps, spec.norm_offset)
 
 
 class Attention(nn.Module):
@@ -36,10 +52,14 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(spec.hidden_size, (q_size, kv_size, kv_size), spec.qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         self.sizes = (q_size, kv_size, kv_size)
-        if spec.qk_norm:  # one norm over each head's head_dim, before RoPE
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
         self.qk_norm = spec.qk_norm
+        if spec.qk_norm:  # before RoPE; StableLM's q/k LayerNorms have no bias
+            q_shape, k_shape = {"head": (spec.head_dim, spec.head_dim),
+                                "each_head": ((spec.num_heads, spec.head_dim),
+                                              (spec.num_kv_heads, spec.head_dim)),
+                                "proj": (q_size, kv_size)}[spec.qk_norm]
+            self.q_norm = make_norm(spec, q_shape, bias=False)
+            self.k_norm = make_norm(spec, k_shape, bias=False)
         self.rotary = rotary
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -47,38 +67,58 @@ class Attention(nn.Module):
         """x [T, hidden] -> rotated q [T, heads, d], k and v [T, kv_heads, d]; cos/sin are this
         forward's rows of the rotary tables (RotaryEmbedding.tables_for)."""
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, heads, d]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, d]
+        if self.qk_norm == "proj":  # [T, heads * d], [T, kv_heads * d]
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.reshape(-1, self.num_heads, self.head_dim)  # [T, heads, d]
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # [T, kv_heads, d]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm in ("head", "each_head"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.rotate(q, k, cos, sin)
         return q, k, v
 
 
 class MLP(nn.Module):
+    """Gated: down(act(gate(x)) * up(x)), gate and up as one matmul; plain (gated=False):
+    down(act(up(x)))."""
+
     def __init__(self, spec: ModelSpec, intermediate_size: int):
         super().__init__()
-        self.gate_up_proj = FusedLinear(spec.hidden_size, (intermediate_size,) * 2, spec.mlp_bias)
+        self.gated = spec.gated_mlp
+        if self.gated:
+            self.gate_up_proj = FusedLinear(spec.hidden_size, (intermediate_size,) * 2,
+                                            spec.mlp_bias)
+        else:
+            self.up_proj = nn.Linear(spec.hidden_size, intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.act = ACTIVATIONS[spec.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(self.act(self.up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    """Norm modules are named as the checkpoints name them, which depends on where they sit
+    (spec.norm_placement): Llama names its pre-MLP norm post_attention_layernorm, Gemma and
+    OLMo 2 the norm on the attention's output."""
+
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
-        norm = lambda: RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)  # noqa: E731
-        self.input_layernorm = norm()
+        self.hidden_size = spec.hidden_size
+        self.placement, self.parallel = spec.norm_placement, spec.parallel_residual
+        self.residual_scale = spec.residual_scale
+        norm = functools.partial(make_norm, spec, spec.hidden_size)
+        if self.placement != "post":
+            self.input_layernorm = norm()
         self.self_attn = Attention(spec, layer_id, rotary)
-        # Llama names its pre-MLP norm post_attention_layernorm; Gemma's sandwich has four norms.
-        self.post_attention_layernorm = norm()
-        self.sandwich = spec.sandwich_norm
-        if self.sandwich:
+        if not self.parallel:
+            self.post_attention_layernorm = norm()
+        if self.placement == "sandwich" or self.parallel == "own_norm":  # the MLP's input norm
             self.pre_feedforward_layernorm = norm()
+        if self.placement != "pre":
             self.post_feedforward_layernorm = norm()
         self.mlp: nn.Module
         if spec.moe is not None and spec.layers[layer_id].moe:
@@ -100,16 +140,27 @@ class DecoderLayer(nn.Module):
     def before_attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm, q/k/v projection and rotary: x [T, hidden] -> q, k, v."""
-        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+        return self.self_attn.project(x if self.placement == "post" else self.input_layernorm(x),
+                                      cos, sin)
 
     def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residuals, norms and MLP: attn_out [T, heads * d] -> [T, hidden]."""
         h = self.self_attn.o_proj(attn_out)
-        if self.sandwich:
+        if self.parallel == "shared_norm":  # the MLP reads the attention's input (recomputed)
+            return x + h + self.mlp(self.input_layernorm(x))
+        if self.parallel == "own_norm":
+            return x + h + self.mlp(self.pre_feedforward_layernorm(x))
+        if self.placement == "sandwich":
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.placement == "post":
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        x = x + self._scaled(h)
+        return x + self._scaled(self.mlp(self.post_attention_layernorm(x)))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h if self.residual_scale == 1.0 else h * self.residual_scale
 
 
 class LayerSteps(NamedTuple):
@@ -127,12 +178,18 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, config, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        if spec.position_embeddings:
+            if max_positions > spec.position_embeddings:
+                raise UnsupportedModelError(
+                    f"context length {max_positions} exceeds the {spec.position_embeddings} "
+                    f"learned positions of this {spec.model_type} model")
+            self.embed_positions = nn.Embedding(spec.position_embeddings, spec.hidden_size)
         rotaries = {key: RotaryEmbedding(config, rope, spec.head_dim, max_positions,
                                          layer_type=None if key == "default" else key)
                     for key, rope in spec.rope.items()}
         self.layers = nn.ModuleList(DecoderLayer(spec, i, rotaries[spec.layers[i].rope_key])
                                     for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+        self.norm = make_norm(spec, spec.hidden_size)
 
 
 class CausalLM(nn.Module):
@@ -167,6 +224,8 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         batch = attn.prepare(batch)
         x = self._embed(batch.input_ids)  # [T, hidden]
+        if self.spec.position_embeddings:  # GPT-2's learned absolute positions
+            x = x + _rows(self.model.embed_positions, batch.positions)
         if self.fused_layers is not None and self.fused_layers.takes(batch, x):
             x = self.fused_layers.run(x, batch)
         else:
@@ -174,7 +233,10 @@ class CausalLM(nn.Module):
                 for layer in self.model.layers:
                     x = layer(x, batch, attn, steps)
         x = self.model.norm(x[batch.logits_indices])  # norm is per-row: only the rows we need
-        return soft_cap(self._head(x), self.spec.final_softcap).float()  # [num_logits, vocab]
+        logits = soft_cap(self._head(x), self.spec.final_softcap)  # [num_logits, vocab]
+        if self.spec.logits_divisor != 1.0:
+            logits = logits / self.spec.logits_divisor
+        return logits.float()
 
     def _layer_steps(self, batch: ForwardBatch) -> contextlib.AbstractContextManager[LayerSteps]:
         if self.compiled_steps is None:
@@ -182,8 +244,7 @@ class CausalLM(nn.Module):
         return self.compiled_steps.session(batch)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        table: Any = self.model.embed_tokens
-        x = table.embedding(ids) if hasattr(table, "embedding") else table(ids)
+        x = _rows(self.model.embed_tokens, ids)
         if self.spec.embed_scale is not None:  # rounded to the model's dtype, as transformers does
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
         return x
@@ -200,3 +261,8 @@ class CausalLM(nn.Module):
             return self.tied_head(x)
         table: Any = self.model.embed_tokens
         return table(x) if hasattr(table, "embedding") else F.linear(x, table.weight)
+
+
+def _rows(table: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of an embedding table, an nn.Embedding or a quantized one (`embedding(ids)`)."""
+    return table.embedding(ids) if hasattr(table, "embedding") else table(ids)

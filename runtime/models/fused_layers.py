@@ -42,7 +42,12 @@ def unsupported_reason(model: CausalLM, attn: object) -> str:
     if lib is None:
         return f"the fused layer steps did not build: {native_kernels.fused_unavailable_reason()}"
     checks = {
-        "sandwich norms": spec.sandwich_norm,
+        f"{spec.norm_placement} norms": spec.norm_placement != "pre",
+        f"{spec.norm_kind} norms": spec.norm_kind != "rms",
+        f"{spec.qk_norm} q/k norms": spec.qk_norm not in ("", "head"),
+        "a parallel residual": bool(spec.parallel_residual),
+        "a plain (ungated) MLP": not spec.gated_mlp,
+        "a residual scale": spec.residual_scale != 1.0,
         f"head_dim {spec.head_dim}": spec.head_dim > lib.fused_max_head_dim(),
         f"activation {spec.activation}": spec.activation != "silu",
         "a mixture of experts": spec.moe is not None,
@@ -106,7 +111,7 @@ class FusedDecodeLayers:
         q = residual.new_empty(num_tokens, heads * d)
         attn_out = torch.empty_like(q)
         res_ptr, normed_ptr, q_ptr = residual.data_ptr(), normed.data_ptr(), q.data_ptr()
-        eps, offset = spec.rms_norm_eps, spec.norm_offset
+        eps, offset = spec.norm_eps, spec.norm_offset
         add_rms_norm, rope_store, silu_mul = (lib.fused_add_rms_norm, lib.fused_rope_store,
                                               lib.fused_silu_mul)
         run_attention, positions = meta.plan.run_addresses, batch.positions

@@ -27,7 +27,7 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                "output": "lm_head"}
+                "output": "lm_head", "position_embd": "model.embed_positions"}
 # Stacked experts [experts, rows, cols]: one Hugging Face matrix per expert.
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                 "ffn_down_exps": "down_proj"}
@@ -42,6 +42,9 @@ _MOE_NAMES = {
 _GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+# OLMo 2 has only the norms after attention and after the MLP.
+_POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3 keeps q/k/v and gate/up fused, as its Hugging Face checkpoints do.
 _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
@@ -49,12 +52,17 @@ _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 @dataclass(frozen=True)
 class GGUFArch:
     """One GGUF architecture: its config class and the fields its metadata adds to the common
-    ones; `permuted_qk`: llama.cpp interleaved each q/k head's rotary halves; `norm_plus_one`:
+    ones; `tensor_config`: fields told by which tensors the file has (biases, optional norms);
+    `eps_field`: the config field of the norms' epsilon (LayerNorm families read llama.cpp's
+    `attention.layer_norm_epsilon`, the others `attention.layer_norm_rms_epsilon`);
+    `permuted_qk`: llama.cpp interleaved each q/k head's rotary halves; `norm_plus_one`:
     llama.cpp stored Gemma's RMSNorm weights as 1 + w (Hugging Face stores w)."""
 
     config_class: type
     extra_config: Callable[[Key, int, int], dict[str, Any]] = lambda key, hidden, heads: {}
     layer_names: Mapping[str, str] = field(default_factory=lambda: LAYER_NAMES)
+    tensor_config: Callable[[set[str]], dict[str, Any]] = lambda names: {}
+    eps_field: str = "rms_norm_eps"
     permuted_qk: bool = False
     norm_plus_one: bool = False
 
@@ -97,15 +105,73 @@ def _gemma3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
             "final_logit_softcapping": None, "attn_logit_softcapping": None}
 
 
-def _phi3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
-    rotary = key("rope.dimension_count")  # Phi-4-mini rotates 3/4 of each head
-    return {"rope": {"partial_rotary_factor": rotary / (hidden // heads)}} if rotary else {}
+def _partial_rotary(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # Phi-4-mini rotates 3/4 of each head, StableLM 1/4, Nemotron 1/2
+    rotary, head_dim = key("rope.dimension_count"), _head_dim(key, hidden, heads)["head_dim"]
+    return {"rope": {"partial_rotary_factor": rotary / head_dim}} if rotary else {}
+
+
+def _nemotron(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    return {**_head_dim(key, hidden, heads), **_partial_rotary(key, hidden, heads)}
+
+
+def _gpt2(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # GPT-2's config names the MLP width n_inner (llama.cpp's converter writes 4 * n_embd).
+    return {"n_inner": key("feed_forward_length")}
+
+
+def _falcon(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # llama.cpp runs every Falcon layout as the new decoder architecture does: q/k/v already
+    # regrouped by the converter, attention and MLP in parallel.
+    return {"num_kv_heads": key("attention.head_count_kv", 1), "alibi": False,
+            "ffn_hidden_size": key("feed_forward_length"), "new_decoder_architecture": True,
+            "parallel_attn": True}
+
+
+def _falcon_tensors(names: set[str]) -> dict[str, Any]:
+    return {"num_ln_in_parallel_attn": 2 if "blk.0.attn_norm_2.weight" in names else 1,
+            "bias": "blk.0.attn_qkv.bias" in names}
+
+
+def _mlp_bias(names: set[str]) -> dict[str, Any]:
+    return {"mlp_bias": "blk.0.ffn_up.bias" in names}
+
+
+def _stablelm_tensors(names: set[str]) -> dict[str, Any]:
+    # As llama.cpp decides: a layer without ffn_norm runs attention and MLP in parallel.
+    return {"use_qkv_bias": "blk.0.attn_q.bias" in names,
+            "qk_layernorm": "blk.0.attn_q_norm.weight" in names,
+            "use_parallel_residual": "blk.0.ffn_norm.weight" not in names}
 
 
 def _mixtral(key: Key, hidden: int, heads: int) -> dict[str, Any]:
     return {**_head_dim(key, hidden, heads), "num_local_experts": key("expert_count"),
             "num_experts_per_tok": key("expert_used_count")}
 
+
+def _smollm3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # The GGUF has no key for the NoPE layers: llama.cpp drops RoPE on every fourth layer (the
+    # default of SmolLM3's config) and slides no window.
+    return {**_head_dim(key, hidden, heads), "no_rope_layer_interval": 4,
+            "use_sliding_window": False}
+
+
+def _granite(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    """llama.cpp scales nothing for a missing (or 0) scale key, and takes 1/sqrt(head_dim) as
+    the softmax scale; Granite's config defaults would multiply by 1 instead."""
+    return {"embedding_multiplier": key("embedding_scale") or 1.0,
+            "residual_multiplier": key("residual_scale") or 1.0,
+            "attention_multiplier": key("attention.scale") or (hidden // heads) ** -0.5,
+            "logits_scaling": key("logit_scale", 1.0)}
+
+
+_FALCON_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"}
+# Falcon 40B's two norms: llama.cpp calls the MLP's (ln_mlp) attn_norm, the attention's (ln_attn)
+# attn_norm_2; Falcon 7B's one norm (attn_norm) feeds both.
+FALCON_TWO_NORMS = GGUFArch(transformers.FalconConfig, _falcon,
+                            {**_FALCON_NAMES, "attn_norm": "pre_feedforward_layernorm",
+                             "attn_norm_2": "input_layernorm"},
+                            tensor_config=_falcon_tensors, eps_field="layer_norm_epsilon")
 
 # llama.cpp writes Mixtral as `llama` whose layers have experts (`llama.expert_count`).
 LLAMA_WITH_EXPERTS = GGUFArch(transformers.MixtralConfig, _mixtral,
@@ -125,10 +191,37 @@ GGUF_ARCHS = {
                        norm_plus_one=True),
     "gemma3": GGUFArch(transformers.Gemma3TextConfig, _gemma3, {**LAYER_NAMES, **_GEMMA_NAMES},
                        norm_plus_one=True),
-    "phi3": GGUFArch(transformers.Phi3Config, _phi3, {**LAYER_NAMES, **_PHI3_NAMES}),
+    "phi3": GGUFArch(transformers.Phi3Config, _partial_rotary, {**LAYER_NAMES, **_PHI3_NAMES}),
+    "smollm3": GGUFArch(transformers.SmolLM3Config, _smollm3, permuted_qk=True),
+    "granite": GGUFArch(transformers.GraniteConfig, _granite, permuted_qk=True),
+    "olmo2": GGUFArch(transformers.Olmo2Config, _head_dim, {**LAYER_NAMES, **_POST_NORM_NAMES}),
+    # StableLM's per-head q/k norms arrive stacked, [heads, head_dim]: forklm's own layout.
+    "stablelm": GGUFArch(transformers.StableLmConfig, _partial_rotary,
+                         tensor_config=_stablelm_tensors, eps_field="layer_norm_eps"),
+    # llama.cpp reads no sliding window for StarCoder 2: every layer attends to all keys.
+    "starcoder2": GGUFArch(transformers.Starcoder2Config,
+                           tensor_config=lambda names: {"use_bias": "blk.0.attn_q.bias" in names,
+                                                        "sliding_window": None},
+                           eps_field="norm_epsilon"),
+    # llama.cpp's converter stores Nemotron's LayerNorm1P weights w - 1 as w (adds the 1).
+    "nemotron": GGUFArch(transformers.NemotronConfig, _nemotron, tensor_config=_mlp_bias,
+                         eps_field="norm_eps", norm_plus_one=True),
+    # llama.cpp's converter transposed GPT-2's Conv1D matrices; q/k/v stay fused as in its
+    # checkpoints; the learned positions are position_embd.
+    "gpt2": GGUFArch(transformers.GPT2Config, _gpt2,
+                     {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"},
+                     eps_field="layer_norm_epsilon"),
+    # GELU: llama.cpp's Falcon takes ggml's tanh approximation, transformers (and forklm) the
+    # exact GELU Falcon's config names.
+    "falcon": GGUFArch(transformers.FalconConfig, _falcon, _FALCON_NAMES,
+                       tensor_config=_falcon_tensors, eps_field="layer_norm_epsilon"),
 }
 
 
-def arch_of(name: str, expert_count: int | None) -> GGUFArch:
+def arch_of(name: str, expert_count: int | None, tensor_names: set[str]) -> GGUFArch:
     """The GGUFArch of a file's `general.architecture` (KeyError: not one forklm reads)."""
-    return LLAMA_WITH_EXPERTS if name == "llama" and expert_count else GGUF_ARCHS[name]
+    if name == "llama" and expert_count:
+        return LLAMA_WITH_EXPERTS
+    if name == "falcon" and "blk.0.attn_norm_2.weight" in tensor_names:
+        return FALCON_TWO_NORMS
+    return GGUF_ARCHS[name]

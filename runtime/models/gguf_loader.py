@@ -61,7 +61,8 @@ class GGUFModel:
             raise UnsupportedModelError(
                 f"{path}: GGUF architecture {arch!r} is not supported; expected one of "
                 f"{sorted(GGUF_ARCHS)}")
-        self.arch, self.spec = arch, arch_of(arch, self.file.fields.get(f"{arch}.expert_count"))
+        self.arch, self.spec = arch, arch_of(arch, self.file.fields.get(f"{arch}.expert_count"),
+                                             {t.name for t in self.file.tensors})
         cached = _cache_dir_for(path)
         if cached.is_dir():
             logger.info("config and tokenizer of %s from cache %s", path.name, cached)
@@ -144,7 +145,7 @@ def _gguf_config(meta: dict, arch: str, spec: GGUFArch,
 
     tensor_names = set(tensors)
     heads, hidden = key("attention.head_count"), key("embedding_length")
-    extra = spec.extra_config(key, hidden, heads)
+    extra = {**spec.tensor_config(tensor_names), **spec.extra_config(key, hidden, heads)}
     rope = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 10000.0)),
             **extra.pop("rope", {})}
     original_context = key("rope.scaling.original_context_length")
@@ -162,7 +163,9 @@ def _gguf_config(meta: dict, arch: str, spec: GGUFArch,
     if hasattr(spec.config_class(), "attention_bias"):
         extra.setdefault("attention_bias", "blk.0.attn_q.bias" in tensor_names)
     # The GGUF stores eps as float32 (9.9999997e-06); its shortest repr is the intended 1e-05.
-    eps = np.float32(key("attention.layer_norm_rms_epsilon", 1e-6))
+    rms = spec.eps_field == "rms_norm_eps"
+    eps = np.float32(key("attention.layer_norm_rms_epsilon" if rms else
+                         "attention.layer_norm_epsilon", 1e-6 if rms else 1e-5))
     fields = dict(
         vocab_size=key("vocab_size"),
         hidden_size=hidden,
@@ -171,7 +174,7 @@ def _gguf_config(meta: dict, arch: str, spec: GGUFArch,
         num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
         max_position_embeddings=key("context_length"),
-        rms_norm_eps=float(np.format_float_positional(eps, unique=True)),
+        **{spec.eps_field: float(np.format_float_positional(eps, unique=True))},
         rope_parameters=rope,
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),

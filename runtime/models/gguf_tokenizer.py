@@ -33,7 +33,14 @@ def gguf_tokenizer(path: pathlib.Path, meta: dict[str, Any]) -> transformers.Pre
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
     add_bos = meta.get("tokenizer.ggml.add_bos_token",
                        model == "llama" or (model == "gpt2" and pre in _BOS_BY_DEFAULT))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
+    # AutoTokenizer first reads the file's config, which it refuses for architectures it has no
+    # GGUF config mapping for (SmolLM3, Granite, OLMo 2); the tokenizers backend builds the same
+    # tokenizer from the tokenizer.* keys alone.
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    auto = meta.get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES
+    tokenizer_class = transformers.AutoTokenizer if auto else transformers.TokenizersBackend
+    tokenizer = tokenizer_class.from_pretrained(
         path.parent, gguf_file=path.name, local_files_only=True, add_bos_token=bool(add_bos),
         add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
     if model == "llama":
@@ -54,7 +61,8 @@ def tokenizer_of_gguf(path: pathlib.Path) -> transformers.PreTrainedTokenizerBas
     fields = GGUFFile(path).fields
     return gguf_tokenizer(path, {name: value.tolist() if isinstance(value, np.ndarray) else value
                                  for name, value in fields.items()
-                                 if name.startswith("tokenizer.") and name not in TOKENIZER_ARRAYS})
+                                 if (name.startswith("tokenizer.") or name == "general.architecture")
+                                 and name not in TOKENIZER_ARRAYS})
 
 
 def _sentencepiece_spaces(backend: Any, add_space_prefix: bool) -> None:

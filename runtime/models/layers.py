@@ -1,5 +1,6 @@
-"""Layers shared by every decoder family: RMSNorm (with Gemma's +1 offset), rotary embeddings
-(every static rope scaling transformers defines), activations and tanh soft-capping."""
+"""Layers shared by every decoder family: RMSNorm (with Gemma's +1 offset), LayerNorm (with
+Nemotron's), rotary embeddings (every static rope scaling transformers defines, and none: NoPE
+layers), activations and tanh soft-capping."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+NO_ROPE = "none"  # the rope_type of layers without positions (SmolLM3's NoPE layers)
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
+    "relu2": lambda x: torch.square(F.relu(x)),  # Nemotron's squared ReLU
 }
 
 
@@ -33,6 +37,28 @@ class RMSNorm(nn.Module):
         if self.offset:
             return (xf * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis, with a bias or without. `weight` may be [..., dim] (one row per
+    head: StableLM's q/k norms), then the affine part is applied after the normalisation.
+    offset=1: Nemotron's LayerNorm1P, which stores w - 1 and normalises with w + 1."""
+
+    def __init__(self, shape: int | tuple[int, ...], eps: float, offset: float = 0.0,
+                 bias: bool = True):
+        super().__init__()
+        shape = (shape,) if isinstance(shape, int) else shape
+        self.weight = nn.Parameter(torch.ones(shape))
+        self.bias = nn.Parameter(torch.zeros(shape)) if bias else None
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + self.offset if self.offset else self.weight
+        dim = (x.shape[-1],)
+        if weight.dim() == 1:
+            return F.layer_norm(x, dim, weight, self.bias, self.eps)
+        out = F.layer_norm(x, dim, None, None, self.eps) * weight
+        return out if self.bias is None else out + self.bias
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -54,12 +80,19 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
         with torch.device("cpu"):  # real tables even while the model is built on "meta"
-            inv_freq, scaling = _inv_freq(config, rope, self.rotary_dim, max_positions, layer_type)
-            freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
-            # Plain attributes, not buffers: module.to(bfloat16) must not round the fp32 tables.
-            self.cos = emb.cos() * scaling
-            self.sin = emb.sin() * scaling
+            if rope["rope_type"] == NO_ROPE:
+                # cos 1, sin 0: q * 1 + rotated(q) * 0 is q bit for bit, so a NoPE layer runs the
+                # same steps (compiled, fused) as its neighbours with no switch of its own.
+                self.cos = torch.ones(max_positions, self.rotary_dim)
+                self.sin = torch.zeros(max_positions, self.rotary_dim)
+            else:
+                inv_freq, scaling = _inv_freq(config, rope, self.rotary_dim, max_positions,
+                                              layer_type)
+                freqs = torch.arange(max_positions).float()[:, None] * inv_freq[None, :]
+                emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
+                # Plain attributes, not buffers: module.to(bfloat16) must not round fp32 tables.
+                self.cos = emb.cos() * scaling
+                self.sin = emb.sin() * scaling
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

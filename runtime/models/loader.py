@@ -17,12 +17,14 @@ import transformers
 from safetensors import safe_open
 
 from forklm.runtime.errors import ModelNotFoundError
+from forklm.runtime.models.checkpoint_layouts import forklm_layout
 from forklm.runtime.models.source import resolve_model_source, resolve_tokenizer_source
 
 
 @dataclass
 class LoadedModel:
-    """Config, tokenizer and a weight stream, HF-named. `weights(keep_quantized)` yields each
+    """Config, tokenizer and a weight stream, HF-named in Llama's layout (checkpoint_layouts.py
+    rewrites the others, GPT-2's). `weights(keep_quantized)` yields each
     tensor once, as float32/bf16 tensors (HF folders keep their stored dtype) or, for a GGUF with
     keep_quantized, quantized parts for the formats runtime/quant/ multiplies with."""
 
@@ -86,6 +88,9 @@ def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
     tied = bool(getattr(config, "tie_word_embeddings", False))
 
     def weights(keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        return forklm_layout(config, checkpoint_tensors())
+
+    def checkpoint_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for shard in shards:
             with safe_open(shard, framework="pt") as f:
                 names = f.keys()  # a safe_open handle is not iterable itself

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forklm.runtime.errors import UnsupportedModelError
+from forklm.runtime.models.layers import NO_ROPE
 
 # rope_type values whose tables do not depend on the sequence being decoded ("dynamic" NTK does).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
-                "gelu_new": "gelu_tanh", "gelu": "gelu"}
+                "gelu_new": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 
 
 @dataclass(frozen=True)
@@ -42,16 +43,29 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    norm_eps: float  # every norm's epsilon
     tie_word_embeddings: bool
-    activation: str = "silu"  # "silu", "gelu_tanh" or "gelu"
+    activation: str = "silu"  # "silu", "gelu_tanh", "gelu" or "relu2"
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    norm_offset: float = 0.0  # Gemma stores RMSNorm weights as w - 1
-    embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden_size)
-    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k
-    sandwich_norm: bool = False  # Gemma 2/3: norms after attention and around the MLP
+    norm_kind: str = "rms"  # "rms", or "layer": LayerNorm with a bias (StableLM, StarCoder 2)
+    norm_offset: float = 0.0  # Gemma (RMS) and Nemotron (Layer) store norm weights as w - 1
+    embed_scale: float | None = None  # Gemma: sqrt(hidden_size); Granite: embedding_multiplier
+    # "head": one norm over each head's q and k (Qwen3, Gemma 3); "each_head": a norm of its own
+    # per head (StableLM); "proj": over the whole q and k projections (OLMo 2). "": none.
+    qk_norm: str = ""
+    # Where a layer's norms are: "pre" (Llama: before attention and before the MLP), "sandwich"
+    # (Gemma 2/3: also after each), "post" (OLMo 2: only after each, on the block's output).
+    norm_placement: str = "pre"
+    # Attention and MLP side by side, x + attn(norm(x)) + mlp(norm'(x)): "shared_norm" (StableLM,
+    # Falcon 7B: norm' is norm) or "own_norm" (Falcon 40B+: the MLP's own norm). "": in sequence.
+    parallel_residual: str = ""
+    gated_mlp: bool = True  # False: down(act(up(x))) (StarCoder 2, Nemotron)
+    residual_scale: float = 1.0  # Granite: each block's output times this before it is added
+    logits_divisor: float = 1.0  # Granite's logits_scaling
+    # GPT-2: rows of a learned absolute position table added to the embeddings; 0: none.
+    position_embeddings: int = 0
     attn_scale: float = 0.0  # softmax scale; set from head_dim when 0
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None
@@ -63,6 +77,13 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not self.attn_scale:
             object.__setattr__(self, "attn_scale", self.head_dim**-0.5)
+        assert self.norm_kind in ("rms", "layer"), self.norm_kind
+        assert self.qk_norm in ("", "head", "each_head", "proj"), self.qk_norm
+        assert self.norm_placement in ("pre", "sandwich", "post"), self.norm_placement
+        assert self.parallel_residual in ("", "shared_norm", "own_norm"), self.parallel_residual
+        assert not self.parallel_residual or self.norm_placement == "pre", "parallel: pre norms"
+        assert self.residual_scale == 1.0 or (self.norm_placement == "pre"
+                                              and not self.parallel_residual), "residual_scale"
 
     @property
     def has_sliding_window(self) -> bool:
@@ -88,16 +109,20 @@ def _refuse(config: Any, name: str, value: Any, why: str) -> None:
 
 def _common(config: Any, **overrides: Any) -> dict[str, Any]:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    # Gemma's MLP reads hidden_activation; the other families hidden_act.
-    act = str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
+    # Gemma's MLP reads hidden_activation, GPT-2's activation_function, Falcon's activation, the
+    # others hidden_act.
+    act_field = next((name for name in ("hidden_activation", "hidden_act", "activation_function",
+                                        "activation") if getattr(config, name, None)), "hidden_act")
+    act = str(getattr(config, act_field, "silu"))
     if act not in _ACTIVATIONS:
-        _refuse(config, "hidden_act", act, f"supported: {', '.join(_ACTIVATIONS)}")
+        _refuse(config, act_field, act, f"supported: {', '.join(_ACTIVATIONS)}")
     fields = dict(
         model_type=config.model_type, vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=getattr(config, "intermediate_size", None),
         num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+        head_dim=head_dim, norm_eps=getattr(config, "rms_norm_eps", None),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         activation=_ACTIVATIONS[act],
         qkv_bias=bool(getattr(config, "attention_bias", False)),
@@ -158,16 +183,17 @@ def _qwen2(config: Any) -> ModelSpec:
 
 
 def _qwen3(config: Any) -> ModelSpec:
-    return ModelSpec(**_common(config, qk_norm=True))
+    return ModelSpec(**_common(config, qk_norm="head"))
 
 
 def _phi3(config: Any) -> ModelSpec:
     return ModelSpec(**_common(config))
 
 
-def _gemma(config: Any, qk_norm: bool) -> dict[str, Any]:
+def _gemma(config: Any, qk_norm: str) -> dict[str, Any]:
     return dict(
-        norm_offset=1.0, embed_scale=config.hidden_size**0.5, qk_norm=qk_norm, sandwich_norm=True,
+        norm_offset=1.0, embed_scale=config.hidden_size**0.5, qk_norm=qk_norm,
+        norm_placement="sandwich",
         attn_scale=config.query_pre_attn_scalar**-0.5,
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
@@ -175,14 +201,14 @@ def _gemma(config: Any, qk_norm: bool) -> dict[str, Any]:
 
 
 def _gemma2(config: Any) -> ModelSpec:
-    return ModelSpec(**_common(config, **_gemma(config, qk_norm=False)))
+    return ModelSpec(**_common(config, **_gemma(config, qk_norm="")))
 
 
 def _gemma3(config: Any) -> ModelSpec:
     # Gemma 3 keeps one rope table per layer type: local layers use rope_local_base_freq.
     rope = {kind: _rope_parameters(config, params)
             for kind, params in config.rope_parameters.items() if params is not None}
-    return ModelSpec(**_common(config, **_gemma(config, qk_norm=True), rope=rope,
+    return ModelSpec(**_common(config, **_gemma(config, qk_norm="head"), rope=rope,
                                layers=_layers(config, _windows(config), list(config.layer_types))))
 
 
@@ -205,8 +231,85 @@ def _qwen_moe(config: Any) -> ModelSpec:
                   shared_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) or 0)
     layers = _layers(config, _windows(config), moe=_moe_layers(config))
     extra = ({"qkv_bias": bool(getattr(config, "qkv_bias", True))}
-             if config.model_type == "qwen2_moe" else {"qk_norm": True})
+             if config.model_type == "qwen2_moe" else {"qk_norm": "head"})
     return ModelSpec(**_common(config, moe=moe, layers=layers, **extra))
+
+
+def _smollm3(config: Any) -> ModelSpec:
+    # no_rope_layers[i] == 0: layer i has no positions (NoPE), an identity rotary table.
+    keys = ["default" if use_rope else NO_ROPE for use_rope in config.no_rope_layers]
+    rope = {"default": _rope_parameters(config, config.rope_parameters)}
+    if NO_ROPE in keys:
+        rope[NO_ROPE] = {"rope_type": NO_ROPE}
+    return ModelSpec(**_common(config, rope=rope, layers=_layers(config, _windows(config), keys)))
+
+
+def _granite(config: Any) -> ModelSpec:
+    embed = float(config.embedding_multiplier)
+    return ModelSpec(**_common(
+        config, embed_scale=None if embed == 1.0 else embed,
+        residual_scale=float(config.residual_multiplier),
+        attn_scale=float(config.attention_multiplier),
+        logits_divisor=float(config.logits_scaling)))
+
+
+def _olmo2(config: Any) -> ModelSpec:
+    # OLMo 2's MLP has no biases whatever the config says.
+    return ModelSpec(**_common(config, qk_norm="proj", norm_placement="post", mlp_bias=False))
+
+
+def _stablelm(config: Any) -> ModelSpec:
+    # LayerNorms with biases; q/k/v biases only (use_qkv_bias); partial rotary from rope params.
+    return ModelSpec(**_common(
+        config, norm_eps=config.layer_norm_eps, norm_kind="layer",
+        qkv_bias=bool(config.use_qkv_bias), o_bias=False, mlp_bias=False,
+        qk_norm="each_head" if config.qk_layernorm else "",
+        parallel_residual="shared_norm" if config.use_parallel_residual else ""))
+
+
+def _starcoder2(config: Any) -> ModelSpec:
+    # LayerNorms and every linear with a bias (use_bias), a plain c_fc -> act -> c_proj MLP.
+    bias = bool(config.use_bias)
+    return ModelSpec(**_common(config, norm_eps=config.norm_epsilon, norm_kind="layer",
+                               qkv_bias=bias, o_bias=bias, mlp_bias=bias, gated_mlp=False))
+
+
+def _nemotron(config: Any) -> ModelSpec:
+    # LayerNorm1P: weights stored as w - 1; a plain up -> relu2 -> down MLP; partial rotary.
+    return ModelSpec(**_common(config, norm_eps=config.norm_eps, norm_kind="layer",
+                               norm_offset=1.0, gated_mlp=False))
+
+
+def _gpt2(config: Any) -> ModelSpec:
+    # Learned absolute positions and no rotary (every layer's table is the identity), LayerNorms,
+    # biases on every linear, a plain MLP n_inner (default 4 * hidden) wide, no GQA.
+    if config.scale_attn_by_inverse_layer_idx:
+        _refuse(config, "scale_attn_by_inverse_layer_idx", True, "one softmax scale for all layers")
+    if config.add_cross_attention:
+        _refuse(config, "add_cross_attention", True, "decoder-only models only")
+    n = config.num_hidden_layers
+    return ModelSpec(**_common(
+        config, intermediate_size=config.n_inner or 4 * config.hidden_size,
+        num_kv_heads=config.num_attention_heads, norm_eps=config.layer_norm_epsilon,
+        norm_kind="layer", qkv_bias=True, o_bias=True, mlp_bias=True, gated_mlp=False,
+        attn_scale=0.0 if config.scale_attn_weights else 1.0,
+        position_embeddings=config.max_position_embeddings,
+        rope={NO_ROPE: {"rope_type": NO_ROPE}}, layers=_layers(config, [None] * n, [NO_ROPE] * n)))
+
+
+def _falcon(config: Any) -> ModelSpec:
+    # Attention and MLP in parallel (one shared norm, or ln_attn and ln_mlp on the 40B+ layout)
+    # or in sequence; multi-query, grouped or per-head q/k/v (checkpoint_layouts.py regroups it).
+    if config.alibi:
+        _refuse(config, "alibi", True, "ALiBi position biases are not implemented")
+    if config.new_decoder_architecture and not config.parallel_attn:
+        _refuse(config, "parallel_attn", False, "the new decoder architecture runs in parallel")
+    two_norms = config.new_decoder_architecture and (config.num_ln_in_parallel_attn or 2) == 2
+    parallel = ("own_norm" if two_norms else "shared_norm") if config.parallel_attn else ""
+    return ModelSpec(**_common(
+        config, intermediate_size=config.ffn_hidden_size, norm_eps=config.layer_norm_epsilon,
+        norm_kind="layer", qkv_bias=bool(config.bias), o_bias=bool(config.bias),
+        mlp_bias=bool(config.bias), gated_mlp=False, parallel_residual=parallel))
 
 
 _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
@@ -220,5 +323,13 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
+    "smollm3": _smollm3,
+    "granite": _granite,
+    "olmo2": _olmo2,
+    "stablelm": _stablelm,
+    "starcoder2": _starcoder2,
+    "nemotron": _nemotron,
+    "gpt2": _gpt2,
+    "falcon": _falcon,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))

@@ -2,8 +2,9 @@
 loading never holds more than the final weights plus the tensor being copied.
 
 Checkpoint names (Hugging Face's) map onto forklm's modules: q/k/v and gate/up go into slices of
-one fused parameter, each expert's matrices into a slice of the stacked expert parameters, and
-Mixtral's `block_sparse_moe` is `mlp`. A value that is not a tensor is a quantized weight (a GGUF
+one fused parameter (unless the model keeps them apart: a plain MLP's up_proj), each expert's
+matrices into a slice of the stacked expert parameters, StableLM's per-head q/k norms into rows of
+one [heads, d] weight, and Mixtral's `block_sparse_moe` is `mlp`. A value that is not a tensor is a quantized weight (a GGUF
 kept quantized): its parts are collected and the Linear is replaced by the module that
 `quantized_factory` builds from them once the stream ends.
 """
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from forklm.runtime.errors import ModelNotFoundError
+from forklm.runtime.models.layers import LayerNorm
 
 # (quantized parts in shard order, dense bias or None, dtype) -> module with forward/embedding
 QuantizedFactory = Callable[[list[Any], "torch.Tensor | None", torch.dtype], nn.Module]
@@ -29,6 +31,12 @@ _FUSED_SHARD = {"q": ("qkv_proj", 0), "k": ("qkv_proj", 1), "v": ("qkv_proj", 2)
 _EXPERT = re.compile(r"(?P<prefix>.*\.mlp)\.experts\.(?P<e>\d+)\.(?P<part>\w+)\.weight$")
 _EXPERT_SHARD = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1),
                  "w3": ("w13", 1), "down_proj": ("w2", None), "w2": ("w2", None)}
+# StableLM's per-head q/k norms: one LayerNorm per head, stacked into one [heads, d] weight.
+_PER_HEAD = re.compile(r"(?P<prefix>.*\.self_attn)\.(?P<part>q|k)_layernorm\.norms\.(?P<h>\d+)\."
+                       r"(?P<kind>weight|bias)$")
+# Checkpoint module names forklm calls otherwise (StarCoder 2's plain MLP, Mixtral's experts).
+_RENAMED = ((".block_sparse_moe.", ".mlp."), (".mlp.c_fc.", ".mlp.up_proj."),
+            (".mlp.c_proj.", ".mlp.down_proj."))
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
@@ -37,20 +45,24 @@ class Target:
     module: str  # dotted path of the module holding the parameter
     param: str  # "weight", "bias", "w13", ...
     shard: int | None = None  # slice of a fused parameter (q, k, v / gate, up)
-    expert: int | None = None  # first-axis index of a stacked expert parameter
+    expert: int | None = None  # first-axis index of a stacked parameter (experts, per-head norms)
 
 
-def target_of(name: str) -> Target:
-    """Where the checkpoint tensor `name` goes in forklm's module tree."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
+def target_of(name: str, fused: bool = True) -> Target:
+    """Where the checkpoint tensor `name` goes in forklm's module tree; fused=False: a q/k/v or
+    gate/up matrix goes to its own module (a plain MLP's up_proj)."""
+    if m := _PER_HEAD.match(name):
+        return Target(f"{m['prefix']}.{m['part']}_norm", m["kind"], None, int(m["h"]))
+    for old, new in _RENAMED:
+        name = name.replace(old, new)
     if m := _EXPERT.match(name):
         if m["part"] not in _EXPERT_SHARD:
             raise ModelNotFoundError(f"checkpoint tensor {name!r}: unknown expert matrix")
         param, shard = _EXPERT_SHARD[m["part"]]
         return Target(m["prefix"], param, shard, int(m["e"]))
-    if (m := _FUSED.match(name)) and not m["prefix"].endswith("experts"):
-        fused, shard = _FUSED_SHARD[m["part"]]
-        return Target(f"{m['prefix']}.{fused}", m["kind"], shard)
+    if fused and (m := _FUSED.match(name)) and not m["prefix"].endswith("experts"):
+        fused_module, shard = _FUSED_SHARD[m["part"]]
+        return Target(f"{m['prefix']}.{fused_module}", m["kind"], shard)
     module, _, param = name.rpartition(".")
     return Target(module, param)
 
@@ -71,12 +83,21 @@ class WeightLoader:
             if _IGNORED.match(name) or (self.tied and name == "lm_head.weight"):
                 continue
             target = target_of(name)
+            if target.shard is not None and not self._has_module(target.module):
+                target = target_of(name, fused=False)  # a module the model keeps unfused
             if isinstance(value, torch.Tensor):
                 self._copy(name, target, value)
             else:
                 self._collect_quantized(name, target, value)
         self._build_quantized()
         self._check_complete()
+
+    def _has_module(self, path: str) -> bool:
+        try:
+            self.model.get_submodule(path)
+        except AttributeError:
+            return False
+        return True
 
     def _param(self, name: str, target: Target) -> tuple[nn.Module, torch.Tensor]:
         try:
@@ -103,11 +124,14 @@ class WeightLoader:
                                      f"the model expects {tuple(dst.shape)}")
         with torch.no_grad():
             dst.copy_(value)
-        # A whole fused matrix in the checkpoint (Phi-3's qkv_proj) fills every part at once.
+        # A whole fused matrix in the checkpoint (Phi-3's qkv_proj) fills every part at once,
+        # a whole stacked one (a GGUF's [heads, d] q/k norm) every slice.
         shards = ([target.shard] if target.shard is not None
                   else range(_num_shards(module, target.param)))
+        stack = _stack_size(module, target.param)
+        slices = [target.expert] if target.expert is not None or not stack else range(stack)
         self.filled.setdefault((target.module, target.param), set()).update(
-            (target.expert, shard) for shard in shards)
+            (index, shard) for index in slices for shard in shards)
 
     def _collect_quantized(self, name: str, target: Target, value: Any) -> None:
         if self.quantized_factory is None or target.param != "weight" or target.expert is not None:
@@ -184,6 +208,14 @@ def _num_shards(module: nn.Module, param: str) -> int:
     return len(_shard_sizes(module, param)) if isinstance(module, FusedLinear) or param == "w13" else 1
 
 
+def _stack_size(module: nn.Module, param: str) -> int | None:
+    """First-axis count of a stacked parameter (experts; per-head norm weights, [heads, d]),
+    which the checkpoint may give slice by slice; None: not stacked."""
+    if param in ("w13", "w2") or (isinstance(module, LayerNorm)
+                                  and getattr(module, param).dim() == 2):
+        return getattr(module, param).shape[0]
+    return None
+
+
 def _parts_expected(module: nn.Module, param: str) -> int:
-    experts = getattr(module, param).shape[0] if param in ("w13", "w2") else 1
-    return experts * _num_shards(module, param)
+    return (_stack_size(module, param) or 1) * _num_shards(module, param)
