@@ -18,6 +18,7 @@ from tests.test_model_loader import _permute_qk, write_shape
 from tests.tiny_models import ARCHITECTURES, build_tiny_model
 
 NUM_NEW = 12
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
 PROMPT_TEXTS = ["Paris is the capital of",
                 "The quick brown fox jumps over the lazy dog near the river bank."]
 
@@ -106,9 +107,10 @@ NORM_PLUS_ONE = ("gemma", "nemotron")
 PERMUTED_QK = {"llama", "smollm3", "granite"}
 
 
-def write_gguf(path, model, arch: str) -> None:
+def write_gguf(path, model, arch: str, q8_0: bool = False) -> None:
     """`model` (a transformers CausalLM) as llama.cpp's converter would write it, with the
-    default model's tokenizer."""
+    default model's tokenizer; `q8_0`: its matrices in Q8_0 blocks (where rows hold whole
+    blocks; norms, biases and stacked experts stay float32)."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, config)
@@ -143,6 +145,9 @@ def write_gguf(path, model, arch: str) -> None:
         if gguf_name is None and name == "lm_head.weight":  # gguf-py's Gemma 2 map has it tied
             gguf_name = "output.weight"
         assert gguf_name is not None, name
+        if q8_0 and array.ndim == 2 and array.shape[1] % 32 == 0:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     rope = getattr(config, "rope_parameters", None) or {}  # GPT-2 has none
     if rope.get("rope_type") == "longrope":
@@ -246,6 +251,42 @@ def test_a_family_from_gguf_generates_as_transformers(case, tokenizer, tmp_path,
         assert [out["output_ids"] for out in outs] == expected
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_family_kept_quantized_computes_as_dequantized(case, tokenizer, tmp_path, monkeypatch):
+    """The family's GGUF in Q8_0, its blocks kept (QuantizedLinear) and dequantized at load:
+    prompt logprobs agree, so the quantized path stacks, fuses and reorders each family's
+    matrices as the dense path does (the dense path equals transformers, above). The kept
+    blocks run the int4 kernel in float32 (a kernel dtype QuantizedLinear offers; the engine
+    picks bf16, whose rounding would hide small differences)."""
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    from forklm.runtime.quant.linear import QuantizedLinear
+
+    build = QuantizedLinear.from_gguf
+    monkeypatch.setattr(QuantizedLinear, "from_gguf", staticmethod(
+        lambda parts, bias, dtype: build(parts, bias, dtype, kernel_dtype=torch.float32)))
+
+    tiny, arch, edit = CASES[case]
+    model = build_tiny_model(tiny, tmp_path / "hf", tokenizer, edit=edit)
+    path = str(tmp_path / f"{case}.gguf")
+    write_gguf(path, model, arch, q8_0=True)
+    ids = tokenizer.encode(PROMPT_TEXTS[1])
+    logprobs = {}
+    for mode in ("gguf", "none"):
+        engine = Engine(model_path=path, dtype="float32", quantization=mode,
+                        max_total_tokens=1024, **ARCHITECTURES[tiny].engine_config)
+        try:
+            kept = [m for m in engine.parts.runner.model.modules()
+                    if isinstance(m, QuantizedLinear)]
+            assert bool(kept) == (mode == "gguf")
+            res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
+                                  return_logprob=True, logprob_start_len=0)
+            logprobs[mode] = torch.tensor(
+                [lp for lp, _, _ in res["meta_info"]["input_token_logprobs"][1:]])
+        finally:
+            engine.shutdown()
+    torch.testing.assert_close(logprobs["gguf"], logprobs["none"], atol=1e-4, rtol=0)
 
 
 def test_an_architecture_forklm_lacks_is_refused_by_name(tmp_path):

@@ -40,6 +40,10 @@ _RENAMED = ((".block_sparse_moe.", ".mlp."), (".mlp.c_fc.", ".mlp.up_proj."),
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
+# The quantized part key of a checkpoint matrix that fills a whole (possibly fused) layer.
+_WHOLE = -1
+
+
 @dataclass(frozen=True)
 class Target:
     module: str  # dotted path of the module holding the parameter
@@ -137,21 +141,30 @@ class WeightLoader:
         if self.quantized_factory is None or target.param != "weight" or target.expert is not None:
             raise ModelNotFoundError(f"checkpoint tensor {name!r} is quantized where the model "
                                      "takes only dense weights")
-        self.quantized.setdefault(target.module, {})[target.shard or 0] = value
+        part = _WHOLE if target.shard is None else target.shard
+        self.quantized.setdefault(target.module, {})[part] = value
 
     def _build_quantized(self) -> None:
         assert self.quantized_factory is not None or not self.quantized
         for path, parts in self.quantized.items():
             module = self.model.get_submodule(path)
             expected = len(module.part_sizes) if isinstance(module, FusedLinear) else 1
-            if sorted(parts) != list(range(expected)):
+            if list(parts) == [_WHOLE]:  # one matrix for the whole layer (Phi-3's fused qkv)
+                ordered = [parts[_WHOLE]]
+                rows = module.weight.shape[0]  # a Linear's out_features, an Embedding's rows
+                if ordered[0].shape[0] != rows:
+                    raise ModelNotFoundError(f"{path}: quantized matrix of {ordered[0].shape[0]} "
+                                             f"rows, the model expects {rows}")
+            elif sorted(parts) == list(range(expected)):
+                ordered = [parts[i] for i in range(expected)]
+            else:
                 raise ModelNotFoundError(f"{path}: quantized parts {sorted(parts)} of {expected}")
             bias = getattr(module, "bias", None)
             bias_parts = self.filled.pop((path, "bias"), set())  # its module is replaced below
             if bias is not None and (bias.is_meta or len(bias_parts) != expected):
                 raise ModelNotFoundError(f"{path}.bias is missing from the checkpoint")
             assert self.quantized_factory is not None
-            new = self.quantized_factory([parts[i] for i in range(expected)], bias, self.dtype)
+            new = self.quantized_factory(ordered, bias, self.dtype)
             parent, _, child = path.rpartition(".")
             setattr(self.model.get_submodule(parent) if parent else self.model, child, new)
 
