@@ -170,6 +170,15 @@ def test_unsupported_architecture_is_refused(tmp_path, tokenizer):
     assert all(name in message for name in ("llama", "qwen2", "gemma2", "phi3", "mixtral"))
 
 
+def test_a_family_needing_a_missing_mechanism_is_refused_naming_it(tmp_path, tokenizer):
+    config = transformers.BloomConfig(vocab_size=len(tokenizer), hidden_size=64, n_layer=1,
+                                      n_head=4)
+    transformers.BloomForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="'bloom' is not supported .it needs ALiBi"):
+        Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
+
+
 @pytest.mark.parametrize("field, value", [
     ("rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
     ("hidden_act", "quick_gelu"),  # relu2 is honoured (Nemotron)

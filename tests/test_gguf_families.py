@@ -299,5 +299,6 @@ def test_an_architecture_forklm_lacks_is_refused_by_name(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="'mamba' is not supported.*gemma3"):
+    with pytest.raises(UnsupportedModelError,
+                       match="'mamba' is not supported .it needs state-space .* layers.*gemma3"):
         GGUFModel(tmp_path / "mamba.gguf")

@@ -342,7 +342,8 @@ def test_unsupported_gguf_arch(tmp_path, monkeypatch):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModelError, match="architecture .mpt. is not supported"):
+    with pytest.raises(UnsupportedModelError,
+                       match="architecture .mpt. is not supported .it needs ALiBi position biases"):
         load_model(str(tmp_path / "mpt.gguf"))
 
 

@@ -36,6 +36,7 @@ from forklm.runtime.models.gguf_tokenizer import (
     gguf_tokenizer,
     load_saved_tokenizer,
 )
+from forklm.runtime.models.unsupported import missing_mechanism
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +60,8 @@ class GGUFModel:
         arch = self.file.fields["general.architecture"]
         if arch not in GGUF_ARCHS:
             raise UnsupportedModelError(
-                f"{path}: GGUF architecture {arch!r} is not supported; expected one of "
-                f"{sorted(GGUF_ARCHS)}")
+                f"{path}: GGUF architecture {arch!r} is not supported{missing_mechanism(arch)}; "
+                f"expected one of {sorted(GGUF_ARCHS)}")
         self.arch, self.spec = arch, arch_of(arch, self.file.fields.get(f"{arch}.expert_count"),
                                              {t.name for t in self.file.tensors})
         cached = _cache_dir_for(path)

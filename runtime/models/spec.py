@@ -10,6 +10,7 @@ from typing import Any
 
 from forklm.runtime.errors import UnsupportedModelError
 from forklm.runtime.models.layers import NO_ROPE
+from forklm.runtime.models.unsupported import missing_mechanism
 
 # rope_type values whose tables do not depend on the sequence being decoded ("dynamic" NTK does).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -96,7 +97,8 @@ def spec_from_config(config: Any) -> ModelSpec:
     family = _FAMILIES.get(config.model_type)
     if family is None:
         raise UnsupportedModelError(
-            f"model_type {config.model_type!r} is not supported; supported: "
+            f"model_type {config.model_type!r} is not supported"
+            f"{missing_mechanism(config.model_type)}; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     if getattr(config, "use_bidirectional_attention", False):
         _refuse(config, "use_bidirectional_attention", True, "only causal attention is implemented")
