@@ -93,6 +93,23 @@ class _CharTokenizer:
         return [ord(c) % 100 for c in text]
 
 
+class _BosTokenizer(_CharTokenizer):
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1] * add_special_tokens + super().encode(text)
+
+
+def test_a_raw_prompt_gets_the_tokenizers_bos_once_and_token_ids_stay_as_given():
+    def first_ids(tokenizer, **call) -> list[int]:
+        intake = RequestIntake(tokenizer, vocab_size=100, context_len=64, kv_capacity=256,
+                               eos_token_ids=frozenset({0}), random_seed=0)
+        return intake.build(EngineRequest.from_call(**call)).reqs[0].origin_input_ids
+
+    assert first_ids(_BosTokenizer(), prompt="ab") == [1, 97, 98]
+    assert first_ids(_BosTokenizer(), prompt="eb") == [1, 98]  # "e" is id 1: its text wrote it
+    assert first_ids(_BosTokenizer(), input_ids=[5, 6]) == [5, 6]
+    assert first_ids(_CharTokenizer(), prompt="ab") == [97, 98]  # a tokenizer that adds none
+
+
 def test_intake_counts_prompts_times_n():
     intake = RequestIntake(_CharTokenizer(), vocab_size=100, context_len=64, kv_capacity=256,
                            eos_token_ids=frozenset({0}), random_seed=0)

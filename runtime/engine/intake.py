@@ -78,6 +78,7 @@ class RequestIntake:
         self.tokenizer, self.vocab_size, self.context_len = tokenizer, vocab_size, context_len
         self.kv_capacity, self.eos_token_ids = kv_capacity, eos_token_ids
         self._random_seed, self._seed_counter = random_seed, itertools.count()
+        self.bos_token_id = prompt_bos(tokenizer)
 
     def build(self, request: EngineRequest, stream: bool = False) -> RequestGroup:
         """Raises InvalidArgumentError naming the bad argument; no Req exists then. `stream`:
@@ -140,7 +141,12 @@ class RequestIntake:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgumentError(name, prompt, "the prompt is empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            # A raw prompt starts with the BOS the tokenizer adds (as SGLang's and llama.cpp's
+            # servers encode it; Gemma and Llama 2 need it), unless its text already wrote one.
+            if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+                ids.insert(0, self.bos_token_id)
+            return ids
         ids, vocab = list(prompt), self.vocab_size
         if not ids:
             raise InvalidArgumentError(name, ids, "the prompt is empty")
@@ -234,3 +240,14 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) 
     if maximum is not None and value > maximum:
         raise InvalidArgumentError(name, value, f"must be an int in [{minimum}, {maximum}]")
     return value
+
+
+def prompt_bos(tokenizer: Any) -> int | None:
+    """The token id the tokenizer puts before a text when asked for its special tokens (its
+    post-processor: a GGUF's add_bos_token, a Hugging Face tokenizer.json's template), or None."""
+    try:
+        plain = tokenizer.encode("a", add_special_tokens=False)
+        special = tokenizer.encode("a", add_special_tokens=True)
+    except (TypeError, ValueError):
+        return None
+    return special[0] if len(special) > len(plain) and special[1:][:len(plain)] == plain else None
