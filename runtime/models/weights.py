@@ -151,7 +151,9 @@ class WeightLoader:
             expected = len(module.part_sizes) if isinstance(module, FusedLinear) else 1
             if list(parts) == [_WHOLE]:  # one matrix for the whole layer (Phi-3's fused qkv)
                 ordered = [parts[_WHOLE]]
-                rows = module.weight.shape[0]  # a Linear's out_features, an Embedding's rows
+                weight = module.weight  # a Linear's [out, in], an Embedding's [rows, dim]
+                assert isinstance(weight, torch.Tensor)
+                rows = weight.shape[0]
                 if ordered[0].shape[0] != rows:
                     raise ModelNotFoundError(f"{path}: quantized matrix of {ordered[0].shape[0]} "
                                              f"rows, the model expects {rows}")
