@@ -10,7 +10,8 @@ the default model's, padded with plain tokens to the shape's vocab size.
 
 Decode ms/token is measured the same way for both servers: the wall time of a request for
 1 + NEW_TOKENS tokens minus that of a request for 1 token, over NEW_TOKENS (prefill and HTTP
-cancel out), median of --repeats.
+cancel out), median of --repeats. Load times are with forklm's config/tokenizer cache warm (the
+first load of a file also converts its tokenizer; printed separately).
 
 Run: `python -m benchmarks.gguf_sizes --llama-bin /tmp/llama-server-build/bin
       [--shapes llama-3.2-1b,qwen2.5-3b] [--mixes Q4_K_M,Q5_K_M] [--workdir /tmp/forklm-gguf-sizes]`
@@ -206,6 +207,19 @@ def measure(kind: str, server: ServerProcess, repeats: int) -> dict[str, float]:
             "ms_per_token": statistics.median(per_token)}
 
 
+def first_load_s(path: pathlib.Path) -> float | None:
+    """Seconds forklm spends converting the file's config and tokenizer on its first load (they
+    are cached after, under FORKLM_CACHE_DIR), None when the cache already holds them. The
+    servers' load times below are then both without that one-time step."""
+    from forklm.runtime.models.gguf_loader import GGUFModel, _cache_dir_for
+
+    if _cache_dir_for(path).is_dir():
+        return None
+    t0 = time.perf_counter()
+    GGUFModel(path)
+    return time.perf_counter() - t0
+
+
 def kv_pool_mb(shape: Shape, bytes_per_value: int = 2) -> float:
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * CONTEXT * bytes_per_value / 2**20
 
@@ -235,6 +249,10 @@ def main() -> None:
             path = ensure_file(args.workdir, name, shape, mix, args.llama_bin)
             file_mb = path.stat().st_size / 2**20
             budget = file_mb + kv_pool_mb(shape) + 300
+            first = first_load_s(path) if "forklm" in args.systems else None
+            if first is not None:
+                print(f"(forklm's first load of {path.name} converted its config and tokenizer "
+                      f"in {first:.1f} s, cached for the loads below)", flush=True)
             for system in args.systems.split(","):
                 if system == "forklm":
                     server = forklm_server(["--model-path", str(path), "--max-total-tokens",

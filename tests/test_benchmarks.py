@@ -137,3 +137,28 @@ def test_scale_full_selects_the_full_suite(monkeypatch):
     assert args.workloads == cli.FULL_WORKLOADS and args.systems == cli.FULL_SYSTEMS
     monkeypatch.setattr(sys, "argv", ["benchmarks", "--scale=full", "--systems=forklm"])
     assert cli._parse_args().systems == "forklm"
+
+
+def test_synthetic_gguf_of_a_shape_loads_kept_quantized_and_generates(tmp_path, monkeypatch):
+    """benchmarks/gguf_sizes.py's writer (a small shape here, F16 as written before
+    llama-quantize): the file has the shape's tensors and forklm serves it."""
+    import gguf
+
+    from benchmarks.gguf_sizes import PROMPT, Shape, _tensors, first_load_s, type_mix, write_f16
+    from forklm import Engine
+
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    shape = Shape("qwen2", 49408, 128, 256, 2, 4, 2, 1e6, qkv_bias=True)
+    path = tmp_path / "small.gguf"
+    write_f16(path, shape)
+    reader = gguf.GGUFReader(path)
+    assert [(t.name, tuple(t.shape.tolist()[::-1])) for t in reader.tensors] == _tensors(shape)
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == shape.vocab
+    assert type_mix(path).startswith("F16")
+    assert first_load_s(path) is not None and first_load_s(path) is None  # then cached
+    engine = Engine(model_path=str(path), max_total_tokens=256)
+    try:
+        out = engine.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert out["meta_info"]["completion_tokens"] == 4
+    finally:
+        engine.shutdown()
