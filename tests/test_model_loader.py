@@ -445,3 +445,16 @@ def test_quantized_gguf_with_biases_loads_into_quantized_linears(tmp_path, monke
     with torch.inference_mode():
         reference = model(torch.tensor([ids])).logits[0, :-1].argmax(-1)
     assert (ours == reference).float().mean() >= 0.9
+
+
+def test_gguf_ends_generation_where_llama_cpp_does(tmp_path, monkeypatch):
+    """The file's eos id first, then every token whose text ends generation in llama.cpp's
+    reading (the default model: <|im_end|> is its eos, <|endoftext|> ends a plain text)."""
+    from forklm.runtime.models.gguf_loader import GGUFModel
+    from forklm.runtime.models.source import default_model_gguf
+
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    first = GGUFModel(default_model_gguf())
+    vocab = first.tokenizer.convert_ids_to_tokens(first.eos_token_ids)
+    assert vocab == ["<|im_end|>", "<|endoftext|>"]
+    assert GGUFModel(default_model_gguf()).eos_token_ids == first.eos_token_ids  # from the cache

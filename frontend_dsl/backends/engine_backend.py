@@ -16,6 +16,7 @@ from forklm.frontend_dsl.global_config import __version__
 from forklm.runtime.engine.client import EngineClient
 from forklm.runtime.engine.engine import Engine
 from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
+from forklm.runtime.engine.intake import prompt_bos
 from forklm.runtime.engine.results import (
     GenerateOutput,
     TokenLogprobs,
@@ -37,6 +38,7 @@ class EngineBackend(Backend):
     def __init__(self, engine: EngineClient | None = None, **engine_config: Any):
         self.engine: EngineClient = engine if engine is not None else Engine(**engine_config)
         self.tokenizer = self.engine.tokenizer
+        self._bos = prompt_bos(self.tokenizer)
         self._default_system = self._find_default_system()
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
@@ -162,7 +164,12 @@ class EngineBackend(Backend):
         return self.tokenizer.apply_chat_template(messages, tokenize=False)
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        """A program's text as the engine encodes a text prompt (its tokenizer's BOS first,
+        once), so a select scores the tokens its gens are given."""
+        if not text:
+            return []
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids if self._bos is None or ids[:1] == [self._bos] else [self._bos, *ids]
 
 
 class _Scoring:

@@ -41,8 +41,14 @@ from forklm.runtime.models.unsupported import missing_mechanism
 logger = logging.getLogger(__name__)
 
 # Bump when the cached files change meaning, so caches written by an older loader are not reused.
-_CACHE_VERSION = 3  # 3: the tokenizer as llama.cpp reads the GGUF (gguf_tokenizer.py)
+_CACHE_VERSION = 4  # 3: the tokenizer as llama.cpp reads the GGUF; 4: end-of-generation tokens
 
+# Tokens that end generation wherever a vocabulary has them, as llama.cpp reads a GGUF (its
+# converter often writes only one eos id: a Qwen chat turn ends with <|im_end|>, a base model's
+# text with <|endoftext|>).
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+    "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<\uff5cend\u2581of\u2581sentence\uff5c>"})
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 rope scaling
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
 
@@ -80,7 +86,10 @@ class GGUFModel:
         self.tokenizer = gguf_tokenizer(path, meta)
         # llama.cpp ends generation at each (Llama 3.1's <|eom_id|> ends a tool call's turn).
         eos_keys = [f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom")]
-        self.eos_token_ids = list(dict.fromkeys(meta[k] for k in eos_keys if k in meta))
+        by_text = [i for i, text in enumerate(self.file.fields["tokenizer.ggml.tokens"])
+                   if text in END_OF_GENERATION_TEXTS]
+        self.eos_token_ids = list(dict.fromkeys([*(meta[k] for k in eos_keys if k in meta),
+                                                 *by_text]))
         _write_cache(self, cached)
 
     def weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
