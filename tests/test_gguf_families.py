@@ -109,12 +109,18 @@ PERMUTED_QK = {"llama", "smollm3", "granite"}
 
 def write_gguf(path, model, arch: str, q8_0: bool = False) -> None:
     """`model` (a transformers CausalLM) as llama.cpp's converter would write it, with the
-    default model's tokenizer; `q8_0`: its matrices in Q8_0 blocks (where rows hold whole
-    blocks; norms, biases and stacked experts stay float32)."""
+    default model's tokenizer; `q8_0`: its matrices and expert stacks in Q8_0 blocks (where
+    rows hold whole blocks; norms and biases stay float32)."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, config)
     _copy_tokenizer(writer)
+    def add(gguf_name: str, array: np.ndarray) -> None:
+        if q8_0 and array.ndim >= 2 and array.shape[-1] % 32 == 0:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+
     march = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(march, config.num_hidden_layers)
     for name, tensor in _stacked_per_head_norms(model.state_dict()).items():
@@ -127,11 +133,11 @@ def write_gguf(path, model, arch: str, q8_0: bool = False) -> None:
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
         if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * ff, hidden]: gate, then up
             gate, up = np.split(array, 2, axis=1)
-            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            add(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            add(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(up))
             continue
         if name.endswith("mlp.experts.down_proj"):
-            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(array))
+            add(f"blk.{layer}.ffn_down_exps.weight", array)
             continue
         if name.endswith("shared_expert_gate.weight"):
             array = array[0]
@@ -145,10 +151,7 @@ def write_gguf(path, model, arch: str, q8_0: bool = False) -> None:
         if gguf_name is None and name == "lm_head.weight":  # gguf-py's Gemma 2 map has it tied
             gguf_name = "output.weight"
         assert gguf_name is not None, name
-        if q8_0 and array.ndim == 2 and array.shape[1] % 32 == 0:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
-            continue
-        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+        add(gguf_name, array)
     rope = getattr(config, "rope_parameters", None) or {}  # GPT-2 has none
     if rope.get("rope_type") == "longrope":
         writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
@@ -261,6 +264,7 @@ def test_a_family_kept_quantized_computes_as_dequantized(case, tokenizer, tmp_pa
     blocks run the int4 kernel in float32 (a kernel dtype QuantizedLinear offers; the engine
     picks bf16, whose rounding would hide small differences)."""
     monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    from forklm.runtime.models.moe import SparseMoE
     from forklm.runtime.quant.linear import QuantizedLinear
 
     build = QuantizedLinear.from_gguf
@@ -277,9 +281,11 @@ def test_a_family_kept_quantized_computes_as_dequantized(case, tokenizer, tmp_pa
         engine = Engine(model_path=path, dtype="float32", quantization=mode,
                         max_total_tokens=1024, **ARCHITECTURES[tiny].engine_config)
         try:
-            kept = [m for m in engine.parts.runner.model.modules()
-                    if isinstance(m, QuantizedLinear)]
-            assert bool(kept) == (mode == "gguf")
+            modules = list(engine.parts.runner.model.modules())
+            assert any(isinstance(m, QuantizedLinear) for m in modules) == (mode == "gguf")
+            # a mixture of experts keeps its expert stacks quantized too
+            assert all((m.quantized_experts is not None) == (mode == "gguf")
+                       for m in modules if isinstance(m, SparseMoE))
             res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0},
                                   return_logprob=True, logprob_start_len=0)
             logprobs[mode] = torch.tensor(

@@ -27,7 +27,7 @@ from tokenizers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from forklm.runtime.models import gguf_loader
-from forklm.runtime.models.gguf_loader import GGUFModel
+from forklm.runtime.models.gguf_loader import END_OF_GENERATION_TEXTS, GGUFModel
 from forklm.runtime.models.loader import load_model
 from forklm.runtime.models.source import default_model_gguf
 
@@ -347,7 +347,10 @@ def test_bos_eos_and_chat_template_from_the_metadata(loaded, load):
     assert (tokenizer.bos_token, tokenizer.eos_token) == (tokens[vocab.bos_id],
                                                           tokens[vocab.eos_id])
     ends = [vocab.eos_id, vocab.eot_id, vocab.eom_id]
-    assert model.eos_token_ids == list(dict.fromkeys(i for i in ends if i is not None))
+    # ... then the tokens llama.cpp ends generation at by their text (<|endoftext|>, ...)
+    by_text = [i for i, text in enumerate(tokens) if text in END_OF_GENERATION_TEXTS]
+    assert model.eos_token_ids == list(dict.fromkeys(
+        [*(i for i in ends if i is not None), *by_text]))
     ids = tokenizer.encode("Hi there")
     assert (ids[0] == vocab.bos_id) == ADDS_BOS[vocab.name]
     assert ids[-1] != vocab.eos_id  # llama.cpp adds no EOS unless add_eos_token says so

@@ -63,7 +63,7 @@ def test_default_model_config(default_model):
     assert config.rms_norm_eps == pytest.approx(1e-5)
     assert config.max_position_embeddings == 8192
     assert config.tie_word_embeddings
-    assert default_model.eos_token_ids == [2]
+    assert default_model.eos_token_ids == [2, 0]  # <|im_end|>, then <|endoftext|> (llama.cpp)
     assert default_model.source == str(default_model_gguf())
 
 
@@ -143,7 +143,7 @@ def test_second_load_reads_the_cache(default_model, default_weights, cache_dir):
         {**c.to_dict(), "_name_or_path": ""} for c in (again.config, default_model.config)
     ]
     assert config_fields[0] == config_fields[1]
-    assert again.eos_token_ids == [2]
+    assert again.eos_token_ids == [2, 0]
     assert again.tokenizer.chat_template == default_model.tokenizer.chat_template
     text = "Grüße 🤗 <|im_start|>user\n  x = 42"
     assert again.tokenizer.encode(text) == default_model.tokenizer.encode(text)

@@ -123,11 +123,15 @@ class GGUFFile:
             data = raw.reshape(*numpy_dims[:-1], numpy_dims[-1] // block_size * type_size)
         return GGUFTensor(name, kind, dims, data, start)
 
-    def release(self, tensor: GGUFTensor) -> None:
-        """Drop the tensor's pages from this process' resident memory (they stay in the page
-        cache, and a later read maps them again): a load that converts each tensor then holds
-        the converted weights, not the file as well."""
+    def release(self, tensor: GGUFTensor, first: int = 0, count: int | None = None) -> None:
+        """Drop the tensor's pages (of its sub-arrays [first, first + count) along its outermost
+        dimension: one expert of a stack) from this process' resident memory. They stay in the
+        page cache, and a later read maps them again: a load that converts each tensor then
+        holds the converted weights, not the file as well."""
+        outer = tensor.data.shape[0] if tensor.data.ndim else 1
+        step = tensor.data.nbytes // max(outer, 1)
+        count = outer - first if count is None else count
         page = mmap.PAGESIZE
-        start = tensor.offset // page * page
-        end = tensor.offset + tensor.data.nbytes
+        start = (tensor.offset + first * step) // page * page
+        end = tensor.offset + (first + count) * step
         self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)

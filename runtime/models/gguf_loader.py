@@ -118,6 +118,13 @@ class GGUFModel:
                     yield name, GGUFWeight(np.ascontiguousarray(tensor.data[rows.numpy()]),
                                            tensor.tensor_type, (shape[0], shape[1]))
                 continue
+            if (supported is not None and len(shape) == 3 and "{expert}" in name
+                    and supported(tensor.tensor_type)):  # a stack of experts: one matrix each
+                for expert in range(shape[0]):
+                    yield name.format(expert=expert), GGUFWeight(
+                        tensor.data[expert], tensor.tensor_type, (shape[1], shape[2]),
+                        release=functools.partial(self.file.release, tensor, expert, 1))
+                continue
             if keep_quantized and len(shape) == 2:
                 dequantized.add(tensor.tensor_type.name)
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)

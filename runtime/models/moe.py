@@ -30,6 +30,16 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert else None
         # How an expert multiplies its tokens (batch_invariant.py swaps in a row-tiled one).
         self.expert_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+        # A GGUF's experts kept in their blocks: per expert (gate+up, down) QuantizedLinears
+        # that replace w13 and w2 (use_quantized_experts)
+        self.quantized_experts: nn.ModuleList | None = None
+
+    def use_quantized_experts(self, experts: nn.ModuleList) -> None:
+        """Multiply with `experts` (per expert a ModuleList [gate+up, down]) instead of the
+        stacked parameters, which are dropped."""
+        assert len(experts) == self.spec.num_experts
+        self.quantized_experts = experts
+        self.w13 = self.w2 = None  # type: ignore[assignment]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -49,11 +59,26 @@ class SparseMoE(nn.Module):
             picks = order[start:start + n]
             start += n
             tokens = picks // self.spec.top_k  # [n]
-            h = self.expert_linear(x[tokens], self.w13[e])
-            gate, up = h.chunk(2, dim=-1)
-            y = self.expert_linear(self.act(gate) * up, self.w2[e])  # [n, hidden]
+            gate, up = self._gate_up(e, x[tokens]).chunk(2, dim=-1)
+            y = self._down(e, self.act(gate) * up)  # [n, hidden]
             out.index_add_(0, tokens, y * weights.reshape(-1)[picks, None])
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
+
+    def _gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized_experts is not None:
+            return self._quantized(e, 0)(x)
+        return self.expert_linear(x, self.w13[e])
+
+    def _down(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized_experts is not None:
+            return self._quantized(e, 1)(x)
+        return self.expert_linear(x, self.w2[e])
+
+    def _quantized(self, e: int, which: int) -> nn.Module:
+        assert self.quantized_experts is not None
+        pair = self.quantized_experts[e]
+        assert isinstance(pair, nn.ModuleList)
+        return pair[which]

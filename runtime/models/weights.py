@@ -81,6 +81,8 @@ class WeightLoader:
         self.tied = bool(getattr(getattr(model, "spec", None), "tie_word_embeddings", False))
         self.filled: dict[tuple[str, str], set[tuple[int | None, int | None]]] = {}
         self.quantized: dict[str, dict[int, Any]] = {}  # module path -> shard -> quantized part
+        # MoE module path -> (param, expert) -> shard -> quantized part
+        self.quantized_experts: dict[str, dict[tuple[str, int], dict[int, Any]]] = {}
 
     def load(self, weights: Iterable[tuple[str, Any]]) -> None:
         for name, value in weights:
@@ -138,6 +140,11 @@ class WeightLoader:
             (index, shard) for index in slices for shard in shards)
 
     def _collect_quantized(self, name: str, target: Target, value: Any) -> None:
+        if (self.quantized_factory is not None and target.expert is not None
+                and target.param in ("w13", "w2")):  # one expert's matrix of a stacked MoE
+            experts = self.quantized_experts.setdefault(target.module, {})
+            experts.setdefault((target.param, target.expert), {})[target.shard or 0] = value
+            return
         if self.quantized_factory is None or target.param != "weight" or target.expert is not None:
             raise ModelNotFoundError(f"checkpoint tensor {name!r} is quantized where the model "
                                      "takes only dense weights")
@@ -145,7 +152,9 @@ class WeightLoader:
         self.quantized.setdefault(target.module, {})[part] = value
 
     def _build_quantized(self) -> None:
-        assert self.quantized_factory is not None or not self.quantized
+        assert self.quantized_factory is not None or not (self.quantized or self.quantized_experts)
+        for path, experts in self.quantized_experts.items():
+            self._build_quantized_experts(path, experts)
         for path, parts in self.quantized.items():
             module = self.model.get_submodule(path)
             expected = len(module.part_sizes) if isinstance(module, FusedLinear) else 1
@@ -169,6 +178,28 @@ class WeightLoader:
             new = self.quantized_factory(ordered, bias, self.dtype)
             parent, _, child = path.rpartition(".")
             setattr(self.model.get_submodule(parent) if parent else self.model, child, new)
+
+    def _build_quantized_experts(self, path: str,
+                                 experts: dict[tuple[str, int], dict[int, Any]]) -> None:
+        """A SparseMoE's experts kept quantized: one QuantizedLinear per expert for gate+up
+        (w13) and one for down (w2), in place of its stacked parameters."""
+        from forklm.runtime.models.moe import SparseMoE
+
+        module = self.model.get_submodule(path)
+        assert isinstance(module, SparseMoE), f"{path} holds experts but is not a SparseMoE"
+        count = module.spec.num_experts
+        linears = []
+        for e in range(count):
+            w13, w2 = experts.get(("w13", e), {}), experts.get(("w2", e), {})
+            if sorted(w13) != [0, 1] or sorted(w2) != [0]:
+                raise ModelNotFoundError(f"{path}: expert {e}'s quantized matrices are incomplete "
+                                         f"(gate/up parts {sorted(w13)}, down {sorted(w2)})")
+            assert self.quantized_factory is not None
+            linears.append(nn.ModuleList([self.quantized_factory([w13[0], w13[1]], None, self.dtype),
+                                          self.quantized_factory([w2[0]], None, self.dtype)]))
+        if len(experts) != 2 * count:
+            raise ModelNotFoundError(f"{path}: quantized experts beyond its {count}")
+        module.use_quantized_experts(nn.ModuleList(linears))
 
     def _check_complete(self) -> None:
         missing = [f"{module}.{param}" for module, param in self._meta_params()]
