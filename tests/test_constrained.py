@@ -94,8 +94,10 @@ def prompts(tokenizer) -> dict[str, str]:
 
 
 def ended_by_grammar(result: dict) -> bool:
-    """Finished by the EOS that a completed grammar allows (SmolLM2's <|im_end|>, id 2)."""
-    return result["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    """Finished by an end-of-generation token that a completed grammar allows (SmolLM2's
+    <|im_end|>, id 2, or <|endoftext|>, id 0)."""
+    reason = result["meta_info"]["finish_reason"]
+    return reason["type"] == "stop" and reason.get("matched") in (2, 0)
 
 
 def params_for(name: str, **extra) -> dict:
