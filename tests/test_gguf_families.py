@@ -28,6 +28,14 @@ def _gemma_defaults(config) -> None:
     config.query_pre_attn_scalar = config.head_dim
 
 
+def _gemma3_pattern(config) -> None:
+    # A file that says its pattern (one global layer in two) and its local rope base.
+    _gemma_defaults(config)
+    config.num_hidden_layers = 4
+    config.layer_types = ["sliding_attention", "full_attention"] * 2
+    config.rope_parameters["sliding_attention"]["rope_theta"] = 20000.0
+
+
 def _gemma3_defaults(config) -> None:
     # ... and slides every layer but each sixth: six layers, the last one global.
     _gemma_defaults(config)
@@ -80,6 +88,7 @@ CASES = {
     "qwen3": ("qwen3", "qwen3", None),
     "gemma2": ("gemma2", "gemma2", _gemma_defaults),
     "gemma3": ("gemma3", "gemma3", _gemma3_defaults),
+    "gemma3_pattern": ("gemma3", "gemma3", _gemma3_pattern),
     "phi3": ("phi3_short", "phi3", None),
     "mixtral": ("mixtral", "llama", None),  # llama.cpp writes Mixtral as llama with experts
     "qwen2_moe": ("qwen2_moe", "qwen2moe", None),
@@ -205,6 +214,12 @@ def _write_metadata(writer, config) -> None:
         writer.add_parallel_residual(config.use_parallel_residual)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "gemma3_text" and config.layer_types[:6] != (
+            ["sliding_attention"] * 5 + ["full_attention"]):  # not llama.cpp's default
+        writer.add_array("gemma3.attention.sliding_window_pattern",
+                         [kind == "sliding_attention" for kind in config.layer_types])
+        writer.add_float32("gemma3.rope.freq_base_swa",
+                           config.rope_parameters["sliding_attention"]["rope_theta"])
     if getattr(config, "attn_logit_softcapping", None):
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):

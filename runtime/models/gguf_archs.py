@@ -95,14 +95,31 @@ def _gemma2(key: Key, hidden: int, heads: int) -> dict[str, Any]:
 
 
 def _gemma3(key: Key, hidden: int, heads: int) -> dict[str, Any]:
-    # Global layers take the file's RoPE (with its scaling); local ones llama.cpp's fixed 10k.
+    # Global layers take the file's RoPE (with its scaling); local ones rope.freq_base_swa, 10k
+    # where the file has none (llama.cpp's default).
     full = {"rope_type": "default", "rope_theta": float(key("rope.freq_base", 1e6))}
     if key("rope.scaling.type") not in (None, "none"):
         full.update(rope_type=key("rope.scaling.type"), factor=float(key("rope.scaling.factor")))
-    rope = {"full_attention": full,
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    return {**_gemma(key, hidden, heads, num_layers_27b=62), "rope_parameters": rope,
-            "final_logit_softcapping": None, "attn_logit_softcapping": None}
+    local = {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))}
+    return {**_gemma(key, hidden, heads, num_layers_27b=62),
+            "rope_parameters": {"full_attention": full, "sliding_attention": local},
+            "layer_types": _gemma3_layer_types(key), "final_logit_softcapping": None,
+            "attn_logit_softcapping": None}
+
+
+def _gemma3_layer_types(key: Key) -> list[str]:
+    """Which layers slide, as llama.cpp reads a Gemma 3 file: none without a window; else the
+    per-layer `attention.sliding_window_pattern` array, or its period n (layers i with
+    i % n < n - 1 slide: five local, one global for the default 6; n = 0: all slide)."""
+    layers = key("block_count")
+    if not key("attention.sliding_window"):
+        return ["full_attention"] * layers
+    pattern = key("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        slides = [bool(p) for p in pattern][:layers]
+    else:
+        slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    return ["sliding_attention" if slide else "full_attention" for slide in slides]
 
 
 def _partial_rotary(key: Key, hidden: int, heads: int) -> dict[str, Any]:
