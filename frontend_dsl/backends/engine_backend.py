@@ -16,7 +16,7 @@ from forklm.frontend_dsl.global_config import __version__
 from forklm.runtime.engine.client import EngineClient
 from forklm.runtime.engine.engine import Engine
 from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
-from forklm.runtime.engine.intake import prompt_bos
+from forklm.runtime.engine.intake import encode_prompt, prompt_bos
 from forklm.runtime.engine.results import (
     GenerateOutput,
     TokenLogprobs,
@@ -166,10 +166,7 @@ class EngineBackend(Backend):
     def _encode(self, text: str) -> list[int]:
         """A program's text as the engine encodes a text prompt (its tokenizer's BOS first,
         once), so a select scores the tokens its gens are given."""
-        if not text:
-            return []
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids if self._bos is None or ids[:1] == [self._bos] else [self._bos, *ids]
+        return encode_prompt(self.tokenizer, text, self._bos) if text else []
 
 
 class _Scoring:

@@ -141,12 +141,7 @@ class RequestIntake:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidArgumentError(name, prompt, "the prompt is empty")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-            # A raw prompt starts with the BOS the tokenizer adds (as SGLang's and llama.cpp's
-            # servers encode it; Gemma and Llama 2 need it), unless its text already wrote one.
-            if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
-                ids.insert(0, self.bos_token_id)
-            return ids
+            return encode_prompt(self.tokenizer, prompt, self.bos_token_id)
         ids, vocab = list(prompt), self.vocab_size
         if not ids:
             raise InvalidArgumentError(name, ids, "the prompt is empty")
@@ -240,6 +235,14 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) 
     if maximum is not None and value > maximum:
         raise InvalidArgumentError(name, value, f"must be an int in [{minimum}, {maximum}]")
     return value
+
+
+def encode_prompt(tokenizer: Any, text: str, bos_token_id: int | None) -> list[int]:
+    """A raw text prompt's ids: it starts with the BOS the tokenizer adds (as SGLang's and
+    llama.cpp's servers encode it; Gemma and Llama 2 need it), unless its text already wrote
+    one. bos_token_id: prompt_bos(tokenizer)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids if bos_token_id is None or ids[:1] == [bos_token_id] else [bos_token_id, *ids]
 
 
 def prompt_bos(tokenizer: Any) -> int | None:
