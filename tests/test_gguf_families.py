@@ -6,6 +6,8 @@ tests/tiny_models.py's, with the fields a GGUF cannot carry set to what llama.cp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import gguf
 import numpy as np
 import pytest
@@ -116,16 +118,25 @@ NORM_PLUS_ONE = ("gemma", "nemotron")
 PERMUTED_QK = {"llama", "smollm3", "granite"}
 
 
-def write_gguf(path, model, arch: str, q8_0: bool = False) -> None:
+# (GGUF tensor name, float array) -> (its blocks, their type), or None to write it as it is
+Quantizer = Callable[[str, np.ndarray], "tuple[np.ndarray, gguf.GGMLQuantizationType] | None"]
+
+
+def write_gguf(path, model, arch: str, q8_0: bool = False,
+               quantizer: Quantizer | None = None) -> None:
     """`model` (a transformers CausalLM) as llama.cpp's converter would write it, with the
     default model's tokenizer; `q8_0`: its matrices and expert stacks in Q8_0 blocks (where
-    rows hold whole blocks; norms and biases stay float32)."""
+    rows hold whole blocks; norms and biases stay float32); `quantizer`: each tensor's blocks
+    as it decides."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, config)
     _copy_tokenizer(writer)
     def add(gguf_name: str, array: np.ndarray) -> None:
-        if q8_0 and array.ndim >= 2 and array.shape[-1] % 32 == 0:
+        blocks = quantizer(gguf_name, array) if quantizer is not None else None
+        if blocks is not None:
+            writer.add_tensor(gguf_name, blocks[0], raw_dtype=blocks[1])
+        elif q8_0 and array.ndim >= 2 and array.shape[-1] % 32 == 0:
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
@@ -284,7 +295,7 @@ def test_a_family_kept_quantized_computes_as_dequantized(case, tokenizer, tmp_pa
 
     build = QuantizedLinear.from_gguf
     monkeypatch.setattr(QuantizedLinear, "from_gguf", staticmethod(
-        lambda parts, bias, dtype: build(parts, bias, dtype, kernel_dtype=torch.float32)))
+        lambda parts, bias, dtype, **_: build(parts, bias, dtype, kernel_dtype=torch.float32)))
 
     tiny, arch, edit = CASES[case]
     model = build_tiny_model(tiny, tmp_path / "hf", tokenizer, edit=edit)

@@ -2,8 +2,9 @@
 the source (with the header the sources share, cpu_kernels.h), the compiler and the CPU, and
 loaded with ctypes: paged decode attention (kernels/cpu/paged_attention.c) and the fused steps
 between a layer's matmuls (kernels/cpu/fused_layer_ops.c, used by runtime/models/fused_layers.py),
-and the int4 matrix times a few rows (kernels/cpu/int4_gemv.c, used by quant/linear.py's
-Int4Matrix), and the sampler's greedy pick (kernels/cpu/greedy_pick.c)."""
+the int4 matrix times a few rows (kernels/cpu/int4_gemv.c, used by quant/linear.py's
+Int4Matrix), the K-quant matmul (kernels/cpu/kquant_vnni.c, used by quant/kquant.py's
+KQuantMatrix), and the sampler's greedy pick (kernels/cpu/greedy_pick.c)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ INT4_SOURCE = Path(__file__).with_name("int4_gemv.c")
 # Contraction on (gnu11): without AVX512-BF16 the group sums are fp32 FMAs, like torch's kernel.
 INT4_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 INT4_MAX_ROWS = 16  # int4_gemv.c's MAX_CALL_ROWS
+KQUANT_SOURCE = Path(__file__).with_name("kquant_vnni.c")
+# No contraction: the row lookup rounds where gguf-py's dequantization does (the matmul's vector
+# steps are explicit intrinsics either way).
+KQUANT_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC",
+                 "-std=gnu11"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # Multiply-adds above which a call uses all of torch's threads (2 cores, default model). With
@@ -61,6 +67,8 @@ TORCH_TWINS = {
     "int4_vnni_bf16": "torch.ops.aten._weight_int4pack_mm_for_cpu",
     "int8_vnni_bf16": "torch.ops.aten._weight_int4pack_mm_for_cpu",
     "int4_rows_f32": "forklm.runtime.quant.linear.Int4Matrix.rows",
+    "kquant_matmul_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
+    "kquant_rows_f32": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
     "greedy_pick": "torch.argmax",
 }
 
@@ -395,6 +403,83 @@ def _build_and_load_int4() -> _Loaded:
     lib.int8_vnni_bf16.restype = _int
     lib.int8_vnni_bf16.argtypes = [_p, _p, _p, _p, _i64]
     return _Loaded(lib, "", frozenset((torch.bfloat16,)))
+
+
+def kquant_ops() -> ctypes.CDLL | None:
+    """The K-quant library (kquant_vnni.c), or None when it did not build, FORKLM_NATIVE_INT4=0,
+    or the CPU lacks AVX512-VNNI/BW/BF16 (its matmul needs them; the row lookup alone is no use
+    without it)."""
+    return _load_once("native K-quant matmul", _build_and_load_kquant).lib
+
+
+def _build_and_load_kquant() -> _Loaded:
+    if os.environ.get("FORKLM_NATIVE_INT4", "1") == "0":
+        return _Loaded(None, "disabled by FORKLM_NATIVE_INT4=0")
+    lib, reason = _open(KQUANT_SOURCE, KQUANT_CFLAGS)
+    if lib is None:
+        return _Loaded(None, reason)
+    if not lib.kquant_available():
+        return _Loaded(None, "the CPU lacks AVX512-VNNI, -BW or -BF16")
+    lib.kquant_repack.restype = _int
+    lib.kquant_repack.argtypes = [_int, _p, _i64, _i64, _i64, _p]
+    lib.kquant_rows_f32.restype = _int
+    lib.kquant_rows_f32.argtypes = [_int, _p, _i64, _i64, _p, _i64, _p]
+    lib.kquant_matmul_bf16.restype = _int
+    lib.kquant_matmul_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _i64, _p, _p, _i64]
+    return _Loaded(lib, "", frozenset((torch.bfloat16,)))
+
+
+def kquant_repack(ggml_type: int, row_addresses: torch.Tensor, out_features: int,
+                  padded_rows: int, in_features: int, record_bytes: int) -> torch.Tensor | None:
+    """The records (uint8, kquant_vnni.c's layout) of a K-quant matrix whose row r's file bytes
+    start at row_addresses[r] (int64 [out_features]; the caller keeps them mapped), padded with
+    zero rows to padded_rows (a multiple of 16); None where the library is off."""
+    lib = kquant_ops()
+    if lib is None:
+        return None
+    assert row_addresses.dtype == torch.int64 and row_addresses.numel() == out_features
+    records = torch.empty(padded_rows // 16 * (in_features // 256) * record_bytes,
+                          dtype=torch.uint8)
+    rc = lib.kquant_repack(ggml_type, row_addresses.data_ptr(), out_features, padded_rows,
+                           in_features, records.data_ptr())
+    assert rc == 0, f"kquant_repack rejected type {ggml_type}, {out_features}x{in_features}"
+    return records
+
+
+def kquant_matmul(ggml_type: int, records: torch.Tensor, padded_rows: int, out_features: int,
+                  in_features: int, parallel_work: int | None = None
+                  ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """y = x @ W^T over `records` for contiguous bf16 x [M, in] (any M >= 1) -> bf16 [M, out],
+    x quantized per group of 32 to int8 on each call; None where the library is off."""
+    lib = kquant_ops()
+    if lib is None:
+        return None
+    fn, empty, bf16 = lib.kquant_matmul_bf16, torch.empty, torch.bfloat16
+    ptr = records.data_ptr()
+    work = PARALLEL_WORK if parallel_work is None else parallel_work
+
+    def call(x: torch.Tensor, _keep: torch.Tensor = records) -> torch.Tensor:
+        y = empty(x.shape[0], out_features, dtype=bf16)
+        rc = fn(ggml_type, ptr, padded_rows, out_features, in_features, work, x.data_ptr(),
+                y.data_ptr(), x.shape[0])
+        assert rc == 0, f"kquant_matmul rejected {tuple(x.shape)} x {out_features}x{in_features}"
+        return y
+
+    return call
+
+
+def kquant_rows(ggml_type: int, records: torch.Tensor, out_features: int, in_features: int,
+                ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), in]: weight rows `ids` (int64 CPU, in range) from the records."""
+    lib = kquant_ops()
+    assert lib is not None, "kquant_rows needs the K-quant library"
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), in_features, dtype=torch.float32)
+    rc = lib.kquant_rows_f32(ggml_type, records.data_ptr(), out_features, in_features,
+                             ids.data_ptr(), ids.numel(), out.data_ptr())
+    if rc != 0:
+        raise IndexError(f"row ids outside 0..{out_features - 1}")
+    return out
 
 
 def _open(source: Path, cflags: list[str]) -> tuple[ctypes.CDLL | None, str]:

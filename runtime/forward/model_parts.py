@@ -4,6 +4,8 @@ both build, so it lives below both."""
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from typing import TYPE_CHECKING
 
@@ -64,7 +66,8 @@ def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device
     if keep_quantized:
         from forklm.runtime.quant.linear import QuantizedLinear
 
-        factory = QuantizedLinear.from_gguf
+        # int8 activations allowed: K-quant matrices become their compact records
+        factory = functools.partial(QuantizedLinear.from_gguf, kquant_records=int8_activations)
     WeightLoader(model, dtype, device, factory).load(loaded.weights(keep_quantized))
     if can_pack(dtype, device):
         pack_linears(model)

@@ -1,6 +1,8 @@
-"""QuantizedLinear: an nn.Linear whose weight stays in GGUF's quantized blocks (w = (c - 8) *
-scale + zero), multiplied by kernels/cpu/int4_gemv.c for decode-sized calls of bf16 rows and torch's
-int4 groupwise CPU kernel (`_weight_int4pack_mm_for_cpu`) otherwise."""
+"""QuantizedLinear: an nn.Linear whose weight stays in GGUF's quantized blocks. Each run of
+same-typed parts is one segment: a KQuantMatrix (quant/kquant.py: K-quant records multiplied by
+kernels/cpu/kquant_vnni.c with int8 activations, where the CPU has VNNI) or an Int4Matrix
+(w = (c - 8) * scale + zero, multiplied by kernels/cpu/int4_gemv.c for decode-sized calls of bf16
+rows and torch's int4 groupwise CPU kernel (`_weight_int4pack_mm_for_cpu`) otherwise)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from forklm.kernels.cpu import bindings as native_kernels
+from forklm.runtime.quant import kquant
 from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
+from forklm.runtime.quant.kquant import KQuantMatrix
 
 _Fn = Callable[[torch.Tensor], torch.Tensor]
 KERNEL_GROUP = 32  # the smallest group the int4 kernel takes (it accepts 32, 64, 128, 256)
@@ -123,6 +127,17 @@ class Int4Matrix(nn.Module):
     def k_prime(self) -> int:
         return self.in_features * (2 if self.lo_bits else 1)
 
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        return self.scale_zeros.dtype
+
+    def dense_copy_min_rows(self) -> int:
+        """Rows from which a dense copy (where the model attached one) beats this matrix."""
+        if not self.native():
+            return DENSE_COPY_MIN_ROWS
+        return (NATIVE_SPLIT_DENSE_COPY_MIN_ROWS if self.lo_bits and not self.int8_activations
+                else NATIVE_DENSE_COPY_MIN_ROWS)
+
     def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """kernels/cpu/int4_gemv.c on this matrix: contiguous bf16 x [M, in] with 1 <= M <=
         INT4_MAX_ROWS -> [M, out] (int8 dot products where int8_activations is set and the CPU
@@ -205,13 +220,14 @@ class Int4Matrix(nn.Module):
 class QuantizedLinear(nn.Module):
     """Drop-in for nn.Linear over GGUF-quantized weights (CPU only).
 
-    The weight is a row-stack of Int4Matrix segments (one per run of same-typed GGUF parts).
-    forward runs the int4 kernel in `kernel_dtype` and returns x's dtype; bf16 is the fast
-    kernel on CPUs (torch's fp32 int4 kernel is exact but 10-30x slower, see quant_speed)."""
+    The weight is a row-stack of segments (one per run of same-typed GGUF parts), each a
+    KQuantMatrix or an Int4Matrix. forward runs them in `kernel_dtype` and returns x's dtype;
+    bf16 is the fast kernel on CPUs (torch's fp32 int4 kernel is exact but 10-30x slower, see
+    quant_speed)."""
 
     bias: torch.Tensor | None  # [out] in `dtype`
 
-    def __init__(self, segments: list[Int4Matrix], bias: torch.Tensor | None,
+    def __init__(self, segments: list[Int4Matrix | KQuantMatrix], bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
         in_sizes = {s.in_features for s in segments}
@@ -227,25 +243,30 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_gguf(cls, parts: list[GGUFWeight], bias: torch.Tensor | None, dtype: torch.dtype,
-                  kernel_dtype: torch.dtype = torch.bfloat16) -> QuantizedLinear:
+                  kernel_dtype: torch.dtype = torch.bfloat16,
+                  kquant_records: bool = False) -> QuantizedLinear:
         """Row-stack `parts` (e.g. q, k, v) into one layer; adjacent same-typed parts share one
-        packed matrix. `dtype` is the model's dtype (bias, embedding rows)."""
+        packed matrix. `dtype` is the model's dtype (bias, embedding rows). `kquant_records`:
+        K-quant runs become KQuantMatrix records where the CPU runs them (int8 activations
+        for every call); otherwise every run is an Int4Matrix."""
         if kernel_dtype not in KERNEL_DTYPES:
             raise ValueError(f"kernel_dtype={kernel_dtype}: expected one of {KERNEL_DTYPES}")
         for part in parts:
             if not supported_gguf_type(part.ggml_type):
                 raise NotImplementedError(f"GGUF type {part.ggml_type.name} cannot stay quantized")
-        segments = [Int4Matrix.from_gguf(run, kernel_dtype) for run in _same_type_runs(parts)]
+        segments = [KQuantMatrix.from_gguf(run)
+                     if kquant_records and kquant.holds(run[0].ggml_type, kernel_dtype)
+                     else Int4Matrix.from_gguf(run, kernel_dtype) for run in _same_type_runs(parts)]
         return cls(segments, bias, dtype)
 
     @property
-    def matrices(self) -> list[Int4Matrix]:
+    def matrices(self) -> list[Int4Matrix | KQuantMatrix]:
         """The segments, top rows first (typed view of the ModuleList)."""
-        return [m for m in self.segments if isinstance(m, Int4Matrix)]
+        return [m for m in self.segments if isinstance(m, (Int4Matrix, KQuantMatrix))]
 
     @property
     def kernel_dtype(self) -> torch.dtype:
-        return self.matrices[0].scale_zeros.dtype
+        return self.matrices[0].kernel_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -264,10 +285,7 @@ class QuantizedLinear(nn.Module):
 
     def dense_copy_min_rows(self) -> int:
         """Rows from which forward uses the dense copy (when one is attached)."""
-        if not all(m.native() for m in self.matrices):
-            return DENSE_COPY_MIN_ROWS
-        return min(NATIVE_SPLIT_DENSE_COPY_MIN_ROWS if m.lo_bits and not m.int8_activations
-                   else NATIVE_DENSE_COPY_MIN_ROWS for m in self.matrices)
+        return min(m.dense_copy_min_rows() for m in self.matrices)
 
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """forward for [M, in] inputs of the model's dtype as a plain function of x (no module
@@ -276,8 +294,11 @@ class QuantizedLinear(nn.Module):
         segment without bias whose kernel dtype is the model's; anything else goes through
         forward."""
         matrices = self.matrices
-        if (len(matrices) != 1 or matrices[0].lo_bits or self.bias is not None
-                or self.kernel_dtype != self.dtype):
+        if len(matrices) != 1 or self.bias is not None or self.kernel_dtype != self.dtype:
+            return self.forward
+        if isinstance(matrices[0], KQuantMatrix):
+            return self._direct_records(matrices[0])
+        if matrices[0].lo_bits:
             return self.forward
         packed, scale_zeros, out = matrices[0].packed, matrices[0].scale_zeros, self.out_features
         padded = packed.shape[0] != out
@@ -295,6 +316,20 @@ class QuantizedLinear(nn.Module):
                 return native(x.contiguous())  # type: ignore[misc]
             y = int4_mm(x, packed, KERNEL_GROUP, scale_zeros)
             return y[:, :out] if padded else y
+
+        return call
+
+    def _direct_records(self, matrix: KQuantMatrix) -> Callable[[torch.Tensor], torch.Tensor]:
+        """direct() of one K-quant segment: its kernel for every call the dense copy (if any)
+        does not take."""
+        forward, native = self.forward, matrix.native()
+        if native is None:
+            return forward
+        dense_rows = self.dense_copy_min_rows() if self.dense is not None else 2**62
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            rows = x.shape[0]
+            return forward(x) if rows >= dense_rows or rows == 0 else native(x.contiguous())
 
         return call
 

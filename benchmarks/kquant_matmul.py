@@ -1,0 +1,73 @@
+"""K-quant matrices of a 1B model's shapes, three ways, interleaved in one process (medians):
+`records` kernels/cpu/kquant_vnni.c on the compact records (quant/kquant.py's KQuantMatrix),
+`int4` the Int4Matrix path that held K-quants before (torch's int4 packing: the int8 VNNI records
+or native kernel up to 16 rows, torch's int4 kernel or a per-call dequantized GEMM above), and
+`dense` a packed bf16 copy (oneDNN; what small models attach for larger calls). Also the bytes
+each holds. Weights are real K-quant blocks (gguf-py's Q6_K quantizer is absent, so random
+blocks with realistic fp16 steps, tests/test_quant.make_weight).
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks.kquant_matmul [--rows 1 8 16 64 256] \
+        [--types Q4_K Q6_K] [--shapes 2048x2048 8192x2048 2048x8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import torch
+from gguf import GGMLQuantizationType
+
+from benchmarks.int4_gemv import medians
+from forklm.runtime.models.onednn_linear import OneDNNLinear
+from forklm.runtime.quant.kquant import KQuantMatrix, kquant_available
+from forklm.runtime.quant.linear import QuantizedLinear, use_int8_activations
+
+
+def cpu_name() -> str:
+    flags = open("/proc/cpuinfo").read()
+    isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX2" if "avx2" in flags else "?"
+    return f"{platform.processor() or platform.machine()} ({isa}), {torch.get_num_threads()} threads"
+
+
+def main() -> None:
+    from tests.test_quant import make_weight
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256])
+    parser.add_argument("--types", nargs="+", default=["Q4_K", "Q5_K", "Q6_K"])
+    parser.add_argument("--shapes", nargs="+", default=["8192x2048", "2048x8192"],
+                        help="out x in")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    assert kquant_available(), "the K-quant kernel needs AVX512-VNNI/BW/BF16 and a C compiler"
+    print(f"# {cpu_name()}")
+    print("| type | out x in | rows | records us | int4 us | dense us | records / int4 | "
+          "records / dense |")
+    print("|---|---|---|---|---|---|---|---|")
+    for type_name in args.types:
+        ggml_type = GGMLQuantizationType[type_name]
+        for shape in args.shapes:
+            out_features, in_features = (int(n) for n in shape.split("x"))
+            weight = make_weight(ggml_type, out_features, in_features, seed=1)
+            records = QuantizedLinear.from_gguf([weight], None, torch.bfloat16,
+                                                kquant_records=True)
+            assert isinstance(records.matrices[0], KQuantMatrix)
+            int4 = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+            use_int8_activations(int4, max_bytes=2**40)
+            dense = OneDNNLinear(records.dequantize().bfloat16(), None)
+            print(f"<!-- {type_name} {shape}: records {records.nbytes / 1e6:.1f} MB, int4 "
+                  f"{int4.nbytes / 1e6:.1f} MB, file {weight.nbytes / 1e6:.1f} MB -->")
+            for rows in args.rows:
+                x = torch.randn(rows, in_features).bfloat16()
+                calls = max(1, 64 // rows)
+                with torch.inference_mode():
+                    t = medians({"records": lambda: records(x), "int4": lambda: int4(x),
+                                 "dense": lambda: dense(x)}, calls, args.rounds)
+                print(f"| {type_name} | {shape} | {rows} | {t['records']:.0f} | {t['int4']:.0f} "
+                      f"| {t['dense']:.0f} | {t['records'] / t['int4']:.2f} | "
+                      f"{t['records'] / t['dense']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+/* y[M, N] = x[M, K] @ W^T for W in llama.cpp's K-quant types (Q4_K, Q5_K, Q6_K), held in one
+ * compact record format that every call reads, decode and prefill alike: no torch int4 packing
+ * beside it, no second copy, about the file's own bytes per weight (Q4_K 4.63 bits against the
+ * file's 4.5, Q5_K 5.63 against 5.5, Q6_K 6.63 against 6.56). runtime/quant/kquant.py's
+ * KQuantMatrix holds the records (its RECORD_BYTES: the sizes below).
+ *
+ * Records: one per 16 weight rows x 256 k (a super-block of each row), those of a 16-row block
+ * one after another along k, so a block's pass is one stream. A record is a 320-byte header then
+ * 8 groups of 32 k:
+ *   header  Q4_K, Q5_K: d fp16 [16 rows] | dmin fp16 [16] | sc u8 [8 groups][16] | m u8 [8][16]
+ *           Q6_K:       d fp16 [16] | 32 unused bytes | sc int8 [16 sub-blocks of 16 k][16]
+ *   group   4 x 64 bytes of low nibbles: vector t covers k 8t..8t+3 (low nibble of byte j of
+ *           lane i: row i, k 8t+j) and 8t+4..8t+7 (high nibbles); then the codes' high bits:
+ *           Q5_K one 64-byte vector (bit t of byte (i, j): k 8t+j, bit 4+t: k 8t+4+j), Q6_K two
+ *           (vector h holds t = 2h, 2h+1: bits 4(t%2)..+1 for k 8t+j, 4(t%2)+2..+3 for 8t+4+j).
+ * The weight is the file's, exactly: Q4_K/Q5_K w = d sc c - dmin m (c 0..15 / 0..31), Q6_K
+ * w = d sc (c - 32) (c 0..63), the integer scales and fp16 steps as the file holds them.
+ *
+ * Each row of x is quantized per 16 to int8 (step xd = max|x| / 127; llama.cpp takes one step
+ * per 256): one vpdpbusd multiplies 16 weight rows x 4 k of unsigned codes by int8 x. The
+ * codes are centred in the integer sums (isum = sum (c - mid) xq, mid 8, 16 or 32), so x's int8
+ * error meets c - mid rather than c. Per half group of 16: y += (d sc) xd isum; Q4_K/Q5_K per
+ * group + (mid d sc - dmin m) sum(x), on the exact fp32 sum of x. Against steps per 32 and
+ * uncentred codes this cut the relative error of a Q4_K product from 0.94% to 0.52% (Gaussian
+ * x; 1.8% to 0.83% with heavy-tailed channels), below the int4 path's int8 kernel (0.61%,
+ * 1.1%), for one more multiply-add per 16 k of a row.
+ * Any number of rows: 8 rows of x per pass over a block's records, which stay in L1/L2 for the
+ * next 8. A row's result does not depend on M, the threads, or its place in the call (integer
+ * sums are exact and every float step is per row). */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_kernels.h"
+
+/* GGML type ids (gguf-py's GGMLQuantizationType) */
+enum { KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 };
+#define QK 256
+#define ROWS 16
+#define GROUP 32
+#define HEADER 320
+#define CHUNK 8 /* rows of x per pass over a block's records */
+/* Bytes ahead of the one in use that a pass asks the memory system for: a forward streams every
+ * matrix from DRAM, and the hardware prefetcher alone leaves the dot products waiting. */
+#define PREFETCH_BYTES 3072
+
+/* Bytes of one group's codes in a record, and of a whole record; 0 for a type it lacks. */
+static int64_t group_bytes(int type) {
+    return type == KQ_Q4_K ? 256 : type == KQ_Q5_K ? 320 : type == KQ_Q6_K ? 384 : 0;
+}
+
+static int64_t record_bytes(int type) {
+    const int64_t g = group_bytes(type);
+    return g ? HEADER + 8 * g : -1;
+}
+
+/* An IEEE half as a float, exactly (subnormals included). */
+static float f32_from_f16(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else if (exp) {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    } else { /* zero or subnormal: man * 2^-24, exact in a float */
+        float f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* File block sizes (ggml's block_q4_K, block_q5_K, block_q6_K). */
+static int64_t block_bytes(int type) {
+    return type == KQ_Q4_K ? 144 : type == KQ_Q5_K ? 176 : type == KQ_Q6_K ? 210 : 0;
+}
+
+/* One file super-block unpacked: codes, integer scales (and mins), fp16 steps. */
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t sc[16]; /* Q4_K/Q5_K: 8 per group of 32; Q6_K: 16 int8 per sub-block of 16 */
+    uint8_t m[8];
+    uint8_t q[QK];
+} unpacked;
+
+/* Q4_K/Q5_K's 6-bit scale and min of group j from the 12 packed bytes. */
+static void scale_min(int j, const uint8_t *s, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63, *m = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+        *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+static void unpack_block(int type, const uint8_t *b, unpacked *o) {
+    if (type == KQ_Q6_K) { /* ql[128] qh[64] scales[16] d */
+        const uint8_t *ql = b, *qh = b + 128;
+        memcpy(o->sc, b + 192, 16);
+        memcpy(&o->d, b + 208, 2);
+        o->dmin = 0;
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32)
+            for (int l = 0; l < 32; l++) {
+                uint8_t *q = o->q + 128 * n + l;
+                q[0] = (uint8_t)((ql[l] & 0xF) | ((qh[l] & 3) << 4));
+                q[32] = (uint8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+                q[64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+                q[96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+            }
+        return;
+    }
+    /* Q4_K: d dmin scales[12] qs[128]; Q5_K: d dmin scales[12] qh[32] qs[128] */
+    memcpy(&o->d, b, 2);
+    memcpy(&o->dmin, b + 2, 2);
+    for (int j = 0; j < 8; j++) scale_min(j, b + 4, &o->sc[j], &o->m[j]);
+    const uint8_t *qh = b + 16, *qs = b + (type == KQ_Q5_K ? 48 : 16);
+    for (int p = 0; p < 4; p++)
+        for (int l = 0; l < 32; l++) {
+            uint8_t lo = qs[32 * p + l] & 0xF, hi = qs[32 * p + l] >> 4;
+            if (type == KQ_Q5_K) {
+                lo |= (uint8_t)(((qh[l] >> (2 * p)) & 1) << 4);
+                hi |= (uint8_t)(((qh[l] >> (2 * p + 1)) & 1) << 4);
+            }
+            o->q[64 * p + l] = lo, o->q[64 * p + 32 + l] = hi;
+        }
+}
+
+/* records: n_rows / 16 blocks x k / 256 records. rows[r]: the file bytes of weight row r
+ * (k / 256 blocks) for r < n_out; rows n_out .. n_rows - 1 are zero weights. Returns 0, or -1
+ * for a shape or type it does not take. */
+int kquant_repack(int type, const int64_t *rows, int64_t n_out, int64_t n_rows, int64_t k,
+                  uint8_t *records) {
+    const int64_t gb = group_bytes(type), rec = record_bytes(type), sbs = k / QK;
+    if (!gb || k <= 0 || k % QK || n_rows % ROWS || n_out > n_rows || n_out < 0) return -1;
+    memset(records, 0, (size_t)(n_rows / ROWS * sbs * rec));
+    for (int64_t b = 0; b < n_rows / ROWS; b++)
+        for (int64_t s = 0; s < sbs; s++) {
+            uint8_t *r = records + (b * sbs + s) * rec;
+            unpacked u[ROWS];
+            memset(u, 0, sizeof u);
+            for (int i = 0; i < ROWS && ROWS * b + i < n_out; i++)
+                unpack_block(type, (const uint8_t *)rows[ROWS * b + i] + s * block_bytes(type),
+                             &u[i]);
+            for (int i = 0; i < ROWS; i++) {
+                memcpy(r + 2 * i, &u[i].d, 2);
+                if (type == KQ_Q6_K) {
+                    for (int sub = 0; sub < 16; sub++) r[64 + 16 * sub + i] = u[i].sc[sub];
+                } else {
+                    memcpy(r + 32 + 2 * i, &u[i].dmin, 2);
+                    for (int g = 0; g < 8; g++) {
+                        r[64 + 16 * g + i] = u[i].sc[g];
+                        r[192 + 16 * g + i] = u[i].m[g];
+                    }
+                }
+            }
+            for (int g = 0; g < 8; g++) {
+                uint8_t *body = r + HEADER + g * gb;
+                for (int t = 0; t < 4; t++)
+                    for (int i = 0; i < ROWS; i++)
+                        for (int j = 0; j < 4; j++) {
+                            const uint8_t *q = u[i].q + GROUP * g + 8 * t + j;
+                            const int byte = 4 * i + j;
+                            body[64 * t + byte] = (uint8_t)((q[0] & 0xF) | (q[4] & 0xF) << 4);
+                            if (type == KQ_Q5_K)
+                                body[256 + byte] |= (uint8_t)(((q[0] >> 4) & 1) << t |
+                                                              ((q[4] >> 4) & 1) << (4 + t));
+                            else if (type == KQ_Q6_K)
+                                body[256 + 64 * (t / 2) + byte] |=
+                                    (uint8_t)(((q[0] >> 4) & 3) << (4 * (t % 2)) |
+                                              ((q[4] >> 4) & 3) << (4 * (t % 2) + 2));
+                        }
+            }
+        }
+    return 0;
+}
+
+/* The code of row i (0..15 in its block) at k offset kk (0..255) of a record. */
+static int code_at(int type, const uint8_t *r, int i, int kk) {
+    const int64_t gb = group_bytes(type);
+    const int g = kk / GROUP, w = kk % GROUP, t = w / 8, high = (w % 8) >= 4, j = w % 4;
+    const uint8_t *body = r + HEADER + g * gb;
+    const int byte = 4 * i + j;
+    int c = high ? body[64 * t + byte] >> 4 : body[64 * t + byte] & 0xF;
+    if (type == KQ_Q5_K) c |= ((body[256 + byte] >> (t + 4 * high)) & 1) << 4;
+    if (type == KQ_Q6_K) c |= ((body[256 + 64 * (t / 2) + byte] >> (4 * (t % 2) + 2 * high)) & 3)
+                              << 4;
+    return c;
+}
+
+/* out[i, :] = weight row ids[i] (fp32 [n, k]), in the order gguf-py's dequantization rounds:
+ * (d sc) c - (dmin m), or (d sc) (c - 32). Returns 0, or -1 for an id out of range. */
+int kquant_rows_f32(int type, const uint8_t *records, int64_t n_out, int64_t k,
+                    const int64_t *ids, int64_t n, float *out) {
+    const int64_t rec = record_bytes(type), sbs = k / QK;
+    if (rec < 0 || k <= 0 || k % QK) return -1;
+    for (int64_t x = 0; x < n; x++)
+        if (ids[x] < 0 || ids[x] >= n_out) return -1;
+    for (int64_t x = 0; x < n; x++) {
+        const int64_t b = ids[x] / ROWS;
+        const int i = (int)(ids[x] % ROWS);
+        for (int64_t s = 0; s < sbs; s++) {
+            const uint8_t *r = records + (b * sbs + s) * rec;
+            uint16_t dh, mh;
+            memcpy(&dh, r + 2 * i, 2);
+            memcpy(&mh, r + 32 + 2 * i, 2);
+            const float d = f32_from_f16(dh);
+            float *o = out + x * k + s * QK;
+            for (int kk = 0; kk < QK; kk++) {
+                const int c = code_at(type, r, i, kk);
+                if (type == KQ_Q6_K) {
+                    const float step = d * (float)(int8_t)r[64 + 16 * (kk / 16) + i];
+                    o[kk] = step * (float)(c - 32);
+                } else {
+                    const float step = d * (float)r[64 + 16 * (kk / GROUP) + i];
+                    const float min = f32_from_f16(mh) * (float)r[192 + 16 * (kk / GROUP) + i];
+                    o[kk] = step * (float)c - min;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+int kquant_available(void) { return 1; }
+
+typedef struct {
+    const uint8_t *records;
+    const int8_t *xq;    /* [M, k] */
+    const float *xd;     /* [M, k / 16] quantization steps */
+    const float *xs;     /* [M, k / 32] fp32 sums of x */
+    const int32_t *sq;   /* [M, k / 16] sums of xq per 16 */
+    uint16_t *y;         /* [M, n_out] bf16 */
+    int64_t n_out, k;
+} job;
+
+/* xq, xd (per 16), xs (per 32), sq (per 16) of bf16 x [M, k]. */
+static void quantize_rows(const uint16_t *x, int64_t M, int64_t k, int8_t *xq, float *xd,
+                          float *xs, int32_t *sq, int parallel) {
+    const int64_t groups = k / GROUP;
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *p = x + m * k + g * GROUP;
+            const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+            const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            const float amax_a = _mm512_reduce_max_ps(_mm512_and_ps(a, abs_mask));
+            const float amax_b = _mm512_reduce_max_ps(_mm512_and_ps(b, abs_mask));
+            const int64_t i = m * groups + g;
+            xd[2 * i] = amax_a / 127.0f;
+            xd[2 * i + 1] = amax_b / 127.0f;
+            xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+            const __m512 inv_a = _mm512_set1_ps(amax_a > 0.0f ? 127.0f / amax_a : 0.0f);
+            const __m512 inv_b = _mm512_set1_ps(amax_b > 0.0f ? 127.0f / amax_b : 0.0f);
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv_a)); /* |q| <= 127 */
+            const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv_b));
+            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP), _mm512_cvtsepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+            sq[2 * i] = _mm512_reduce_add_epi32(qa);
+            sq[2 * i + 1] = _mm512_reduce_add_epi32(qb);
+        }
+}
+
+/* acc += codes (u8) . the 4 int8 at p, broadcast to every lane, as vpdpbusd's memory operand. */
+static inline __m512i dot_broadcast(__m512i acc, __m512i codes, const int32_t *p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*p));
+    return acc;
+}
+
+/* sum over vectors t0 .. t1 - 1 of codes . x, in two chains below 3 rows (a lone row would
+ * wait on vpdpbusd's latency). */
+static inline __attribute__((always_inline)) __m512i dots(__m512i acc, const __m512i *c,
+                                                          const int32_t *x4, int t0, int t1,
+                                                          int M) {
+    if (M < 3) {
+        __m512i acc2 = _mm512_setzero_si512();
+        for (int t = t0; t < t1; t += 2) {
+            acc = dot_broadcast(acc, c[t], x4 + t);
+            acc2 = dot_broadcast(acc2, c[t + 1], x4 + t + 1);
+        }
+        return _mm512_add_epi32(acc, acc2);
+    }
+    for (int t = t0; t < t1; t++) acc = dot_broadcast(acc, c[t], x4 + t);
+    return acc;
+}
+
+/* Bits of h moved so that bit `from` of each byte lands on bit 4 (16-bit shifts: what crosses
+ * from the other byte of a pair never reaches bits 4..5, which the caller keeps). */
+static inline __m512i bits_to_4(__m512i h, int from) {
+    return from <= 4 ? _mm512_slli_epi16(h, (unsigned)(4 - from))
+                     : _mm512_srli_epi16(h, (unsigned)(from - 4));
+}
+
+/* Block b (16 weight rows) for M (<= CHUNK) rows of x; M and type constants in each copy. */
+static inline __attribute__((always_inline)) void run_block(const job *j, int64_t b, int M,
+                                                            int type) {
+    const int64_t sbs = j->k / QK, gb = group_bytes(type), rec = HEADER + 8 * gb;
+    const int64_t groups = j->k / GROUP;
+    const uint8_t *r = j->records + b * sbs * rec;
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    __m512 y[CHUNK];
+    for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < sbs; s++, r += rec) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *body = r + HEADER + g * gb;
+            for (int l = 0; l < gb; l += 64) __builtin_prefetch(body + PREFETCH_BYTES + l);
+            __m512i c[8];
+            for (int t = 0; t < 4; t++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(body + 64 * t));
+                c[2 * t] = _mm512_and_si512(v, nib);
+                c[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            }
+            if (type == KQ_Q5_K) {
+                const __m512i h = _mm512_loadu_si512((const void *)(body + 256));
+                const __m512i bit4 = _mm512_set1_epi8(0x10);
+                for (int t = 0; t < 4; t++) {
+                    c[2 * t] = _mm512_or_si512(c[2 * t], _mm512_and_si512(bits_to_4(h, t), bit4));
+                    c[2 * t + 1] = _mm512_or_si512(c[2 * t + 1],
+                                                   _mm512_and_si512(bits_to_4(h, 4 + t), bit4));
+                }
+            } else if (type == KQ_Q6_K) {
+                const __m512i bits45 = _mm512_set1_epi8(0x30);
+                for (int t = 0; t < 4; t++) {
+                    const __m512i h = _mm512_loadu_si512((const void *)(body + 256 + 64 * (t / 2)));
+                    const int at = 4 * (t % 2);
+                    c[2 * t] = _mm512_or_si512(c[2 * t], _mm512_and_si512(bits_to_4(h, at), bits45));
+                    c[2 * t + 1] = _mm512_or_si512(c[2 * t + 1],
+                                                   _mm512_and_si512(bits_to_4(h, at + 2), bits45));
+                }
+            }
+            const int64_t gi = s * 8 + g; /* the group's index along k */
+            if (type == KQ_Q6_K) {
+                const __m512 sa = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(r + 64 + 16 * (2 * g))))));
+                const __m512 sb = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(r + 64 + 16 * (2 * g + 1))))));
+                for (int m = 0; m < M; m++) {
+                    const int64_t i = m * groups + gi;
+                    const int32_t *x4 = (const int32_t *)(j->xq + m * j->k + gi * GROUP);
+                    const __m512i a0 = dots(_mm512_set1_epi32(-32 * j->sq[2 * i]), c, x4, 0, 4, M);
+                    const __m512i a1 = dots(_mm512_set1_epi32(-32 * j->sq[2 * i + 1]), c, x4, 4, 8,
+                                            M);
+                    y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0),
+                                           _mm512_mul_ps(sa, _mm512_set1_ps(j->xd[2 * i])), y[m]);
+                    y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1),
+                                           _mm512_mul_ps(sb, _mm512_set1_ps(j->xd[2 * i + 1])),
+                                           y[m]);
+                }
+            } else {
+                const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(r + 64 + 16 * g)))));
+                const __m512 mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(r + 192 + 16 * g)))));
+                /* w = s (c - mid) + (mid s - mn): the int8 error of x meets centred codes */
+                const int mid = type == KQ_Q5_K ? 16 : 8;
+                const __m512 offset = _mm512_fmsub_ps(_mm512_set1_ps((float)mid), sc, mn);
+                for (int m = 0; m < M; m++) {
+                    const int64_t i = m * groups + gi;
+                    const int32_t *x4 = (const int32_t *)(j->xq + m * j->k + gi * GROUP);
+                    const __m512i a0 = dots(_mm512_set1_epi32(-mid * j->sq[2 * i]), c, x4, 0, 4, M);
+                    const __m512i a1 = dots(_mm512_set1_epi32(-mid * j->sq[2 * i + 1]), c, x4, 4, 8,
+                                            M);
+                    y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0),
+                                           _mm512_mul_ps(sc, _mm512_set1_ps(j->xd[2 * i])), y[m]);
+                    y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1),
+                                           _mm512_mul_ps(sc, _mm512_set1_ps(j->xd[2 * i + 1])),
+                                           y[m]);
+                    y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(j->xs[i]), y[m]);
+                }
+            }
+        }
+    }
+    const int64_t row0 = ROWS * b;
+    const __mmask16 keep = row0 + ROWS <= j->n_out ? 0xffff
+                           : (__mmask16)((1u << (j->n_out > row0 ? j->n_out - row0 : 0)) - 1);
+    for (int m = 0; m < M; m++)
+        _mm256_mask_storeu_epi16(j->y + m * j->n_out + row0, keep,
+                                 (__m256i)_mm512_cvtneps_pbh(y[m]));
+}
+
+#define ROWS_CASES(T)                                                                          \
+    switch (M) {                                                                               \
+    case 1: run_block(j, b, 1, T); break;                                                      \
+    case 2: run_block(j, b, 2, T); break;                                                      \
+    case 3: run_block(j, b, 3, T); break;                                                      \
+    case 4: run_block(j, b, 4, T); break;                                                      \
+    case 5: run_block(j, b, 5, T); break;                                                      \
+    case 6: run_block(j, b, 6, T); break;                                                      \
+    case 7: run_block(j, b, 7, T); break;                                                      \
+    default: run_block(j, b, 8, T); break;                                                     \
+    }
+
+static void run_q4(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q4_K) }
+static void run_q5(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q5_K) }
+static void run_q6(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q6_K) }
+
+/* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over `records` (n_rows / 16 blocks), any M >= 1.
+ * Above parallel_work multiply-adds (n_rows k M) the blocks are split over OpenMP threads.
+ * Returns 0, or -1 for what it does not take (nothing written). */
+int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
+                       int64_t k, int64_t parallel_work, const uint16_t *x, uint16_t *y,
+                       int64_t M) {
+    void (*run)(const job *, int64_t, int) =
+        type == KQ_Q4_K ? run_q4 : type == KQ_Q5_K ? run_q5 : type == KQ_Q6_K ? run_q6 : NULL;
+    if (!run || M < 1 || k <= 0 || k % QK || n_rows % ROWS || n_out > n_rows) return -1;
+    const int64_t groups = k / GROUP;
+    int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * 5 * (size_t)(M * groups));
+    if (!xq) return -1;
+    /* the floats after the int8 rows: M k is a multiple of 256, so they are aligned */
+    float *xd = (float *)(xq + M * k), *xs = xd + 2 * M * groups;
+    int32_t *sq = (int32_t *)(xs + M * groups);
+    const int parallel = n_rows * k * M > parallel_work;
+    quantize_rows(x, M, k, xq, xd, xs, sq, parallel && M > 1);
+    const int64_t chunks = (M + CHUNK - 1) / CHUNK, blocks = (n_out + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            const int64_t m0 = ch * CHUNK;
+            const job part = {records, xq + m0 * k, xd + 2 * m0 * groups, xs + m0 * groups,
+                              sq + 2 * m0 * groups, y + m0 * n_out, n_out, k};
+            run(&part, b, (int)(M - m0 < CHUNK ? M - m0 : CHUNK));
+        }
+    free(xq);
+    return 0;
+}
+#else
+int kquant_available(void) { return 0; }
+int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
+                       int64_t k, int64_t parallel_work, const uint16_t *x, uint16_t *y,
+                       int64_t M) {
+    (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)parallel_work;
+    (void)x, (void)y, (void)M;
+    return -1;
+}
+#endif

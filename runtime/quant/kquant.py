@@ -1,0 +1,131 @@
+"""KQuantMatrix: a Q4_K, Q5_K or Q6_K GGUF matrix in kernels/cpu/kquant_vnni.c's compact records,
+the only copy of its weight, multiplied there with int8 activations for any number of rows.
+
+The int4 path (quant/linear.py's Int4Matrix) holds these types in torch's int4 packing with bf16
+group scales: Q4_K at 5 bits a weight, Q5_K and Q6_K split along a doubled K at 10, a second
+record copy for the int8 kernel, and prefill calls either dequantizing whole matrices to bf16
+or running torch's int4 kernel, whose cost grows with every row. The records hold the file's own
+codes, integer scales and fp16 steps (4.6 / 5.6 / 6.6 bits a weight), so decode streams about the
+file's bytes and a prefill multiplies the blocks as llama.cpp does. Used where the CPU has
+AVX512-VNNI (kquant_available) and the model runs bf16 with int8 activations allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from forklm.kernels.cpu import bindings as native_kernels
+from forklm.runtime.quant.gguf_formats import GGUFWeight
+
+ROWS = 16  # weight rows per record block
+# kquant_vnni.c's record bytes (16 rows x 256 k): a 320-byte header, 8 groups of codes
+RECORD_BYTES = {GGMLQuantizationType.Q4_K: 320 + 8 * 256, GGMLQuantizationType.Q5_K: 320 + 8 * 320,
+                GGMLQuantizationType.Q6_K: 320 + 8 * 384}
+KQUANT_TYPES = frozenset(RECORD_BYTES)
+# Calls of this many rows or more use a model's dense bf16 copy where it has one (small models,
+# onednn_linear.attach_dense_copies): measured in benchmarks/kquant_matmul.py, where the packed
+# bf16 GEMM overtakes the int8 records.
+DENSE_COPY_MIN_ROWS = 64
+
+
+def kquant_available() -> bool:
+    """Whether KQuantMatrix can run here (the library built; a CPU with AVX512-VNNI/BW/BF16)."""
+    return native_kernels.kquant_ops() is not None
+
+
+def holds(ggml_type: GGMLQuantizationType, kernel_dtype: torch.dtype) -> bool:
+    """Whether a run of `ggml_type` parts multiplied in `kernel_dtype` becomes a KQuantMatrix."""
+    return ggml_type in KQUANT_TYPES and kernel_dtype == torch.bfloat16 and kquant_available()
+
+
+class KQuantMatrix(nn.Module):
+    """One weight matrix (a row-stack of same-typed GGUF parts) in kquant_vnni.c's records."""
+
+    records: torch.Tensor  # uint8, padded_rows / 16 blocks of in / 256 records each
+
+    def __init__(self, records: torch.Tensor, ggml_type: GGMLQuantizationType,
+                 out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.register_buffer("records", records)
+        self.ggml_type, self.out_features, self.in_features = ggml_type, out_features, in_features
+        self.padded_rows = out_features + -out_features % ROWS
+        # (records.data_ptr(), the matmul on them), built on first use
+        self._native: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_native"] = None  # a ctypes closure over this process's pointers
+        return state
+
+    @classmethod
+    def from_gguf(cls, parts: list[GGUFWeight]) -> KQuantMatrix:
+        """The row-stack of `parts`, repacked straight from their file bytes (no decoded codes
+        in between: the records are the only allocation), each part's pages let go after."""
+        ggml_type = parts[0].ggml_type
+        assert all(p.ggml_type == ggml_type for p in parts) and ggml_type in KQUANT_TYPES
+        in_features = parts[0].shape[1]
+        addresses = np.concatenate([_row_addresses(p) for p in parts])
+        out_features = len(addresses)
+        padded = out_features + -out_features % ROWS
+        records = native_kernels.kquant_repack(int(ggml_type), torch.from_numpy(addresses),
+                                               out_features, padded, in_features,
+                                               RECORD_BYTES[ggml_type])
+        assert records is not None, "KQuantMatrix needs the K-quant library (see holds())"
+        for part in parts:
+            if part.release is not None:
+                part.release()
+        return cls(records, ggml_type, out_features, in_features)
+
+    @property
+    def kernel_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """kquant_vnni.c's matmul on this matrix: contiguous bf16 x [M, in], any M >= 1 ->
+        bf16 [M, out]."""
+        ptr = self.records.data_ptr()
+        if self._native is None or self._native[0] != ptr:  # first call, or buffers replaced
+            self._native = (ptr, native_kernels.kquant_matmul(
+                int(self.ggml_type), self.records, self.padded_rows, self.out_features,
+                self.in_features))
+        return self._native[1]
+
+    def dense_copy_min_rows(self) -> int:
+        return DENSE_COPY_MIN_ROWS
+
+    @torch.compiler.disable  # a ctypes call: compiled graphs break around it
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] bf16 -> [M, out] bf16."""
+        native = self.native()
+        assert native is not None, "KQuantMatrix needs the K-quant library"
+        return native(x.contiguous())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [len(ids), in]: weight rows `ids`, equal to gguf-py's dequantization."""
+        return native_kernels.kquant_rows(int(self.ggml_type), self.records, self.out_features,
+                                          self.in_features, ids.cpu())
+
+    def torch_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The product the kernel approximates, in fp32 torch ops on the dequantized weight
+        (its tests' reference: the kernel adds int8 steps of x and a bf16 rounding)."""
+        return x.float() @ self.rows(torch.arange(self.out_features)).T
+
+    @property
+    def nbytes(self) -> int:
+        return self.records.numel()
+
+    def extra_repr(self) -> str:
+        return f"{self.ggml_type.name}, out_features={self.out_features}, " \
+               f"in_features={self.in_features}"
+
+
+def _row_addresses(part: GGUFWeight) -> np.ndarray:
+    """int64 [rows]: where each row of `part`'s blocks starts in memory."""
+    data = part.data
+    assert data.strides[1] == 1, "a part's rows must be contiguous bytes"
+    base = data.__array_interface__["data"][0]
+    return base + np.arange(data.shape[0], dtype=np.int64) * data.strides[0]
