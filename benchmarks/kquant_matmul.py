@@ -42,9 +42,9 @@ def main() -> None:
     args = parser.parse_args()
     assert kquant_available(), "the K-quant kernel needs AVX512-VNNI/BW/BF16 and a C compiler"
     print(f"# {cpu_name()}")
-    print("| type | out x in | rows | records us | int4 us | dense us | records / int4 | "
-          "records / dense |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| type | out x in | rows | records us | int4 us | dense us | dequantize + GEMM us "
+          "(dequantize alone) | records / int4 | records / dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for type_name in args.types:
         ggml_type = GGMLQuantizationType[type_name]
         for shape in args.shapes:
@@ -52,21 +52,26 @@ def main() -> None:
             weight = make_weight(ggml_type, out_features, in_features, seed=1)
             records = QuantizedLinear.from_gguf([weight], None, torch.bfloat16,
                                                 kquant_records=True)
-            assert isinstance(records.matrices[0], KQuantMatrix)
+            kq = records.matrices[0]
+            assert isinstance(kq, KQuantMatrix)
             int4 = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
             use_int8_activations(int4, max_bytes=2**40)
             dense = OneDNNLinear(records.dequantize().bfloat16(), None)
+            wt = torch.empty(in_features, out_features, dtype=torch.bfloat16)
+            kq_records = kq.native()  # the int8 records for every row count
             print(f"<!-- {type_name} {shape}: records {records.nbytes / 1e6:.1f} MB, int4 "
                   f"{int4.nbytes / 1e6:.1f} MB, file {weight.nbytes / 1e6:.1f} MB -->")
             for rows in args.rows:
                 x = torch.randn(rows, in_features).bfloat16()
                 calls = max(1, 64 // rows)
                 with torch.inference_mode():
-                    t = medians({"records": lambda: records(x), "int4": lambda: int4(x),
-                                 "dense": lambda: dense(x)}, calls, args.rounds)
+                    t = medians({"records": lambda: kq_records(x), "int4": lambda: int4(x),
+                                 "dense": lambda: dense(x), "dequant": lambda: x @ kq.dense_t(wt),
+                                 "dequant only": lambda: kq.dense_t(wt)}, calls, args.rounds)
                 print(f"| {type_name} | {shape} | {rows} | {t['records']:.0f} | {t['int4']:.0f} "
-                      f"| {t['dense']:.0f} | {t['records'] / t['int4']:.2f} | "
-                      f"{t['records'] / t['dense']:.2f} |", flush=True)
+                      f"| {t['dense']:.0f} | {t['dequant']:.0f} ({t['dequant only']:.0f}) | "
+                      f"{t['records'] / t['int4']:.2f} | {t['records'] / t['dense']:.2f} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -215,3 +215,22 @@ def test_an_engine_serves_a_k_quant_gguf_from_records(tokenizer, tmp_path, monke
     # with int8 activations 0.087, 0.23): bf16 and int8 x on a model with sharp logits
     diff = (logprobs["gguf"] - logprobs["none"]).abs()
     assert diff.mean() < 0.15 and diff.max() < 0.6, diff
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_many_row_calls_multiply_the_dequantized_weight(ggml_type):
+    """From DEQUANTIZE_MIN_ROWS rows the matrix is dequantized to bf16 (the file's weight,
+    rounded once) and multiplied by torch's GEMM: bf16 activations, no int8 steps."""
+    from forklm.runtime.quant import kquant
+
+    weight = weight_of(ggml_type, 40, seed=7, realistic=False)
+    matrix = KQuantMatrix.from_gguf([weight])
+    exact_t = torch.from_numpy(dequantize(weight.data, ggml_type)).T.contiguous()
+    assert torch.equal(matrix.dense_t(), exact_t.bfloat16())
+    rows = kquant.DEQUANTIZE_MIN_ROWS
+    x = torch.randn(rows, 512).bfloat16()
+    assert matrix.dequantizes(rows) and not matrix.dequantizes(rows - 1)
+    assert torch.equal(matrix.matmul(x), x @ exact_t.bfloat16())
+    # twice, and after a larger matrix grew the scratch buffer: the same
+    KQuantMatrix.from_gguf([weight_of(ggml_type, 80, seed=8)]).matmul(x)
+    assert torch.equal(matrix.matmul(x), x @ exact_t.bfloat16())

@@ -69,6 +69,7 @@ TORCH_TWINS = {
     "int4_rows_f32": "forklm.runtime.quant.linear.Int4Matrix.rows",
     "kquant_matmul_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "kquant_rows_f32": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
+    "kquant_dequantize_t_bf16": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
     "greedy_pick": "torch.argmax",
 }
 
@@ -426,6 +427,8 @@ def _build_and_load_kquant() -> _Loaded:
     lib.kquant_rows_f32.argtypes = [_int, _p, _i64, _i64, _p, _i64, _p]
     lib.kquant_matmul_bf16.restype = _int
     lib.kquant_matmul_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _i64, _p, _p, _i64]
+    lib.kquant_dequantize_t_bf16.restype = _int
+    lib.kquant_dequantize_t_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p]
     return _Loaded(lib, "", frozenset((torch.bfloat16,)))
 
 
@@ -466,6 +469,22 @@ def kquant_matmul(ggml_type: int, records: torch.Tensor, padded_rows: int, out_f
         return y
 
     return call
+
+
+def kquant_dequantize_t(ggml_type: int, records: torch.Tensor, padded_rows: int,
+                        out_features: int, in_features: int,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 [in, out]: the transposed weight, dequantized from the records (OpenMP threads),
+    into `out` (contiguous bf16 of that shape) when given."""
+    lib = kquant_ops()
+    assert lib is not None, "kquant_dequantize_t needs the K-quant library"
+    wt = torch.empty(in_features, out_features, dtype=torch.bfloat16) if out is None else out
+    assert wt.shape == (in_features, out_features) and wt.dtype == torch.bfloat16
+    assert wt.is_contiguous()
+    rc = lib.kquant_dequantize_t_bf16(ggml_type, records.data_ptr(), padded_rows, out_features,
+                                      in_features, wt.data_ptr())
+    assert rc == 0, f"kquant_dequantize_t rejected {out_features}x{in_features}"
+    return wt
 
 
 def kquant_rows(ggml_type: int, records: torch.Tensor, out_features: int, in_features: int,

@@ -300,13 +300,41 @@ static inline __m512i bits_to_4(__m512i h, int from) {
                      : _mm512_srli_epi16(h, (unsigned)(from - 4));
 }
 
+/* A group's codes, whole: c[2t] byte (i, j) is row i's code at k 8t+j, c[2t+1] at 8t+4+j. */
+static inline __attribute__((always_inline)) void group_codes(int type, const uint8_t *body,
+                                                              __m512i *c) {
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(body + 64 * t));
+        c[2 * t] = _mm512_and_si512(v, nib);
+        c[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    }
+    if (type == KQ_Q5_K) {
+        const __m512i h = _mm512_loadu_si512((const void *)(body + 256));
+        const __m512i bit4 = _mm512_set1_epi8(0x10);
+        for (int t = 0; t < 4; t++) {
+            c[2 * t] = _mm512_or_si512(c[2 * t], _mm512_and_si512(bits_to_4(h, t), bit4));
+            c[2 * t + 1] = _mm512_or_si512(c[2 * t + 1],
+                                           _mm512_and_si512(bits_to_4(h, 4 + t), bit4));
+        }
+    } else if (type == KQ_Q6_K) {
+        const __m512i bits45 = _mm512_set1_epi8(0x30);
+        for (int t = 0; t < 4; t++) {
+            const __m512i h = _mm512_loadu_si512((const void *)(body + 256 + 64 * (t / 2)));
+            const int at = 4 * (t % 2);
+            c[2 * t] = _mm512_or_si512(c[2 * t], _mm512_and_si512(bits_to_4(h, at), bits45));
+            c[2 * t + 1] = _mm512_or_si512(c[2 * t + 1],
+                                           _mm512_and_si512(bits_to_4(h, at + 2), bits45));
+        }
+    }
+}
+
 /* Block b (16 weight rows) for M (<= CHUNK) rows of x; M and type constants in each copy. */
 static inline __attribute__((always_inline)) void run_block(const job *j, int64_t b, int M,
                                                             int type) {
     const int64_t sbs = j->k / QK, gb = group_bytes(type), rec = HEADER + 8 * gb;
     const int64_t groups = j->k / GROUP;
     const uint8_t *r = j->records + b * sbs * rec;
-    const __m512i nib = _mm512_set1_epi8(0x0F);
     __m512 y[CHUNK];
     for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
     for (int64_t s = 0; s < sbs; s++, r += rec) {
@@ -316,29 +344,7 @@ static inline __attribute__((always_inline)) void run_block(const job *j, int64_
             const uint8_t *body = r + HEADER + g * gb;
             for (int l = 0; l < gb; l += 64) __builtin_prefetch(body + PREFETCH_BYTES + l);
             __m512i c[8];
-            for (int t = 0; t < 4; t++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(body + 64 * t));
-                c[2 * t] = _mm512_and_si512(v, nib);
-                c[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-            }
-            if (type == KQ_Q5_K) {
-                const __m512i h = _mm512_loadu_si512((const void *)(body + 256));
-                const __m512i bit4 = _mm512_set1_epi8(0x10);
-                for (int t = 0; t < 4; t++) {
-                    c[2 * t] = _mm512_or_si512(c[2 * t], _mm512_and_si512(bits_to_4(h, t), bit4));
-                    c[2 * t + 1] = _mm512_or_si512(c[2 * t + 1],
-                                                   _mm512_and_si512(bits_to_4(h, 4 + t), bit4));
-                }
-            } else if (type == KQ_Q6_K) {
-                const __m512i bits45 = _mm512_set1_epi8(0x30);
-                for (int t = 0; t < 4; t++) {
-                    const __m512i h = _mm512_loadu_si512((const void *)(body + 256 + 64 * (t / 2)));
-                    const int at = 4 * (t % 2);
-                    c[2 * t] = _mm512_or_si512(c[2 * t], _mm512_and_si512(bits_to_4(h, at), bits45));
-                    c[2 * t + 1] = _mm512_or_si512(c[2 * t + 1],
-                                                   _mm512_and_si512(bits_to_4(h, at + 2), bits45));
-                }
-            }
+            group_codes(type, body, c);
             const int64_t gi = s * 8 + g; /* the group's index along k */
             if (type == KQ_Q6_K) {
                 const __m512 sa = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -434,8 +440,79 @@ int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t
     free(xq);
     return 0;
 }
+/* Super-block s of block b into wt (bf16 [k, n_out], k-major: rows k 256 s .. 256 s + 255 of
+ * the transposed weight, columns 16 b .. 16 b + 15, the last block's cut to n_out). */
+static inline __attribute__((always_inline)) void dequantize_record(int type, const uint8_t *records,
+                                                                    int64_t b, int64_t s,
+                                                                    int64_t k, int64_t n_out,
+                                                                    uint16_t *wt) {
+    const int64_t sbs = k / QK, gb = group_bytes(type), rec = HEADER + 8 * gb, row0 = ROWS * b;
+    const __mmask16 keep = row0 + ROWS <= n_out ? 0xffff
+                           : (__mmask16)((1u << (n_out > row0 ? n_out - row0 : 0)) - 1);
+    const __m512i byte = _mm512_set1_epi32(0xFF);
+    const uint8_t *r = records + (b * sbs + s) * rec;
+    {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
+        for (int g = 0; g < 8; g++) {
+            __m512i c[8];
+            group_codes(type, r + HEADER + g * gb, c);
+            __m512 scale[2], offset[2];
+            if (type == KQ_Q6_K) {
+                for (int h = 0; h < 2; h++) {
+                    scale[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(r + 64 + 16 * (2 * g + h))))));
+                    offset[h] = _mm512_mul_ps(_mm512_set1_ps(-32.0f), scale[h]);
+                }
+            } else {
+                scale[0] = scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_loadu_si128((const __m128i *)(r + 64 + 16 * g)))));
+                offset[0] = offset[1] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(
+                    dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                              _mm_loadu_si128((const __m128i *)(r + 192 + 16 * g))))));
+            }
+            const int64_t k0 = (s * 8 + g) * GROUP;
+            for (int q = 0; q < 8; q++)
+                for (int jj = 0; jj < 4; jj++) {
+                    const int64_t kk = 8 * (q / 2) + 4 * (q % 2) + jj; /* 16 k per half */
+                    const __m512 code = _mm512_cvtepi32_ps(
+                        _mm512_and_si512(_mm512_srli_epi32(c[q], (unsigned)(8 * jj)), byte));
+                    const __m512 w = _mm512_fmadd_ps(code, scale[q / 4], offset[q / 4]);
+                    _mm256_mask_storeu_epi16(wt + (k0 + kk) * n_out + row0, keep,
+                                             (__m256i)_mm512_cvtneps_pbh(w));
+                }
+        }
+    }
+}
+
+/* wt = W^T as bf16 [k, n_out] (the k-major weight a GEMM of many rows of x takes). Returns 0,
+ * or -1 for what it does not take. */
+int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
+                             int64_t k, uint16_t *wt) {
+    if (!group_bytes(type) || k <= 0 || k % QK || n_rows % ROWS || n_out > n_rows) return -1;
+    const int64_t blocks = (n_out + ROWS - 1) / ROWS, sbs = k / QK;
+    /* Each thread a range of blocks (columns), super-block by super-block: the rows of wt it
+     * writes meanwhile (256 x its columns) stay in cache until whole lines are written. */
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
+        for (int64_t s = 0; s < sbs; s++)
+            for (int64_t b = b0; b < b1; b++) {
+                if (type == KQ_Q4_K) dequantize_record(KQ_Q4_K, records, b, s, k, n_out, wt);
+                else if (type == KQ_Q5_K) dequantize_record(KQ_Q5_K, records, b, s, k, n_out, wt);
+                else dequantize_record(KQ_Q6_K, records, b, s, k, n_out, wt);
+            }
+    }
+    return 0;
+}
 #else
 int kquant_available(void) { return 0; }
+int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
+                             int64_t k, uint16_t *wt) {
+    (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)wt;
+    return -1;
+}
 int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
                        int64_t k, int64_t parallel_work, const uint16_t *x, uint16_t *y,
                        int64_t M) {

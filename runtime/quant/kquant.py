@@ -11,6 +11,7 @@ AVX512-VNNI (kquant_available) and the model runs bf16 with int8 activations all
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -30,6 +31,15 @@ KQUANT_TYPES = frozenset(RECORD_BYTES)
 # onednn_linear.attach_dense_copies): measured in benchmarks/kquant_matmul.py, where the packed
 # bf16 GEMM overtakes the int8 records.
 DENSE_COPY_MIN_ROWS = 64
+# From this many rows (prefill chunks) a matrix is dequantized to bf16 for the call, into a
+# scratch buffer reused by every call of the thread, and multiplied by torch's GEMM (oneDNN):
+# exact bf16 activations, and faster than the int8 records from here (benchmarks/
+# kquant_matmul.py) ...
+DEQUANTIZE_MIN_ROWS = 128
+# ... but not for matrices this large (a vocabulary-sized LM head, whose many-row calls are
+# prompt logprobs: its dequantized copy would be hundreds of MB).
+DEQUANTIZE_MAX_ELEMENTS = 48 * 2**20
+_scratch = threading.local()
 
 
 def kquant_available() -> bool:
@@ -97,9 +107,16 @@ class KQuantMatrix(nn.Module):
     def dense_copy_min_rows(self) -> int:
         return DENSE_COPY_MIN_ROWS
 
+    def dequantizes(self, rows: int) -> bool:
+        """Whether a call of `rows` rows dequantizes the matrix (else: the int8 records)."""
+        return (rows >= DEQUANTIZE_MIN_ROWS
+                and self.out_features * self.in_features <= DEQUANTIZE_MAX_ELEMENTS)
+
     @torch.compiler.disable  # a ctypes call: compiled graphs break around it
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16."""
+        if self.dequantizes(x.shape[0]):
+            return x @ self.dense_t(_scratch_matrix(self.in_features, self.out_features))
         native = self.native()
         assert native is not None, "KQuantMatrix needs the K-quant library"
         return native(x.contiguous())
@@ -108,6 +125,12 @@ class KQuantMatrix(nn.Module):
         """float32 [len(ids), in]: weight rows `ids`, equal to gguf-py's dequantization."""
         return native_kernels.kquant_rows(int(self.ggml_type), self.records, self.out_features,
                                           self.in_features, ids.cpu())
+
+    def dense_t(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 [in, out]: the transposed weight, dequantized (into `out` when given)."""
+        return native_kernels.kquant_dequantize_t(int(self.ggml_type), self.records,
+                                                  self.padded_rows, self.out_features,
+                                                  self.in_features, out)
 
     def torch_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The product the kernel approximates, in fp32 torch ops on the dequantized weight
@@ -121,6 +144,15 @@ class KQuantMatrix(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.ggml_type.name}, out_features={self.out_features}, " \
                f"in_features={self.in_features}"
+
+
+def _scratch_matrix(rows: int, cols: int) -> torch.Tensor:
+    """bf16 [rows, cols] in this thread's scratch buffer (grown to the largest asked for: one
+    allocation, whose pages stay mapped, instead of fresh pages faulted in for every call)."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < rows * cols:
+        buffer = _scratch.buffer = torch.empty(rows * cols, dtype=torch.bfloat16)
+    return buffer[: rows * cols].view(rows, cols)
 
 
 def _row_addresses(part: GGUFWeight) -> np.ndarray:

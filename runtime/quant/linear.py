@@ -326,10 +326,11 @@ class QuantizedLinear(nn.Module):
         if native is None:
             return forward
         dense_rows = self.dense_copy_min_rows() if self.dense is not None else 2**62
+        kernel_rows = min(dense_rows, kquant.DEQUANTIZE_MIN_ROWS)
 
         def call(x: torch.Tensor) -> torch.Tensor:
             rows = x.shape[0]
-            return forward(x) if rows >= dense_rows or rows == 0 else native(x.contiguous())
+            return forward(x) if rows >= kernel_rows or rows == 0 else native(x.contiguous())
 
         return call
 
