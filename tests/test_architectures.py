@@ -171,11 +171,11 @@ def test_unsupported_architecture_is_refused(tmp_path, tokenizer):
 
 
 def test_a_family_needing_a_missing_mechanism_is_refused_naming_it(tmp_path, tokenizer):
-    config = transformers.BloomConfig(vocab_size=len(tokenizer), hidden_size=64, n_layer=1,
-                                      n_head=4)
-    transformers.BloomForCausalLM(config).save_pretrained(tmp_path)
+    config = transformers.MptConfig(vocab_size=len(tokenizer), d_model=64, n_layers=1,
+                                    n_heads=4)
+    transformers.MptForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="'bloom' is not supported .it needs ALiBi"):
+    with pytest.raises(UnsupportedModelError, match="'mpt' is not supported .it needs MPT's own"):
         Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
 
 

@@ -178,6 +178,8 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, config, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        if spec.embed_norm:  # BLOOM's word_embeddings_layernorm
+            self.embed_norm = make_norm(spec, spec.hidden_size)
         if spec.position_embeddings:
             if max_positions > spec.position_embeddings:
                 raise UnsupportedModelError(
@@ -218,7 +220,9 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[AttentionLayerSpec]:
         """What the attention backend must do differently per layer."""
         return [AttentionLayerSpec(scale=self.spec.attn_scale, sliding_window=layer.sliding_window,
-                                   softcap=self.spec.attn_softcap) for layer in self.spec.layers]
+                                   softcap=self.spec.attn_softcap,
+                                   alibi_slopes=self.spec.alibi_slopes or None)
+                for layer in self.spec.layers]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -247,7 +251,7 @@ class CausalLM(nn.Module):
         x = _rows(self.model.embed_tokens, ids)
         if self.spec.embed_scale is not None:  # rounded to the model's dtype, as transformers does
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
-        return x
+        return self.model.embed_norm(x) if self.spec.embed_norm else x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.head_tile_rows:

@@ -1,6 +1,6 @@
 """Layers shared by every decoder family: RMSNorm (with Gemma's +1 offset), LayerNorm (with
 Nemotron's), rotary embeddings (every static rope scaling transformers defines, and none: NoPE
-layers), activations and tanh soft-capping."""
+layers), ALiBi's slopes, activations and tanh soft-capping."""
 
 from __future__ import annotations
 
@@ -59,6 +59,15 @@ class LayerNorm(nn.Module):
             return F.layer_norm(x, dim, weight, self.bias, self.eps)
         out = F.layer_norm(x, dim, None, None, self.eps) * weight
         return out if self.bias is None else out + self.bias
+
+
+def alibi_slopes(num_heads: int) -> tuple[float, ...]:
+    """ALiBi's per-head slopes (Press et al., as BLOOM computes them): 2^(-8i/n) for i = 1..n, n
+    the largest power of two <= num_heads; the heads past n take the odd-numbered slopes of 2n
+    heads, 2^(-4i/n) for i = 1, 3, 5, ..."""
+    n = 1 << (num_heads.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+    return tuple(slopes + [2.0 ** (-4.0 * i / n) for i in range(1, 2 * (num_heads - n), 2)])
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forklm.runtime.errors import UnsupportedModelError
-from forklm.runtime.models.layers import NO_ROPE
+from forklm.runtime.models.layers import NO_ROPE, alibi_slopes
 from forklm.runtime.models.unsupported import missing_mechanism
 
 # rope_type values whose tables do not depend on the sequence being decoded ("dynamic" NTK does).
@@ -53,6 +53,7 @@ class ModelSpec:
     norm_kind: str = "rms"  # "rms", or "layer": LayerNorm with a bias (StableLM, StarCoder 2)
     norm_offset: float = 0.0  # Gemma (RMS) and Nemotron (Layer) store norm weights as w - 1
     embed_scale: float | None = None  # Gemma: sqrt(hidden_size); Granite: embedding_multiplier
+    embed_norm: bool = False  # BLOOM: a norm of its own right after the token embedding
     # "head": one norm over each head's q and k (Qwen3, Gemma 3); "each_head": a norm of its own
     # per head (StableLM); "proj": over the whole q and k projections (OLMo 2). "": none.
     qk_norm: str = ""
@@ -68,6 +69,10 @@ class ModelSpec:
     # GPT-2: rows of a learned absolute position table added to the embeddings; 0: none.
     position_embeddings: int = 0
     attn_scale: float = 0.0  # softmax scale; set from head_dim when 0
+    # ALiBi (BLOOM): each head's slope of a linear bias on its scores, slope_h * (key position -
+    # query position), in place of rotary positions (every layer's table is the identity); ()
+    # none.
+    alibi_slopes: tuple[float, ...] = ()
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None
     layers: tuple[LayerSpec, ...] = ()
@@ -83,6 +88,7 @@ class ModelSpec:
         assert self.norm_placement in ("pre", "sandwich", "post"), self.norm_placement
         assert self.parallel_residual in ("", "shared_norm", "own_norm"), self.parallel_residual
         assert not self.parallel_residual or self.norm_placement == "pre", "parallel: pre norms"
+        assert not self.alibi_slopes or len(self.alibi_slopes) == self.num_heads, "a slope a head"
         assert self.residual_scale == 1.0 or (self.norm_placement == "pre"
                                               and not self.parallel_residual), "residual_scale"
 
@@ -314,6 +320,22 @@ def _falcon(config: Any) -> ModelSpec:
         mlp_bias=bool(config.bias), gated_mlp=False, parallel_residual=parallel))
 
 
+def _bloom(config: Any) -> ModelSpec:
+    # ALiBi in place of positions, a LayerNorm after the embedding, LayerNorms and biases
+    # everywhere, a plain 4 * hidden GELU (tanh) MLP, q/k/v fused per head
+    # (checkpoint_layouts.py regroups them). pretraining_tp / slow_but_exact only change the
+    # order of a sum (the output matmuls in slices), not what is computed.
+    if config.apply_residual_connection_post_layernorm:
+        _refuse(config, "apply_residual_connection_post_layernorm", True,
+                "the residual is each block's input")
+    n = config.num_hidden_layers
+    return ModelSpec(**_common(
+        config, intermediate_size=4 * config.hidden_size, norm_eps=config.layer_norm_epsilon,
+        norm_kind="layer", activation="gelu_tanh", qkv_bias=True, o_bias=True, mlp_bias=True,
+        gated_mlp=False, embed_norm=True, alibi_slopes=alibi_slopes(config.num_attention_heads),
+        rope={NO_ROPE: {"rope_type": NO_ROPE}}, layers=_layers(config, [None] * n, [NO_ROPE] * n)))
+
+
 _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "llama": _llama,
     "mistral": _llama,  # Llama with a sliding window on every layer
@@ -333,5 +355,6 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "nemotron": _nemotron,
     "gpt2": _gpt2,
     "falcon": _falcon,
+    "bloom": _bloom,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
