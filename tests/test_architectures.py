@@ -196,3 +196,16 @@ def test_unhonoured_config_field_is_refused(tmp_path, tokenizer, field, value):
     shown = value["rope_type"] if isinstance(value, dict) else value
     assert shown in str(info.value)
     assert ("rope_type" if isinstance(value, dict) else field) in str(info.value)
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 6, 8, 12, 16, 30, 32, 40, 112])
+def test_alibi_slopes_are_blooms(num_heads):
+    """forklm's ALiBi slopes equal transformers' BLOOM ones, powers of two or not (BLOOM-176B
+    has 112 heads)."""
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    from forklm.runtime.models.layers import alibi_slopes
+
+    ours = torch.tensor(alibi_slopes(num_heads), dtype=torch.float32)
+    torch.testing.assert_close(ours, _get_alibi_slopes(num_heads, torch.device("cpu")),
+                               rtol=1e-6, atol=0)
