@@ -78,6 +78,18 @@ def _falcon_qkv(array: np.ndarray, config) -> np.ndarray:
     return np.concatenate([p.reshape(-1, *array.shape[1:]) for p in parts])
 
 
+def _bloom_context(config) -> None:
+    # BLOOM's config states no context length; llama.cpp's converter writes seq_length.
+    config.max_position_embeddings = 256
+
+
+def _bloom_qkv(array: np.ndarray, config) -> np.ndarray:
+    """llama.cpp's converter: BLOOM's query_key_value rows, [heads, q + k + v, head_dim],
+    regrouped as all q, all k, all v."""
+    qkv = array.reshape(config.num_attention_heads, 3, -1, *array.shape[1:])
+    return np.concatenate([qkv[:, i].reshape(-1, *array.shape[1:]) for i in range(3)])
+
+
 def _no_attention_bias(config) -> None:
     config.attention_bias = False  # llama.cpp's OLMo 2 reads no attention biases
 
@@ -103,11 +115,12 @@ CASES = {
     "gpt2": ("gpt2", "gpt2", _mlp_four_times_wider),
     "falcon": ("falcon", "falcon", _falcon_defaults),
     "falcon_40b": ("falcon_40b", "falcon", _falcon_defaults),
+    "bloom": ("bloom", "bloom", _bloom_context),
 }
 # The LayerNorm families' epsilon field (llama.cpp's attention.layer_norm_epsilon).
 LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
                   "nemotron": "norm_eps", "gpt2": "layer_norm_epsilon",
-                  "falcon": "layer_norm_epsilon"}
+                  "falcon": "layer_norm_epsilon", "bloom": "layer_norm_epsilon"}
 # GPT-2's Conv1D matrices, [in, out]: the converter transposes them.
 GPT2_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 # llama.cpp's converter stores these families' norm weights as 1 + w.
@@ -134,6 +147,8 @@ def write_gguf(path, model, arch: str, q8_0: bool = False) -> None:
     names = gguf.get_tensor_name_map(march, config.num_hidden_layers)
     for name, tensor in _stacked_per_head_norms(model.state_dict()).items():
         array = tensor.float().numpy()
+        if arch == "bloom":  # the converter drops BLOOM's `transformer.` prefix
+            name = name.removeprefix("transformer.")
         if arch.startswith(NORM_PLUS_ONE) and name.endswith("norm.weight"):
             array = array + 1
         if arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
@@ -156,6 +171,8 @@ def write_gguf(path, model, arch: str, q8_0: bool = False) -> None:
             array = array.T
         if arch == "falcon" and ".query_key_value." in name:
             array = _falcon_qkv(array, config)
+        if arch == "bloom" and ".query_key_value." in name:
+            array = _bloom_qkv(array, config)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None and name == "lm_head.weight":  # gguf-py's Gemma 2 map has it tied
             gguf_name = "output.weight"
