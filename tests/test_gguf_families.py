@@ -340,3 +340,22 @@ def test_an_architecture_forklm_lacks_is_refused_by_name(tmp_path):
     with pytest.raises(UnsupportedModelError,
                        match="'mamba' is not supported .it needs state-space .* layers.*gemma3"):
         GGUFModel(tmp_path / "mamba.gguf")
+
+
+def test_bloom_gguf_reads_as_transformers_gguf_loader(tokenizer, tmp_path, monkeypatch):
+    """transformers' own GGUF loader (its BloomTensorProcessor undoes the converter's q/k/v
+    regrouping) and forklm, each from the one file: the same greedy tokens in fp32."""
+    import transformers
+
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    model = build_tiny_model("bloom", tmp_path / "hf", tokenizer, edit=_bloom_context)
+    write_gguf(tmp_path / "bloom.gguf", model, "bloom")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="bloom.gguf", dtype=torch.float32).eval()
+    prompts = [tokenizer.encode(text) for text in PROMPT_TEXTS]
+    with Engine(model_path=str(tmp_path / "bloom.gguf"), dtype="float32",
+                max_total_tokens=1024) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={
+            "temperature": 0, "max_new_tokens": NUM_NEW, "ignore_eos": True})
+    assert [out["output_ids"] for out in outs] == [hf_greedy(theirs, ids, NUM_NEW)
+                                                   for ids in prompts]
