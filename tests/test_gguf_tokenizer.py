@@ -1,9 +1,11 @@
 """The tokenizer forklm builds from a GGUF's own metadata encodes as the tokenizer the vocabulary
 came from: the default model's byte-level BPE, byte-level BPEs trained here under llama.cpp's
-`qwen2`, `llama-bpe`, `gpt-2` and `bloom` pre-tokenizer names, and sentencepiece-style vocabularies (BPE
-with byte fallback, written as llama.cpp's `llama` model with scores and byte tokens). BOS, EOS and
-the chat template follow the GGUF as llama.cpp reads it; the cached reload is checked alike.
-When written, llama.cpp's own llama_tokenize (vocab_only) gave these ids on all of these files."""
+`qwen2`, `llama-bpe`, `gpt-2` and `bloom` pre-tokenizer names, and sentencepiece-style
+vocabularies (BPE with byte fallback, written as llama.cpp's `llama` model with scores and byte
+tokens). BOS, EOS and the chat template follow the GGUF as llama.cpp reads it; the cached reload
+is checked alike. When written, llama.cpp's own llama_tokenize (vocab_only) gave these ids on all
+of these files but the `bloom` one (added later, without a llama.cpp build at hand: checked
+against the split of BLOOM's tokenizer.json, which llama.cpp's `bloom` regex restates)."""
 
 from __future__ import annotations
 
