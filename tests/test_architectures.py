@@ -209,3 +209,28 @@ def test_alibi_slopes_are_blooms(num_heads):
     ours = torch.tensor(alibi_slopes(num_heads), dtype=torch.float32)
     torch.testing.assert_close(ours, _get_alibi_slopes(num_heads, torch.device("cpu")),
                                rtol=1e-6, atol=0)
+
+
+def test_bloom_checkpoint_without_the_transformer_prefix(tmp_path, tokenizer):
+    """BigScience's own BLOOM checkpoints name their tensors without `transformer.` (h.0...,
+    word_embeddings...): they load as the prefixed ones do."""
+    from safetensors.torch import load_file, save_file
+
+    model = build_tiny_model("bloom", tmp_path, tokenizer)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    assert any(name.startswith("transformer.") for name in tensors)
+    save_file({name.removeprefix("transformer."): t for name, t in tensors.items()}, path,
+              metadata={"format": "pt"})
+    ids = tokenizer.encode(TEXTS[1])
+    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=512) as engine:
+        out = engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    assert out == hf_greedy(model, ids, NUM_NEW)
+
+
+def test_bloom_residual_after_the_norm_is_refused():
+    from forklm.runtime.models.spec import spec_from_config
+
+    config = transformers.BloomConfig(apply_residual_connection_post_layernorm=True)
+    with pytest.raises(UnsupportedModelError, match="apply_residual_connection_post_layernorm"):
+        spec_from_config(config)
