@@ -171,11 +171,11 @@ def test_unsupported_architecture_is_refused(tmp_path, tokenizer):
 
 
 def test_a_family_needing_a_missing_mechanism_is_refused_naming_it(tmp_path, tokenizer):
-    config = transformers.MptConfig(vocab_size=len(tokenizer), d_model=64, n_layers=1,
-                                    n_heads=4)
-    transformers.MptForCausalLM(config).save_pretrained(tmp_path)
+    config = transformers.MambaConfig(vocab_size=len(tokenizer), hidden_size=64,
+                                      num_hidden_layers=1)
+    transformers.MambaForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="'mpt' is not supported .it needs MPT's own"):
+    with pytest.raises(UnsupportedModelError, match="'mamba' is not supported .it needs state"):
         Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
 
 
@@ -234,3 +234,15 @@ def test_bloom_residual_after_the_norm_is_refused():
     config = transformers.BloomConfig(apply_residual_connection_post_layernorm=True)
     with pytest.raises(UnsupportedModelError, match="apply_residual_connection_post_layernorm"):
         spec_from_config(config)
+
+
+@pytest.mark.parametrize("num_heads", [1, 4, 6, 8, 12, 32, 56])
+def test_mpt_alibi_slopes_are_transformers(num_heads):
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    from forklm.runtime.models.layers import mpt_alibi_slopes
+
+    # the bias of key 0 of 2 is -1 * slope
+    theirs = -build_mpt_alibi_tensor(num_heads, 2, alibi_bias_max=8)[:, 0, 0]
+    torch.testing.assert_close(torch.tensor(mpt_alibi_slopes(num_heads, 8), dtype=torch.float32),
+                               theirs.float(), rtol=1e-6, atol=0)

@@ -1,4 +1,4 @@
-"""Checkpoints laid out otherwise than Llama's (GPT-2, Falcon, BLOOM), their tensors renamed onto
+"""Checkpoints laid out otherwise than Llama's (GPT-2, Falcon, BLOOM, MPT), their tensors renamed onto
 forklm's modules and rearranged as they stream from a Hugging Face folder: GPT-2's Conv1D
 matrices are stored [in, out] and are transposed to a Linear's [out, in]; Falcon's and BLOOM's
 fused q/k/v rows are regrouped into all q heads, then all k heads, then all v heads."""
@@ -102,9 +102,29 @@ def _head_rows(order: torch.Tensor, head_dim: int) -> torch.Tensor:
     return (order[:, None] * head_dim + torch.arange(head_dim)[None, :]).reshape(-1)
 
 
+_MPT_NAMES = {"wte": "model.embed_tokens", "norm_f": "model.norm", "norm_1": "input_layernorm",
+              "attn.Wqkv": "self_attn.qkv_proj", "attn.out_proj": "self_attn.o_proj",
+              "norm_2": "post_attention_layernorm", "ffn.up_proj": "mlp.up_proj",
+              "ffn.down_proj": "mlp.down_proj"}
+_MPT_LAYER = re.compile(r"^transformer\.blocks\.(?P<layer>\d+)\.(?P<module>.+)\.(?P<kind>weight|bias)$")
+
+
+def mpt_weights(config: Any, weights: Weights) -> Weights:
+    # MPT's Wqkv holds q, k, v in order already: only names change.
+    for name, tensor in weights:
+        module, _, kind = name.rpartition(".")
+        if (m := _MPT_LAYER.match(name)) and m["module"] in _MPT_NAMES:
+            yield f"model.layers.{m['layer']}.{_MPT_NAMES[m['module']]}.{kind}", tensor
+        elif module.removeprefix("transformer.") in ("wte", "norm_f"):
+            yield f"{_MPT_NAMES[module.removeprefix('transformer.')]}.{kind}", tensor
+        else:
+            yield name, tensor  # lm_head, or a name the weight loader will refuse
+
+
 LAYOUTS: dict[str, Callable[[Any, Weights], Weights]] = {"gpt2": gpt2_weights,
                                                           "falcon": falcon_weights,
-                                                          "bloom": bloom_weights}
+                                                          "bloom": bloom_weights,
+                                                          "mpt": mpt_weights}
 
 
 def forklm_layout(config: Any, weights: Weights) -> Weights:

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 def make_norm(spec: ModelSpec, shape: int | tuple[int, ...], bias: bool = True) -> nn.Module:
     """The family's norm over the last axis; `bias` only matters for LayerNorm."""
     if spec.norm_kind == "layer":
-        return LayerNorm(shape, spec.norm_eps, spec.norm_offset, bias)
+        return LayerNorm(shape, spec.norm_eps, spec.norm_offset, bias and spec.norm_bias)
     assert isinstance(shape, int), "RMSNorm weights are one row"
     return RMSNorm(shape, spec.norm_eps, spec.norm_offset)
 
@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(spec.hidden_size, (q_size, kv_size, kv_size), spec.qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_clip = spec.qkv_clip
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:  # before RoPE; StableLM's q/k LayerNorms have no bias
             q_shape, k_shape = {"head": (spec.head_dim, spec.head_dim),
@@ -66,7 +67,10 @@ class Attention(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> rotated q [T, heads, d], k and v [T, kv_heads, d]; cos/sin are this
         forward's rows of the rotary tables (RotaryEmbedding.tables_for)."""
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.qkv_clip is not None:  # MPT's clip_qkv
+            qkv = qkv.clamp(-self.qkv_clip, self.qkv_clip)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         if self.qk_norm == "proj":  # [T, heads * d], [T, kv_heads * d]
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [T, heads, d]

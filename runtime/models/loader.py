@@ -84,9 +84,10 @@ def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
     if multimodal:  # the multimodal model ties (or not) its language model's head
         config.tie_word_embeddings = bool(getattr(outer, "tie_word_embeddings", False))
     if getattr(config, "max_position_embeddings", None) is None:
-        # BLOOM's config states no context length (ALiBi has no position table): its training
-        # sequence length, which the engine's context_length may raise.
-        config.max_position_embeddings = getattr(config, "seq_length", None) or ALIBI_CONTEXT
+        # ALiBi models have no position table: MPT states its training length as max_seq_len,
+        # BLOOM not at all (2048). The engine's context_length may go past it.
+        config.max_position_embeddings = (getattr(config, "max_seq_len", None)
+                                          or getattr(config, "seq_length", None) or ALIBI_CONTEXT)
     shards = _safetensors_files(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     eos_ids = _eos_ids_from(_read_json(folder / "generation_config.json"), config, tokenizer)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forklm.runtime.errors import UnsupportedModelError
-from forklm.runtime.models.layers import NO_ROPE, alibi_slopes
+from forklm.runtime.models.layers import NO_ROPE, alibi_slopes, mpt_alibi_slopes
 from forklm.runtime.models.unsupported import missing_mechanism
 
 # rope_type values whose tables do not depend on the sequence being decoded ("dynamic" NTK does).
@@ -48,9 +48,11 @@ class ModelSpec:
     tie_word_embeddings: bool
     activation: str = "silu"  # "silu", "gelu_tanh", "gelu" or "relu2"
     qkv_bias: bool = False
+    qkv_clip: float | None = None  # MPT's clip_qkv: the fused q/k/v clamped to [-clip, clip]
     o_bias: bool = False
     mlp_bias: bool = False
     norm_kind: str = "rms"  # "rms", or "layer": LayerNorm with a bias (StableLM, StarCoder 2)
+    norm_bias: bool = True  # False: LayerNorms without a bias (MPT)
     norm_offset: float = 0.0  # Gemma (RMS) and Nemotron (Layer) store norm weights as w - 1
     embed_scale: float | None = None  # Gemma: sqrt(hidden_size); Granite: embedding_multiplier
     embed_norm: bool = False  # BLOOM: a norm of its own right after the token embedding
@@ -336,6 +338,29 @@ def _bloom(config: Any) -> ModelSpec:
         rope={NO_ROPE: {"rope_type": NO_ROPE}}, layers=_layers(config, [None] * n, [NO_ROPE] * n)))
 
 
+def _mpt(config: Any) -> ModelSpec:
+    # What transformers' MPT computes: ALiBi with MPT's slopes, LayerNorms and linears without
+    # biases, a plain 4 * hidden exact-GELU MLP, q/k/v fused in order (Wqkv), clip_qkv, a tied
+    # head. Fields it ignores but that would change the computation are refused here; a
+    # checkpoint with biases or learned positions is refused by name when its weights load.
+    attn = config.attn_config
+    for name, value, honoured in (
+            ("attn_config.alibi", attn.alibi, True), ("attn_config.qk_ln", attn.qk_ln, False),
+            ("attn_config.prefix_lm", attn.prefix_lm, False),
+            ("attn_config.attn_type", attn.attn_type, "multihead_attention"),
+            ("expansion_ratio", config.expansion_ratio, 4), ("logit_scale", config.logit_scale, None)):
+        if value != honoured:
+            _refuse(config, name, value, f"only {honoured!r}")
+    n = config.num_hidden_layers
+    return ModelSpec(**_common(
+        config, intermediate_size=4 * config.hidden_size, norm_eps=config.layer_norm_epsilon,
+        norm_kind="layer", norm_bias=False, activation="gelu", gated_mlp=False,
+        qkv_clip=attn.clip_qkv, attn_scale=attn.softmax_scale or 0.0,
+        alibi_slopes=mpt_alibi_slopes(config.num_attention_heads, attn.alibi_bias_max),
+        tie_word_embeddings=True, rope={NO_ROPE: {"rope_type": NO_ROPE}},
+        layers=_layers(config, [None] * n, [NO_ROPE] * n)))
+
+
 _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "llama": _llama,
     "mistral": _llama,  # Llama with a sliding window on every layer
@@ -356,5 +381,6 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "gpt2": _gpt2,
     "falcon": _falcon,
     "bloom": _bloom,
+    "mpt": _mpt,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))

@@ -11,7 +11,6 @@ MISSING_MECHANISMS = {
     "gpt-oss": "attention sinks and clamped-SwiGLU experts",
     "gemma4": "per-layer input embeddings and layers that share another layer's KV",
     "gemma3n": "per-layer input embeddings, AltUp and layers that share another layer's KV",
-    "mpt": "MPT's own ALiBi settings (alibi_bias_max) and q/k/v clipping",
     "mamba": _STATE_SPACE,
     "mamba2": _STATE_SPACE,
     "falcon_mamba": _STATE_SPACE,
