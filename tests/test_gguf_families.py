@@ -83,6 +83,12 @@ def _bloom_context(config) -> None:
     config.max_position_embeddings = 256
 
 
+def _mpt_defaults(config) -> None:
+    # MPT's context length is max_seq_len; llama.cpp scales attention by 1/sqrt(head_dim).
+    config.max_position_embeddings = config.max_seq_len
+    config.attn_config.softmax_scale = None
+
+
 def _bloom_qkv(array: np.ndarray, config) -> np.ndarray:
     """llama.cpp's converter: BLOOM's query_key_value rows, [heads, q + k + v, head_dim],
     regrouped as all q, all k, all v."""
@@ -116,11 +122,13 @@ CASES = {
     "falcon": ("falcon", "falcon", _falcon_defaults),
     "falcon_40b": ("falcon_40b", "falcon", _falcon_defaults),
     "bloom": ("bloom", "bloom", _bloom_context),
+    "mpt": ("mpt", "mpt", _mpt_defaults),
 }
 # The LayerNorm families' epsilon field (llama.cpp's attention.layer_norm_epsilon).
 LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
                   "nemotron": "norm_eps", "gpt2": "layer_norm_epsilon",
-                  "falcon": "layer_norm_epsilon", "bloom": "layer_norm_epsilon"}
+                  "falcon": "layer_norm_epsilon", "bloom": "layer_norm_epsilon",
+                  "mpt": "layer_norm_epsilon"}
 # GPT-2's Conv1D matrices, [in, out]: the converter transposes them.
 GPT2_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 # llama.cpp's converter stores these families' norm weights as 1 + w.
@@ -237,6 +245,10 @@ def _write_metadata(writer, config) -> None:
                          [kind == "sliding_attention" for kind in config.layer_types])
         writer.add_float32("gemma3.rope.freq_base_swa",
                            config.rope_parameters["sliding_attention"]["rope_theta"])
+    if config.model_type == "mpt":  # ALiBi's bias maximum and clip_qkv
+        writer.add_max_alibi_bias(float(config.attn_config.alibi_bias_max))
+        if config.attn_config.clip_qkv:
+            writer.add_clamp_kqv(config.attn_config.clip_qkv)
     if getattr(config, "attn_logit_softcapping", None):
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):

@@ -183,6 +183,16 @@ def _granite(key: Key, hidden: int, heads: int) -> dict[str, Any]:
             "logits_scaling": key("logit_scale", 1.0)}
 
 
+def _mpt(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # MPT's context length is max_seq_len; ALiBi's bias maximum and clip_qkv (llama.cpp's
+    # clamp_kqv) from the file, the softmax scale 1/sqrt(head_dim) (no key). The slopes are MPT's
+    # own rule (spec.py), which for a head count that is no power of two is not ggml's.
+    bias_max = key("attention.max_alibi_bias", 8.0)
+    return {"max_seq_len": key("context_length"), "attn_config": {
+        "alibi_bias_max": int(bias_max) if float(bias_max).is_integer() else bias_max,
+        "clip_qkv": key("attention.clamp_kqv")}}
+
+
 def _bloom_tensors(names: set[str]) -> dict[str, Any]:
     # BLOOM's head is its embedding: llama.cpp's converter writes a copy of it as output.weight,
     # which transformers ignores (it ties BLOOM whatever the file has), and so does forklm.
@@ -243,6 +253,8 @@ GGUF_ARCHS = {
     # forklm's fused order. ALiBi, the MLP width (4 * hidden) and GELU come from the family.
     "bloom": GGUFArch(transformers.BloomConfig, layer_names=_FALCON_NAMES,
                       tensor_config=_bloom_tensors, eps_field="layer_norm_epsilon"),
+    # MPT's Wqkv is q, k, v in order; its head is the embedding (spec.py ties it).
+    "mpt": GGUFArch(transformers.MptConfig, _mpt, _FALCON_NAMES, eps_field="layer_norm_epsilon"),
 }
 
 
