@@ -311,7 +311,8 @@ def _falcon(config: Any) -> ModelSpec:
     # Attention and MLP in parallel (one shared norm, or ln_attn and ln_mlp on the 40B+ layout)
     # or in sequence; multi-query, grouped or per-head q/k/v (checkpoint_layouts.py regroups it).
     if config.alibi:
-        _refuse(config, "alibi", True, "ALiBi position biases are not implemented")
+        _refuse(config, "alibi", True, "Falcon's ALiBi (divided by sqrt(head_dim), rounded to "
+                "bf16 per position) is not implemented; BLOOM's and MPT's are")
     if config.new_decoder_architecture and not config.parallel_attn:
         _refuse(config, "parallel_attn", False, "the new decoder architecture runs in parallel")
     two_norms = config.new_decoder_architecture and (config.num_ln_in_parallel_attn or 2) == 2
