@@ -71,9 +71,9 @@ class ModelSpec:
     # GPT-2: rows of a learned absolute position table added to the embeddings; 0: none.
     position_embeddings: int = 0
     attn_scale: float = 0.0  # softmax scale; set from head_dim when 0
-    # ALiBi (BLOOM): each head's slope of a linear bias on its scores, slope_h * (key position -
-    # query position), in place of rotary positions (every layer's table is the identity); ()
-    # none.
+    # ALiBi (BLOOM, MPT): each head's slope of a linear bias on its scores, slope_h * (key
+    # position - query position), in place of rotary positions (every layer's table is the
+    # identity); () none.
     alibi_slopes: tuple[float, ...] = ()
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None
