@@ -138,6 +138,27 @@ def check_extends(gen: torch.Generator) -> None:
     check_extend("prefill 4k + 2000 after 1000", [CONTEXT, 2000], [CONTEXT, 3000], gen)
 
 
+def check_alibi(gen: torch.Generator) -> None:
+    """ALiBi (BLOOM's slopes of NUM_HEADS heads) in both kernels against their twins."""
+    from forklm.runtime.models.layers import alibi_slopes
+
+    slopes = torch.tensor(alibi_slopes(NUM_HEADS), dtype=torch.float32, device="cuda")
+    lens = [CONTEXT, 1] + [CONTEXT // 2] * 6
+    paged = Paged(lens, gen)
+    q = torch.randn(len(lens), NUM_HEADS, HEAD_DIM, device="cuda", generator=gen).to(DTYPE)
+    out = decode_attention(q, *paged.index(), alibi_slopes=slopes)
+    want = decode_attention_ref(q, *paged.index(), alibi_slopes=slopes)
+    report("alibi decode vs decode_attention_ref", max_err(out, want), BF16_ATOL)
+    q_lens = torch.tensor([64, 1] + [64] * 6, device="cuda")
+    q = torch.randn(int(q_lens.sum()), NUM_HEADS, HEAD_DIM, device="cuda", generator=gen).to(DTYPE)
+    k_buffer, v_buffer, kv_indices, kv_start, kv_lens = paged.index()
+    args = (q, k_buffer, v_buffer, torch.cumsum(q_lens, 0) - q_lens, q_lens, kv_indices,
+            kv_start, kv_lens, 64)
+    report("alibi extend vs extend_attention_ref",
+           max_err(extend_attention(*args, alibi_slopes=slopes),
+                   extend_attention_ref(*args, alibi_slopes=slopes)), BF16_ATOL)
+
+
 def _random_llama():
     """A random Llama shaped like SmolLM2-135M (4 layers, GQA 3, head_dim 64) on CUDA, with
     sharpened weights so greedy argmaxes are stable."""
@@ -405,6 +426,7 @@ def main() -> None:
     run("store_kv", lambda: check_store_kv(gen))
     run("decode", lambda: check_decode(gen))
     run("extend", lambda: check_extends(gen))
+    run("alibi", lambda: check_alibi(gen))
     run("engine greedy", check_engine)
     run("cuda graphs and overlap", check_cuda_graphs)
     run("workloads", check_workloads)
