@@ -246,3 +246,17 @@ def test_mpt_alibi_slopes_are_transformers(num_heads):
     theirs = -build_mpt_alibi_tensor(num_heads, 2, alibi_bias_max=8)[:, 0, 0]
     torch.testing.assert_close(torch.tensor(mpt_alibi_slopes(num_heads, 8), dtype=torch.float32),
                                theirs.float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt"])
+def test_alibi_models_under_deterministic_inference(name, tmp_path, tokenizer):
+    """The batch-invariant attention biases ALiBi models too: greedy tokens, batched with a
+    radix-cached prefix and chunked prefill, equal transformers'."""
+    model = build_tiny_model(name, tmp_path, tokenizer)
+    prompts = [tokenizer.encode(text) for text in TEXTS[:3]]
+    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024,
+                enable_deterministic_inference=True, chunked_prefill_size=8) as engine:
+        assert type(engine.parts.runner.attn).__name__ == "BatchInvariantAttention"
+        engine.generate(input_ids=prompts[2][:10], sampling_params=GREEDY)  # cache a prefix
+        outs = _outputs(engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    assert outs == [hf_greedy(model, ids, NUM_NEW) for ids in prompts]
