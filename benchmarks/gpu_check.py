@@ -138,6 +138,27 @@ def check_extends(gen: torch.Generator) -> None:
     check_extend("prefill 4k + 2000 after 1000", [CONTEXT, 2000], [CONTEXT, 3000], gen)
 
 
+def check_alibi(gen: torch.Generator) -> None:
+    """ALiBi (BLOOM's slopes of NUM_HEADS heads) in both kernels against their twins."""
+    from forklm.runtime.models.layers import alibi_slopes
+
+    slopes = torch.tensor(alibi_slopes(NUM_HEADS), dtype=torch.float32, device="cuda")
+    lens = [CONTEXT, 1] + [CONTEXT // 2] * 6
+    paged = Paged(lens, gen)
+    q = torch.randn(len(lens), NUM_HEADS, HEAD_DIM, device="cuda", generator=gen).to(DTYPE)
+    out = decode_attention(q, *paged.index(), alibi_slopes=slopes)
+    want = decode_attention_ref(q, *paged.index(), alibi_slopes=slopes)
+    report("alibi decode vs decode_attention_ref", max_err(out, want), BF16_ATOL)
+    q_lens = torch.tensor([64, 1] + [64] * 6, device="cuda")
+    q = torch.randn(int(q_lens.sum()), NUM_HEADS, HEAD_DIM, device="cuda", generator=gen).to(DTYPE)
+    k_buffer, v_buffer, kv_indices, kv_start, kv_lens = paged.index()
+    args = (q, k_buffer, v_buffer, torch.cumsum(q_lens, 0) - q_lens, q_lens, kv_indices,
+            kv_start, kv_lens, 64)
+    report("alibi extend vs extend_attention_ref",
+           max_err(extend_attention(*args, alibi_slopes=slopes),
+                   extend_attention_ref(*args, alibi_slopes=slopes)), BF16_ATOL)
+
+
 def _random_llama():
     """A random Llama shaped like SmolLM2-135M (4 layers, GQA 3, head_dim 64) on CUDA, with
     sharpened weights so greedy argmaxes are stable."""
@@ -342,13 +363,16 @@ def compile_only() -> None:
     for dt, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
         for d in (64, 128):
             common = dict(HEAD_DIM=d, BLOCK_D=d)
-            _compile(da._stage1_kernel, dt, dict(common, GROUP=GROUP, NUM_SPLITS=8, BLOCK_H=16,
-                                                 BLOCK_N=64, PRECISION=precision))
-            _compile(da._stage2_kernel, dt, dict(common, NUM_SPLITS=8, BLOCK_S=8))
             block = 32 if dt == "fp32" else 64
-            _compile(ea._extend_kernel, dt, dict(common, GROUP=GROUP, BLOCK_M=block, BLOCK_N=block,
-                                                 PRECISION=precision),
-                     num_warps=4 if d <= 64 else 8)
+            for alibi in (False, True):
+                _compile(da._stage1_kernel, dt, dict(common, GROUP=GROUP, NUM_SPLITS=8,
+                                                     BLOCK_H=16, BLOCK_N=64, PRECISION=precision,
+                                                     HAS_ALIBI=alibi))
+                _compile(ea._extend_kernel, dt, dict(common, GROUP=GROUP, BLOCK_M=block,
+                                                     BLOCK_N=block, PRECISION=precision,
+                                                     HAS_ALIBI=alibi),
+                         num_warps=4 if d <= 64 else 8)
+            _compile(da._stage2_kernel, dt, dict(common, NUM_SPLITS=8, BLOCK_S=8))
             _compile(sk._store_kv_kernel, dt, dict(common, NUM_KV_HEADS=8, BLOCK_H=8))
 
 
@@ -364,7 +388,7 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
             return "i32"
         if name == "qk_scale":
             return "fp32"
-        if name.startswith(("Mid_",)):
+        if name.startswith(("Mid_",)) or name == "Alibi":  # ALiBi's slopes are float32
             return "*fp32"
         if name.startswith(("KV_", "Q_", "Slots")):
             return "*i64"
@@ -374,8 +398,9 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
     compiled = triton.compile(ASTSource(kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": 2})
+    alibi = " alibi" if constexprs.get("HAS_ALIBI") else ""
     print(f"compiled {kernel.__name__:18s} {dtype} d={constexprs['HEAD_DIM']:<4d} "
-          f"shared memory {compiled.metadata.shared} B")
+          f"shared memory {compiled.metadata.shared} B{alibi}")
 
 
 def run(name: str, fn: Callable[[], None]) -> None:
@@ -401,6 +426,7 @@ def main() -> None:
     run("store_kv", lambda: check_store_kv(gen))
     run("decode", lambda: check_decode(gen))
     run("extend", lambda: check_extends(gen))
+    run("alibi", lambda: check_alibi(gen))
     run("engine greedy", check_engine)
     run("cuda graphs and overlap", check_cuda_graphs)
     run("workloads", check_workloads)

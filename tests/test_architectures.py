@@ -171,11 +171,11 @@ def test_unsupported_architecture_is_refused(tmp_path, tokenizer):
 
 
 def test_a_family_needing_a_missing_mechanism_is_refused_naming_it(tmp_path, tokenizer):
-    config = transformers.BloomConfig(vocab_size=len(tokenizer), hidden_size=64, n_layer=1,
-                                      n_head=4)
-    transformers.BloomForCausalLM(config).save_pretrained(tmp_path)
+    config = transformers.MambaConfig(vocab_size=len(tokenizer), hidden_size=64,
+                                      num_hidden_layers=1)
+    transformers.MambaForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="'bloom' is not supported .it needs ALiBi"):
+    with pytest.raises(UnsupportedModelError, match="'mamba' is not supported .it needs state"):
         Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
 
 
@@ -196,3 +196,67 @@ def test_unhonoured_config_field_is_refused(tmp_path, tokenizer, field, value):
     shown = value["rope_type"] if isinstance(value, dict) else value
     assert shown in str(info.value)
     assert ("rope_type" if isinstance(value, dict) else field) in str(info.value)
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 6, 8, 12, 16, 30, 32, 40, 112])
+def test_alibi_slopes_are_blooms(num_heads):
+    """forklm's ALiBi slopes equal transformers' BLOOM ones, powers of two or not (BLOOM-176B
+    has 112 heads)."""
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    from forklm.runtime.models.layers import alibi_slopes
+
+    ours = torch.tensor(alibi_slopes(num_heads), dtype=torch.float32)
+    torch.testing.assert_close(ours, _get_alibi_slopes(num_heads, torch.device("cpu")),
+                               rtol=1e-6, atol=0)
+
+
+def test_bloom_checkpoint_without_the_transformer_prefix(tmp_path, tokenizer):
+    """BigScience's own BLOOM checkpoints name their tensors without `transformer.` (h.0...,
+    word_embeddings...): they load as the prefixed ones do."""
+    from safetensors.torch import load_file, save_file
+
+    model = build_tiny_model("bloom", tmp_path, tokenizer)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    assert any(name.startswith("transformer.") for name in tensors)
+    save_file({name.removeprefix("transformer."): t for name, t in tensors.items()}, path,
+              metadata={"format": "pt"})
+    ids = tokenizer.encode(TEXTS[1])
+    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=512) as engine:
+        out = engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    assert out == hf_greedy(model, ids, NUM_NEW)
+
+
+def test_bloom_residual_after_the_norm_is_refused():
+    from forklm.runtime.models.spec import spec_from_config
+
+    config = transformers.BloomConfig(apply_residual_connection_post_layernorm=True)
+    with pytest.raises(UnsupportedModelError, match="apply_residual_connection_post_layernorm"):
+        spec_from_config(config)
+
+
+@pytest.mark.parametrize("num_heads", [1, 4, 6, 8, 12, 32, 56])
+def test_mpt_alibi_slopes_are_transformers(num_heads):
+    from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
+
+    from forklm.runtime.models.layers import mpt_alibi_slopes
+
+    # the bias of key 0 of 2 is -1 * slope
+    theirs = -build_mpt_alibi_tensor(num_heads, 2, alibi_bias_max=8)[:, 0, 0]
+    torch.testing.assert_close(torch.tensor(mpt_alibi_slopes(num_heads, 8), dtype=torch.float32),
+                               theirs.float(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt"])
+def test_alibi_models_under_deterministic_inference(name, tmp_path, tokenizer):
+    """The batch-invariant attention biases ALiBi models too: greedy tokens, batched with a
+    radix-cached prefix and chunked prefill, equal transformers'."""
+    model = build_tiny_model(name, tmp_path, tokenizer)
+    prompts = [tokenizer.encode(text) for text in TEXTS[:3]]
+    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024,
+                enable_deterministic_inference=True, chunked_prefill_size=8) as engine:
+        assert type(engine.parts.runner.attn).__name__ == "BatchInvariantAttention"
+        engine.generate(input_ids=prompts[2][:10], sampling_params=GREEDY)  # cache a prefix
+        outs = _outputs(engine.generate(input_ids=prompts, sampling_params=GREEDY))
+    assert outs == [hf_greedy(model, ids, NUM_NEW) for ids in prompts]

@@ -15,6 +15,7 @@ from forklm.runtime.forward.batch import ForwardBatch
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models.batch_invariant import RowTiled, make_batch_invariant, tiled_rows
 from forklm.runtime.models.fp16_linear import Fp16WeightLinear, fp16_weights_available
+from forklm.runtime.models.layers import alibi_slopes
 from forklm.runtime.models.moe import SparseMoE
 from forklm.runtime.models.spec import MoESpec
 from tests.conftest import EVAL_QUESTIONS, assert_idle_and_clean
@@ -112,8 +113,10 @@ def _run(attn, pool: KVPool, batch: ForwardBatch, q: torch.Tensor, seed: int = 2
     return attn.forward(0, q, k, v, attn.prepare(batch))
 
 
-@pytest.mark.parametrize("layers", [None, [AttentionLayerSpec(sliding_window=40, softcap=20.0)]],
-                         ids=["causal", "window+softcap"])
+@pytest.mark.parametrize("layers", [None, [AttentionLayerSpec(sliding_window=40, softcap=20.0)],
+                                    [AttentionLayerSpec(sliding_window=40,
+                                                        alibi_slopes=alibi_slopes(HEADS))]],
+                         ids=["causal", "window+softcap", "window+alibi"])
 @torch.inference_mode()
 def test_a_query_row_has_the_same_bits_alone_batched_padded_and_in_a_prefill(layers):
     pool = _pool()

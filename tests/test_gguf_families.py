@@ -80,6 +80,24 @@ def _falcon_qkv(array: np.ndarray, config) -> np.ndarray:
     return np.concatenate([p.reshape(-1, *array.shape[1:]) for p in parts])
 
 
+def _bloom_context(config) -> None:
+    # BLOOM's config states no context length; llama.cpp's converter writes seq_length.
+    config.max_position_embeddings = 256
+
+
+def _mpt_defaults(config) -> None:
+    # MPT's context length is max_seq_len; llama.cpp scales attention by 1/sqrt(head_dim).
+    config.max_position_embeddings = config.max_seq_len
+    config.attn_config.softmax_scale = None
+
+
+def _bloom_qkv(array: np.ndarray, config) -> np.ndarray:
+    """llama.cpp's converter: BLOOM's query_key_value rows, [heads, q + k + v, head_dim],
+    regrouped as all q, all k, all v."""
+    qkv = array.reshape(config.num_attention_heads, 3, -1, *array.shape[1:])
+    return np.concatenate([qkv[:, i].reshape(-1, *array.shape[1:]) for i in range(3)])
+
+
 def _no_attention_bias(config) -> None:
     config.attention_bias = False  # llama.cpp's OLMo 2 reads no attention biases
 
@@ -105,11 +123,14 @@ CASES = {
     "gpt2": ("gpt2", "gpt2", _mlp_four_times_wider),
     "falcon": ("falcon", "falcon", _falcon_defaults),
     "falcon_40b": ("falcon_40b", "falcon", _falcon_defaults),
+    "bloom": ("bloom", "bloom", _bloom_context),
+    "mpt": ("mpt", "mpt", _mpt_defaults),
 }
 # The LayerNorm families' epsilon field (llama.cpp's attention.layer_norm_epsilon).
 LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
                   "nemotron": "norm_eps", "gpt2": "layer_norm_epsilon",
-                  "falcon": "layer_norm_epsilon"}
+                  "falcon": "layer_norm_epsilon", "bloom": "layer_norm_epsilon",
+                  "mpt": "layer_norm_epsilon"}
 # GPT-2's Conv1D matrices, [in, out]: the converter transposes them.
 GPT2_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 # llama.cpp's converter stores these families' norm weights as 1 + w.
@@ -145,6 +166,8 @@ def write_gguf(path, model, arch: str, q8_0: bool = False,
     names = gguf.get_tensor_name_map(march, config.num_hidden_layers)
     for name, tensor in _stacked_per_head_norms(model.state_dict()).items():
         array = tensor.float().numpy()
+        if arch == "bloom":  # the converter drops BLOOM's `transformer.` prefix
+            name = name.removeprefix("transformer.")
         if arch.startswith(NORM_PLUS_ONE) and name.endswith("norm.weight"):
             array = array + 1
         if arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
@@ -167,6 +190,8 @@ def write_gguf(path, model, arch: str, q8_0: bool = False,
             array = array.T
         if arch == "falcon" and ".query_key_value." in name:
             array = _falcon_qkv(array, config)
+        if arch == "bloom" and ".query_key_value." in name:
+            array = _bloom_qkv(array, config)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None and name == "lm_head.weight":  # gguf-py's Gemma 2 map has it tied
             gguf_name = "output.weight"
@@ -231,6 +256,10 @@ def _write_metadata(writer, config) -> None:
                          [kind == "sliding_attention" for kind in config.layer_types])
         writer.add_float32("gemma3.rope.freq_base_swa",
                            config.rope_parameters["sliding_attention"]["rope_theta"])
+    if config.model_type == "mpt":  # ALiBi's bias maximum and clip_qkv
+        writer.add_max_alibi_bias(float(config.attn_config.alibi_bias_max))
+        if config.attn_config.clip_qkv:
+            writer.add_clamp_kqv(config.attn_config.clip_qkv)
     if getattr(config, "attn_logit_softcapping", None):
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
     if getattr(config, "final_logit_softcapping", None):
@@ -334,3 +363,22 @@ def test_an_architecture_forklm_lacks_is_refused_by_name(tmp_path):
     with pytest.raises(UnsupportedModelError,
                        match="'mamba' is not supported .it needs state-space .* layers.*gemma3"):
         GGUFModel(tmp_path / "mamba.gguf")
+
+
+def test_bloom_gguf_reads_as_transformers_gguf_loader(tokenizer, tmp_path, monkeypatch):
+    """transformers' own GGUF loader (its BloomTensorProcessor undoes the converter's q/k/v
+    regrouping) and forklm, each from the one file: the same greedy tokens in fp32."""
+    import transformers
+
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    model = build_tiny_model("bloom", tmp_path / "hf", tokenizer, edit=_bloom_context)
+    write_gguf(tmp_path / "bloom.gguf", model, "bloom")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="bloom.gguf", dtype=torch.float32).eval()
+    prompts = [tokenizer.encode(text) for text in PROMPT_TEXTS]
+    with Engine(model_path=str(tmp_path / "bloom.gguf"), dtype="float32",
+                max_total_tokens=1024) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={
+            "temperature": 0, "max_new_tokens": NUM_NEW, "ignore_eos": True})
+    assert [out["output_ids"] for out in outs] == [hf_greedy(theirs, ids, NUM_NEW)
+                                                   for ids in prompts]

@@ -1,9 +1,11 @@
 """The tokenizer forklm builds from a GGUF's own metadata encodes as the tokenizer the vocabulary
 came from: the default model's byte-level BPE, byte-level BPEs trained here under llama.cpp's
-`qwen2`, `llama-bpe` and `gpt-2` pre-tokenizer names, and sentencepiece-style vocabularies (BPE
-with byte fallback, written as llama.cpp's `llama` model with scores and byte tokens). BOS, EOS and
-the chat template follow the GGUF as llama.cpp reads it; the cached reload is checked alike.
-When written, llama.cpp's own llama_tokenize (vocab_only) gave these ids on all of these files."""
+`qwen2`, `llama-bpe`, `gpt-2` and `bloom` pre-tokenizer names, and sentencepiece-style
+vocabularies (BPE with byte fallback, written as llama.cpp's `llama` model with scores and byte
+tokens). BOS, EOS and the chat template follow the GGUF as llama.cpp reads it; the cached reload
+is checked alike. When written, llama.cpp's own llama_tokenize (vocab_only) gave these ids on all
+of these files but the `bloom` one (added later, without a llama.cpp build at hand: checked
+against the split of BLOOM's tokenizer.json, which llama.cpp's `bloom` regex restates)."""
 
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ LLAMA2_CHAT = ("{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} 
 # Pre-tokenizer regexes as the original tokenizer.json files state them.
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BLOOM_SPLIT = " ?[^(\\s|[.,!?…。，、।۔،])]+"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 WHOLE_WORD = " Bäume"
@@ -158,7 +161,7 @@ def _byte_level_vocab(name: str, pre: str, split: str | None, add_bos: bool | No
     llama3 = pre == "llama-bpe"
     original = _byte_level(split, specials, specials[0] if bos else None,
                            WHOLE_WORD if llama3 else None)
-    return Vocab(name, original, arch="qwen2" if pre == "qwen2" else "llama", model="gpt2",
+    return Vocab(name, original, arch=pre if pre in ("qwen2", "bloom") else "llama", model="gpt2",
                  pre=pre, bos_id=0, eos_id=2, eot_id=2, eom_id=3 if llama3 else None,
                  add_bos=add_bos, chat_template=CHATML)
 
@@ -269,6 +272,7 @@ VOCABS = {
     "llama-bpe-no-key": lambda: _byte_level_vocab("llama-bpe-no-key", "llama-bpe", LLAMA3_SPLIT,
                                                   None, bos=True),
     "gpt-2": lambda: _byte_level_vocab("gpt-2", "gpt-2", None, None, bos=False),
+    "bloom": lambda: _byte_level_vocab("bloom", "bloom", BLOOM_SPLIT, None, bos=False),
     # no add_bos_token / add_space_prefix keys: llama.cpp adds both to a sentencepiece vocabulary
     "spm-llama": lambda: _sentencepiece_vocab("spm-llama", "llama", None, None),
     "spm-llama-no-prefix": lambda: _sentencepiece_vocab("spm-llama-no-prefix", "llama", False,
@@ -336,7 +340,7 @@ def test_decode_round_trips(loaded, load):
 # llama.cpp's rule: tokenizer.ggml.add_bos_token when the file has it, else BOS for a sentencepiece
 # vocabulary and for the llama3 family of byte-level pre-tokenizers.
 ADDS_BOS = {"smollm2": False, "qwen2": False, "llama-bpe": True, "llama-bpe-no-key": True,
-            "gpt-2": False, "spm-llama": True, "spm-llama-no-prefix": False, "spm-gemma": True}
+            "gpt-2": False, "bloom": False, "spm-llama": True, "spm-llama-no-prefix": False, "spm-gemma": True}
 
 
 @pytest.mark.parametrize("load", ["first", "cached"])
@@ -384,6 +388,9 @@ _LEADING_SPACE = ("Metaspace adds no '▁' to text that starts with a space: '  
                   "where llama.cpp (add_space_prefix) and sentencepiece write '▁','▁','▁t',...")
 TRANSFORMERS_DIVERGES = {
     ("smollm2", "code"): _DIGITS,
+    ("bloom", "code"): ("`bloom` is split by GPT-2's regex, where llama.cpp and BLOOM keep each "
+                        "run of anything but spaces, brackets and a few punctuation marks whole: "
+                        "' int:' is pre-split ' int',':' and encodes 't',':' for 't:'"),
     ("smollm2", "numbers"): _DIGITS,
     ("llama-bpe", "multilingual"): _WHOLE_WORD,
     **{("llama-bpe-no-key", name): _NO_BOS for name in [*SAMPLES, "control_tokens"]},

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from forklm.kernels.triton.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from forklm.kernels.triton.extend_attention import extend_attention, extend_attention_ref  # noqa: E402
 from forklm.kernels.triton.store_kv import store_kv, store_kv_ref  # noqa: E402
+from forklm.runtime.models.layers import alibi_slopes  # noqa: E402
 
 NUM_KV_HEADS = 2
 # Atol vs the fp32 twin / vs float64 dense; fp16 rounds q, k, v and the softmax weights.
@@ -74,13 +75,17 @@ def random_lens(gen: torch.Generator, n: int, low: int, high: int, fixed: list[i
     return fixed + torch.randint(low, high + 1, (n - len(fixed),), generator=gen).tolist()
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                    alibi: torch.Tensor | None = None) -> torch.Tensor:
     """float64 causal attention: q [m, heads, d] at positions prefix..prefix+m-1 over k/v
-    [n, kv_heads, d] gathered from the pool -> [m, heads, d]."""
+    [n, kv_heads, d] gathered from the pool -> [m, heads, d]; `alibi` [heads]: ALiBi's slopes,
+    added as BLOOM adds them (slope * absolute key position)."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     s = torch.einsum("mhd,nhd->hmn", q.double(), k) / q.shape[-1] ** 0.5
+    if alibi is not None:
+        s = s + alibi.double()[:, None, None] * torch.arange(k.shape[0], dtype=torch.float64)
     visible = torch.arange(k.shape[0])[None, :] <= prefix + torch.arange(q.shape[0])[:, None]
     p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
     return torch.einsum("hmn,nhd->mhd", p, v)
@@ -139,6 +144,40 @@ def test_extend_attention(dtype, group, head_dim):
         want = dense_attention(q[rows], batch.k_buffer[slots], batch.v_buffer[slots],
                                kv_lens[b] - q_lens[b])
         assert_close(out[rows], want, tol_dense)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_attention_kernels_with_alibi(group):
+    """ALiBi's bias (slopes of 4 or 8 heads) in both kernels: decode over several splits and
+    extend chunks deep into their contexts, against the twins and a dense float64 reference."""
+    gen = torch.Generator().manual_seed(group)
+    heads = NUM_KV_HEADS * 2 * group
+    slopes = torch.tensor(alibi_slopes(heads), dtype=torch.float32)
+    kv_lens, q_lens = [1, 150, 70], [1, 40, 70]
+    batch = make_paged_batch(gen, kv_lens, 64, torch.float32)
+    q = torch.randn(len(kv_lens), heads, 64, generator=gen)
+    args = (q, batch.k_buffer, batch.v_buffer, batch.kv_indices, batch.kv_start, batch.kv_lens)
+    out = decode_attention(*args, num_kv_splits=3, alibi_slopes=slopes)
+    tol_ref, tol_dense = TOL[torch.float32]
+    assert_close(out, decode_attention_ref(*args, num_kv_splits=3, alibi_slopes=slopes), tol_ref)
+    for b, n in enumerate(kv_lens):
+        slots = batch.slots(b)
+        assert_close(out[b : b + 1], dense_attention(q[b : b + 1], batch.k_buffer[slots],
+                                                     batch.v_buffer[slots], n - 1, slopes),
+                     tol_dense)
+    q = torch.randn(sum(q_lens), heads, 64, generator=gen)
+    q_start = torch.tensor([0, 1, 41])
+    args = (q, batch.k_buffer, batch.v_buffer, q_start, torch.tensor(q_lens), batch.kv_indices,
+            batch.kv_start, batch.kv_lens, max(q_lens))
+    out = extend_attention(*args, alibi_slopes=slopes)
+    assert_close(out, extend_attention_ref(*args, alibi_slopes=slopes), tol_ref)
+    for b, (n, m) in enumerate(zip(kv_lens, q_lens)):
+        slots, rows = batch.slots(b), slice(int(q_start[b]), int(q_start[b]) + m)
+        want = dense_attention(q[rows], batch.k_buffer[slots], batch.v_buffer[slots], n - m,
+                               slopes)
+        assert_close(out[rows], want, tol_dense)
+        plain = dense_attention(q[rows], batch.k_buffer[slots], batch.v_buffer[slots], n - m)
+        assert n < 2 or not torch.allclose(want, plain, atol=1e-2)  # the bias matters
 
 
 @pytest.mark.parametrize(("src_dtype", "dst_dtype"),

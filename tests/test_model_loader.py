@@ -336,15 +336,15 @@ def test_non_gguf_file(tmp_path):
 
 def test_unsupported_gguf_arch(tmp_path, monkeypatch):
     monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
-    writer = gguf.GGUFWriter(tmp_path / "mpt.gguf", "mpt")  # gpt2 is supported now
+    writer = gguf.GGUFWriter(tmp_path / "rwkv6.gguf", "rwkv6")  # gpt2, mpt are supported now
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(UnsupportedModelError,
-                       match="architecture .mpt. is not supported .it needs ALiBi position biases"):
-        load_model(str(tmp_path / "mpt.gguf"))
+                       match="architecture .rwkv6. is not supported .it needs state-space"):
+        load_model(str(tmp_path / "rwkv6.gguf"))
 
 
 def test_default_model_not_installed(monkeypatch):

@@ -16,6 +16,7 @@ from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta
 from forklm.runtime.attention.registry import create_attention_backend
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.kvcache.pool import KVPool
+from forklm.runtime.models.layers import alibi_slopes
 from tests.conftest import assert_idle_and_clean
 from tests.test_triton_backend import make_forward_batch
 
@@ -31,8 +32,10 @@ FP16 = pytest.param(torch.float16, marks=pytest.mark.skipif(
     not native_kernels.available(torch.float16), reason="this compiler has no _Float16"))
 
 
-def attention_ref(q, k_pool, v_pool, table, tok_req, tok_end, scale, softcap=None, window=None):
-    """float64, one token at a time: q [T, H, d] over keys [start, tok_end[t]) of row tok_req[t]."""
+def attention_ref(q, k_pool, v_pool, table, tok_req, tok_end, scale, softcap=None, window=None,
+                  alibi=None):
+    """float64, one token at a time: q [T, H, d] over keys [start, tok_end[t]) of row tok_req[t];
+    `alibi` [H]: ALiBi's slopes, as BLOOM adds them (slope * absolute key position)."""
     group = q.shape[1] // k_pool.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for t in range(q.shape[0]):
@@ -44,6 +47,8 @@ def attention_ref(q, k_pool, v_pool, table, tok_req, tok_end, scale, softcap=Non
         s = torch.einsum("hd,nhd->hn", q[t].double(), k) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
+        if alibi is not None:
+            s = s + alibi.double()[:, None] * torch.arange(start, end, dtype=torch.float64)
         out[t] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
     return out
 
@@ -92,6 +97,28 @@ def test_kernel_softcap_and_sliding_window(dtype, softcap, window):
     ref = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125, softcap,
                         window)
     torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "window"), [(6, 6, None), (12, 4, None),
+                                                                  (6, 2, 50)])
+def test_kernel_alibi(dtype, num_heads, num_kv_heads, window):
+    """ALiBi's bias per query head (slopes of a head count that is no power of two, GQA groups),
+    on decode and extend tokens deep into long contexts, alone and under a sliding window."""
+    gen = torch.Generator().manual_seed(num_heads + (window or 0))
+    batch, q, k_pool, v_pool = random_case(gen, dtype, [3, 300, 60, 9], [1, 4, 2, 5], num_heads,
+                                           num_kv_heads, 64)
+    slopes = torch.tensor(alibi_slopes(num_heads), dtype=torch.float32)
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_pool, v_pool, out, batch.slot_table, tok_req, tok_end,
+                                   0.125, None, window, slopes)
+    ref = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125,
+                        window=window, alibi=slopes)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+    unbiased = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125,
+                             window=window)
+    assert not torch.allclose(ref, unbiased, atol=1e-2)  # the bias changes the result
 
 
 def test_token_map_of_packed_extends():
@@ -165,6 +192,42 @@ def test_native_backend_matches_torch_backend(dtype, kv_lens, q_lens, shared, pl
         torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
     assert torch.equal(pools[1].k_buffer, pools[0].k_buffer)
     assert torch.equal(pools[1].v_buffer, pools[0].v_buffer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_lens", "q_lens", "shared"),
+                         [([7, 1, 130], [1, 1, 1], 0), ([5, 1, 90, 40], [2, 1, 5, 3], 0),
+                          ([130 + i for i in range(16)], [1] * 16, 100)],
+                         ids=["decode", "extend", "shared-prefix"])
+def test_alibi_backends_agree(dtype, kv_lens, q_lens, shared):
+    """An ALiBi model's layers (GQA folded: 12 heads over 4 KV heads) through TorchAttention,
+    whose masks become biases (and which never splits off a shared prefix), and through the
+    native kernel: the same outputs, and TorchAttention's equal the float64 reference."""
+    gen = torch.Generator().manual_seed(len(kv_lens))
+    capacity, num_heads, num_kv_heads, head_dim = 2 * sum(kv_lens), 12, 4, 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity, shared)
+    pools = layer_pools(gen, dtype, 2, capacity, num_kv_heads, head_dim)
+    slopes = alibi_slopes(num_heads)
+    layers = [AttentionLayerSpec(alibi_slopes=slopes), AttentionLayerSpec(alibi_slopes=slopes,
+                                                                          sliding_window=20)]
+    backends = [TorchAttention(pools[0], num_heads, num_kv_heads, head_dim, layers),
+                create_attention_backend("native", pools[1], num_heads, num_kv_heads, head_dim,
+                                         layers)]
+    prepared = [backend.prepare(batch) for backend in backends]
+    assert isinstance(prepared[1].attn_meta, NativeAttentionMeta)
+    assert prepared[0].attn_meta.shared_slots is None
+    tok_req, tok_end = _token_map(batch)
+    n = batch.num_tokens
+    for layer_id, window in enumerate((None, 20)):
+        q = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
+        outs = [b.forward(layer_id, q, k, v, p).float() for b, p in zip(backends, prepared)]
+        atol = 1e-5 if dtype == torch.float32 else 2e-2  # torch's bf16 path rounds in between
+        torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
+        ref = attention_ref(q, pools[0].k_buffer[layer_id], pools[0].v_buffer[layer_id],
+                            batch.slot_table, tok_req, tok_end, head_dim**-0.5, window=window,
+                            alibi=torch.tensor(slopes))
+        torch.testing.assert_close(outs[0].double(), ref.view(n, -1), atol=atol, rtol=0)
 
 
 def test_native_backend_defers_long_extends_and_odd_heads():

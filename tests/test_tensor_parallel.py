@@ -23,6 +23,7 @@ from forklm.runtime.config import EngineConfig
 from forklm.runtime.distributed.sharding import ShardPlan, check_shardable
 from forklm.runtime.engine.engine import Engine
 from forklm.runtime.errors import EngineShutdownError, InvalidArgumentError, UnsupportedModelError
+from forklm.runtime.models.layers import alibi_slopes
 from forklm.runtime.models.spec import ModelSpec, MoESpec
 from tests.conftest import EVAL_QUESTIONS, assert_idle_and_clean
 from tests.tiny_models import build_tiny_model
@@ -62,6 +63,12 @@ def test_each_rank_keeps_the_kv_heads_its_query_heads_read(heads, kv_heads, tp):
             assert plan.kv_heads[j // plan.kv_group] == (plan.head_start + j) // group
         if kv_heads >= tp:  # whole GQA groups: no KV head is held twice
             assert local.num_kv_heads * group == local.num_heads
+
+
+def test_each_rank_keeps_its_heads_alibi_slopes():
+    slopes = alibi_slopes(12)
+    plans = [ShardPlan(_spec(12, 12, alibi_slopes=slopes), rank, 3) for rank in range(3)]
+    assert [p.local_spec.alibi_slopes for p in plans] == [slopes[:4], slopes[4:8], slopes[8:]]
 
 
 def test_shards_put_back_together_give_the_checkpoint():
@@ -203,11 +210,12 @@ def test_killed_worker_fails_requests_within_seconds(engines, prompts):
     assert not parallel.parts.runner.workers.procs[1].is_alive()
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "bloom"])
 def test_other_dense_families_match_tp1(arch, tmp_path, tokenizer, prompts):
     """qwen2: q/k/v biases and an untied LM head; gemma2: soft-caps, sandwich norms, a scaled
-    embedding and sliding windows, head_dim 32. Runs after the module's TP engine is shut down
-    (one TP engine per process)."""
+    embedding and sliding windows, head_dim 32; bloom: ALiBi (each rank its heads' slopes), a
+    norm after the vocabulary-parallel embedding. Runs after the module's TP engine is shut
+    down (one TP engine per process)."""
     build_tiny_model(arch, tmp_path, tokenizer)
     with Engine(str(tmp_path), dtype="float32", max_total_tokens=512) as single:
         expected = _ids(single.generate(input_ids=prompts[:4], sampling_params=GREEDY))

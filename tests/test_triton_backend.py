@@ -12,14 +12,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from forklm.runtime.attention.backends import TorchAttention  # noqa: E402
+from forklm.runtime.attention.backends import AttentionLayerSpec, TorchAttention  # noqa: E402
 from forklm.runtime.attention.registry import create_attention_backend  # noqa: E402
 from forklm.runtime.config import EngineConfig  # noqa: E402
 from forklm.runtime.engine.engine import Engine  # noqa: E402
 from forklm.runtime.errors import InvalidArgumentError  # noqa: E402
 from forklm.runtime.forward.batch import ForwardBatch  # noqa: E402
 from forklm.runtime.kvcache.pool import KVPool  # noqa: E402
+from forklm.runtime.models.layers import alibi_slopes  # noqa: E402
 from tests.conftest import hf_greedy  # noqa: E402
+from tests.tiny_models import build_tiny_model  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 64
 
@@ -50,10 +52,11 @@ def make_forward_batch(gen: torch.Generator, kv_lens: list[int], q_lens: list[in
     )
 
 
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 @pytest.mark.parametrize(("kv_lens", "q_lens"), [([7, 1, 130], [1, 1, 1]),
                                                  ([5, 1, 90, 40], [2, 1, 33, 40])],
                          ids=["decode", "extend"])
-def test_triton_backend_matches_torch_backend(kv_lens, q_lens):
+def test_triton_backend_matches_torch_backend(kv_lens, q_lens, alibi):
     gen = torch.Generator().manual_seed(len(kv_lens))
     capacity = 300
     batch = make_forward_batch(gen, kv_lens, q_lens, capacity)
@@ -66,8 +69,11 @@ def test_triton_backend_matches_torch_backend(kv_lens, q_lens):
     q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=gen)
     kv = torch.randn(n, 2 * NUM_KV_HEADS * HEAD_DIM, generator=gen)  # k, v as strided views
     k, v = (t.reshape(n, NUM_KV_HEADS, HEAD_DIM) for t in kv.chunk(2, dim=1))
-    backends = [TorchAttention(pools[0], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM),
-                create_attention_backend("triton", pools[1], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)]
+    # ALiBi's slopes of 6 heads (4, then 2 more) on every layer
+    layers = [AttentionLayerSpec(alibi_slopes=alibi_slopes(NUM_HEADS))] * 2 if alibi else None
+    backends = [TorchAttention(pools[0], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, layers),
+                create_attention_backend("triton", pools[1], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                                         layers)]
     outs = []
     for backend in backends:
         prepared = backend.prepare(batch)
@@ -150,3 +156,23 @@ def test_engine_greedy_tokens_equal_torch_backend(tmp_path, tokenizer):
         assert results[1]["meta_info"]["cached_tokens"] >= 4
     assert outputs["triton"] == outputs["torch"]
     assert outputs["torch"] == [hf_greedy(model, ids, 6) for ids in prompts]
+
+
+def test_engine_alibi_model_equals_transformers(tmp_path, tokenizer):
+    """A tiny BLOOM (4 heads of 16: ALiBi) through the Triton kernels: chunked prefill over a
+    cached prefix and decode give transformers' greedy tokens."""
+    def four_heads(config) -> None:
+        config.hidden_size, config.n_head = 64, 4
+
+    model = build_tiny_model("bloom", tmp_path, tokenizer, edit=four_heads)
+    texts = ["the quick brown fox jumps over the lazy dog", "the quick brown cat"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256,
+                attention_backend="triton", chunked_prefill_size=4,
+                debug_check_invariants=True) as engine:
+        engine.generate(input_ids=prompts[0][:5], sampling_params=greedy)  # cache a prefix
+        results = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert engine.last_error is None
+    assert results[0]["meta_info"]["cached_tokens"] >= 4
+    assert [r["output_ids"] for r in results] == [hf_greedy(model, ids, 6) for ids in prompts]

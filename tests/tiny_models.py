@@ -192,6 +192,24 @@ def _falcon(**variant: Any) -> Callable[[dict], transformers.PretrainedConfig]:
     return make
 
 
+def _bloom(c: dict) -> transformers.PretrainedConfig:
+    # 6 heads of 16: ALiBi's slopes for a head count that is no power of two (4, then 2 more).
+    return transformers.BloomConfig(
+        vocab_size=c["vocab_size"], hidden_size=96, n_layer=c["num_hidden_layers"], n_head=6,
+        layer_norm_epsilon=1e-4, bos_token_id=c["bos_token_id"], eos_token_id=c["eos_token_id"],
+        pad_token_id=None, tie_word_embeddings=True)
+
+
+def _mpt(c: dict) -> transformers.PretrainedConfig:
+    # 6 heads of 16 (MPT's ALiBi slopes for a head count that is no power of two), q/k/v
+    # clipped where the scaled weights reach, a softmax scale of 0.2 (1/sqrt(16) would be 0.25).
+    return transformers.MptConfig(
+        vocab_size=c["vocab_size"], d_model=96, n_heads=6, n_layers=c["num_hidden_layers"],
+        max_seq_len=c["max_position_embeddings"], layer_norm_epsilon=1e-4,
+        attn_config={"clip_qkv": 2.0, "softmax_scale": 0.2, "alibi_bias_max": 8},
+        bos_token_id=c["bos_token_id"], eos_token_id=c["eos_token_id"], pad_token_id=None)
+
+
 ARCHITECTURES: dict[str, TinyArch] = {
     "llama3": TinyArch(_llama3, transformers.LlamaForCausalLM, 3.0),
     "qwen2": TinyArch(_qwen2, transformers.Qwen2ForCausalLM, 3.0),
@@ -231,6 +249,10 @@ ARCHITECTURES: dict[str, TinyArch] = {
                                           parallel_attn=False, bias=True,
                                           tie_word_embeddings=True),
                                   transformers.FalconForCausalLM, 3.0),
+    # ALiBi, a LayerNorm after the embedding, q/k/v interleaved per head.
+    "bloom": TinyArch(_bloom, transformers.BloomForCausalLM, 3.0),
+    # ALiBi with MPT's slopes, no biases anywhere, clip_qkv.
+    "mpt": TinyArch(_mpt, transformers.MptForCausalLM, 3.0),
 }
 
 

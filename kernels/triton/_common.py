@@ -51,5 +51,11 @@ def check_index(name: str, t: torch.Tensor, size: int | None, device: torch.devi
     check_tensor(name, t, (size,), INDEX_DTYPES, device)
 
 
+def check_alibi(slopes: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """ALiBi's slopes: None, or [num_heads] contiguous float32 on the kernel's device."""
+    if slopes is not None:
+        check_tensor("alibi_slopes", slopes, (num_heads,), (torch.float32,), device)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()

@@ -17,6 +17,7 @@ import torch
 from forklm.kernels.triton._common import (
     FLOAT_DTYPES,
     check,
+    check_alibi,
     check_index,
     check_tensor,
     check_triton,
@@ -31,13 +32,14 @@ MIN_BLOCK_H = 16  # tl.dot needs >= 16 rows on GPUs: a GQA group is padded up to
 
 
 @jit
-def _stage1_kernel(Q, K, V, KV_indices, KV_start, KV_lens, Mid_O, Mid_LSE, qk_scale,
+def _stage1_kernel(Q, K, V, KV_indices, KV_start, KV_lens, Mid_O, Mid_LSE, qk_scale, Alibi,
                    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """Program (b, kv_head, split): the GROUP query heads sharing kv_head, over one context slice.
-    Writes Mid_O[b, head, split] = softmax-weighted V of the slice and Mid_LSE = its base-2 lse."""
+    Writes Mid_O[b, head, split] = softmax-weighted V of the slice and Mid_LSE = its base-2 lse.
+    HAS_ALIBI: Alibi [num_heads] holds ALiBi's slopes times log2(e) (scores are base 2)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -58,6 +60,8 @@ def _stage1_kernel(Q, K, V, KV_indices, KV_start, KV_lens, Mid_O, Mid_LSE, qk_sc
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if HAS_ALIBI:
+        slopes = tl.load(Alibi + heads, mask=mask_h, other=0.0)  # [BLOCK_H]
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -66,6 +70,8 @@ def _stage1_kernel(Q, K, V, KV_indices, KV_start, KV_lens, Mid_O, Mid_LSE, qk_sc
         k = tl.load(K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+        if HAS_ALIBI:  # slope * (key - query position); the query is the last key
+            s += slopes[:, None] * (offs_n - (kv_len - 1)).to(tl.float32)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -110,12 +116,14 @@ def _stage2_kernel(Mid_O, Mid_LSE, Out, stride_ob, stride_oh, HEAD_DIM: tl.const
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      kv_indices: torch.Tensor, kv_start: torch.Tensor, kv_lens: torch.Tensor,
-                     sm_scale: float | None = None, num_kv_splits: int | None = None
-                     ) -> torch.Tensor:
+                     sm_scale: float | None = None, num_kv_splits: int | None = None,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buffer/v_buffer [num_slots, num_kv_heads, head_dim] (one
     layer of the pool, same dtype as q); kv_indices [n] slot ids; kv_start, kv_lens [batch].
-    -> [batch, num_heads, head_dim] in q's dtype. sm_scale defaults to head_dim ** -0.5."""
+    -> [batch, num_heads, head_dim] in q's dtype. sm_scale defaults to head_dim ** -0.5.
+    alibi_slopes [num_heads] float32: head h's scores get slope_h * (key - query position)."""
     _check_args(q, k_buffer, v_buffer, kv_indices, kv_start, kv_lens)
+    check_alibi(alibi_slopes, q.shape[1], q.device)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
@@ -127,14 +135,15 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         return out
     mid_o = torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    alibi = q if alibi_slopes is None else alibi_slopes * LOG2E  # q: an unread placeholder
     _stage1_kernel[(batch, num_kv_heads, splits)](
-        q, k_buffer, v_buffer, kv_indices, kv_start, kv_lens, mid_o, mid_lse, scale,
+        q, k_buffer, v_buffer, kv_indices, kv_start, kv_lens, mid_o, mid_lse, scale, alibi,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
         BLOCK_H=max(MIN_BLOCK_H, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=4, num_stages=2,
     )
     _stage2_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
@@ -145,8 +154,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          kv_indices: torch.Tensor, kv_start: torch.Tensor, kv_lens: torch.Tensor,
-                         sm_scale: float | None = None, num_kv_splits: int | None = None
-                         ) -> torch.Tensor:
+                         sm_scale: float | None = None, num_kv_splits: int | None = None,
+                         alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of decode_attention, the same split-K algorithm in fp32 (splits merged by lse)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
@@ -160,6 +169,8 @@ def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     k = k_buffer[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=2)
     v = v_buffer[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=2)
     s = torch.einsum("bhd,bnhd->bhn", q.float(), k) * scale  # [batch, heads, width]
+    if alibi_slopes is not None:  # key minus query position, the query at kv_len - 1
+        s = s + alibi_slopes[None, :, None] * (pos - (kv_lens[:, None] - 1))[:, None, :]
     split_len = _cdiv(_cdiv(kv_lens, splits), BLOCK_N) * BLOCK_N  # [batch], as in stage 1
     split_of = pos // split_len.clamp(min=1)[:, None]  # [batch, width]
     parts, lses = [], []

@@ -15,6 +15,7 @@ import torch
 from forklm.kernels.triton._common import (
     FLOAT_DTYPES,
     check,
+    check_alibi,
     check_index,
     check_tensor,
     check_triton,
@@ -29,12 +30,14 @@ LOG2E = 1.4426950408889634
 
 @jit
 def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens, qk_scale,
-                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                   Alibi, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                    stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_ALIBI: tl.constexpr):
     """Program (m_block, b, head): BLOCK_M of request b's new queries for one head, flash-style
-    over context positions [0, end of the tile's causal reach)."""
+    over context positions [0, end of the tile's causal reach). HAS_ALIBI: Alibi [num_heads]
+    holds ALiBi's slopes times log2(e) (scores are base 2)."""
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     head = tl.program_id(2)
@@ -59,6 +62,8 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + head)
     # Key 0 is visible to every row, so each row's max is finite after the first block.
     hi = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
     for n0 in range(0, hi, BLOCK_N):
@@ -69,6 +74,8 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
         k = tl.load(K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if HAS_ALIBI:  # slope * (key - query position)
+            s += slope * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -88,13 +95,16 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      q_start: torch.Tensor, q_lens: torch.Tensor, kv_indices: torch.Tensor,
                      kv_start: torch.Tensor, kv_lens: torch.Tensor, max_q_len: int,
-                     sm_scale: float | None = None) -> torch.Tensor:
+                     sm_scale: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] packed new tokens; k_buffer/v_buffer
     [num_slots, num_kv_heads, head_dim] (one layer, same dtype as q, chunk K/V already stored);
     q_start, q_lens, kv_start, kv_lens [batch]; max_q_len >= every q_lens[b] (a host int, so the
     grid needs no device sync). -> [num_tokens, num_heads, head_dim] in q's dtype; rows no request
-    covers are left uninitialized."""
+    covers are left uninitialized. alibi_slopes [num_heads] float32: head h's scores get
+    slope_h * (key - query position)."""
     _check_args(q, k_buffer, v_buffer, q_start, q_lens, kv_indices, kv_start, kv_lens)
+    check_alibi(alibi_slopes, q.shape[1], q.device)
     num_tokens, num_heads, head_dim = q.shape
     batch = q_lens.shape[0]
     group = num_heads // k_buffer.shape[1]
@@ -106,13 +116,14 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     block = 32 if q.dtype == torch.float32 else 64
     scale = (sm_scale if sm_scale is not None else head_dim ** -0.5) * LOG2E
     grid = (triton.cdiv(max_q_len, block), batch, num_heads)
+    alibi = q if alibi_slopes is None else alibi_slopes * LOG2E  # q: an unread placeholder
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, q_start, q_lens, kv_indices, kv_start, kv_lens, scale,
+        q, k_buffer, v_buffer, out, q_start, q_lens, kv_indices, kv_start, kv_lens, scale, alibi,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, num_warps=4 if block_d <= 64 else 8, num_stages=2,
     )
     return out
 
@@ -120,7 +131,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 def extend_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          q_start: torch.Tensor, q_lens: torch.Tensor, kv_indices: torch.Tensor,
                          kv_start: torch.Tensor, kv_lens: torch.Tensor, max_q_len: int,
-                         sm_scale: float | None = None) -> torch.Tensor:
+                         sm_scale: float | None = None,
+                         alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of extend_attention: gather into a padded batch, one masked softmax in fp32."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
@@ -140,6 +152,8 @@ def extend_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     s = torch.einsum("bmhd,bnhd->bhmn", q[q_rows].float(), k) * scale
     q_pos = (kv_lens - q_lens)[:, None] + qi  # [batch, max_q]
     visible = kv_valid[:, None, :] & (kn[:, None, :] <= q_pos[:, :, None])  # [batch, max_q, width]
+    if alibi_slopes is not None:  # slope * (key - query position)
+        s = s + alibi_slopes[None, :, None, None] * (kn[:, None, :] - q_pos[:, :, None])[:, None]
     s = s.masked_fill(~visible[:, None], -math.inf)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     o = torch.einsum("bhmn,bnhd->bmhd", p, v).to(q.dtype)  # [batch, max_q, heads, d]

@@ -25,11 +25,26 @@ class AttentionLayerSpec:
     # from the radix cache or an earlier prefill chunk (their KV is all still in the pool).
     sliding_window: int | None = None
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask
+    # ALiBi: head h's scores get alibi_slopes[h] * (key position - query position), <= 0 for
+    # the keys a query sees (the same softmax as BLOOM's slope * key position, with smaller
+    # numbers). Positions are absolute in the request's context, so the bias holds for keys that
+    # came from the radix cache or an earlier chunk. None: no bias.
+    alibi_slopes: tuple[float, ...] | None = None
 
 
 def layer_specs(layers: Sequence[AttentionLayerSpec] | None, num_layers: int) -> list[AttentionLayerSpec]:
     """One spec per layer; None means plain causal attention everywhere."""
     return list(layers) if layers else [AttentionLayerSpec()] * num_layers
+
+
+def alibi_slopes_of(layers: Sequence[AttentionLayerSpec], device: torch.device | str
+                    ) -> torch.Tensor | None:
+    """The layers' ALiBi slopes as one float32 tensor [num_heads] on `device`; None: no ALiBi.
+    The backends build a batch's bias once for all layers, so every layer must share them."""
+    slopes = {spec.alibi_slopes for spec in layers}
+    assert len(slopes) == 1, "ALiBi on every layer alike, or on none"
+    first = slopes.pop()
+    return None if first is None else torch.tensor(first, dtype=torch.float32, device=device)
 
 
 class AttentionBackend(Protocol):
@@ -52,9 +67,10 @@ class TorchAttentionMeta:
     """TorchAttention's per-batch state, built by prepare()."""
 
     # [batch, 1, group*max_q, max_kv] bool, causal over the padded queries; None when every
-    # query sees every key (a decode batch whose contexts are all as long: batch 1, say)
+    # query sees every key (a decode batch whose contexts are all as long: batch 1, say). With
+    # ALiBi an additive float bias instead, [batch, kv_heads, group*max_q, max_kv] (-inf: hidden).
     mask: torch.Tensor | None
-    window_masks: dict[int, torch.Tensor]  # sliding window -> mask of the same shape
+    window_masks: dict[int, torch.Tensor]  # sliding window -> mask of the same kind
     packed_rows: torch.Tensor | None  # real rows of the padded output; None: all (decode)
     flat_slots: torch.Tensor  # [batch * (max_kv - shared)] each request's own context slots
     shared_slots: torch.Tensor | None  # [shared_len] or None: no split
@@ -72,7 +88,8 @@ class TorchAttention:
     softmax runs over both parts' scores together, so the result is ordinary attention.
 
     Layers with a sliding window use their own mask (and never the split); layers with
-    soft-capped scores run the attention in plain ops, since SDPA has no soft-capping.
+    soft-capped scores run the attention in plain ops, since SDPA has no soft-capping. ALiBi
+    models (every layer biased alike) take their masks as additive biases, built once per batch.
     """
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -84,6 +101,8 @@ class TorchAttention:
         self.scales = [spec.scale or head_dim**-0.5 for spec in self.layers]
         self.windows = sorted({spec.sliding_window for spec in self.layers if spec.sliding_window})
         self.softcapped = any(spec.softcap is not None for spec in self.layers)
+        self.alibi = alibi_slopes_of(self.layers, pool.device)  # [num_heads] float32 or None
+        assert self.alibi is None or not self.softcapped, "ALiBi with soft-capping"
         self.min_split_batch = MIN_SPLIT_BATCH.get(pool.k_buffer.dtype, MIN_SPLIT_BATCH_DEFAULT)
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
@@ -103,8 +122,8 @@ class TorchAttention:
                 for w in self.windows}
         # The split gathers only each request's suffix for every layer, so a model with a
         # windowed or soft-capped layer (which reads the whole context) never splits.
-        shared = 0 if self.windows or self.softcapped else _shared_prefix_len(
-            batch, self.min_split_batch)
+        shared = 0 if self.windows or self.softcapped or self.alibi is not None else (
+            _shared_prefix_len(batch, self.min_split_batch))
         table = batch.slot_table
         # Additive mask for the own-suffix part of a split (the flash op takes q's dtype).
         suffix_bias = None
@@ -113,14 +132,30 @@ class TorchAttention:
             visible = folded[..., shared:]  # [batch, 1, rows, suffix]
             suffix_bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
                 ~visible, float("-inf"))
+        mask = None if _all_keys_visible(batch) else folded
+        if self.alibi is not None:  # every mask becomes the bias it leaves visible
+            bias = self._alibi_bias(k_pos - q_pos)
+            mask = bias.masked_fill(~folded, float("-inf"))
+            window_masks = {w: bias.masked_fill(~m, float("-inf")) for w, m in window_masks.items()}
         meta = TorchAttentionMeta(
-            mask=None if _all_keys_visible(batch) else folded, window_masks=window_masks,
+            mask=mask, window_masks=window_masks,
             packed_rows=None if batch.is_decode else packed_rows(batch),
             # index_select on a flat index is ~6x faster on the CPU than advanced indexing with
             # the 2-D table (0.09 vs 0.54 ms per batch-16 K gather, benchmarks/NOTES.md).
             flat_slots=table[:, shared:].reshape(-1),
             shared_slots=table[0, :shared] if shared else None, suffix_bias=suffix_bias)
         return dataclasses.replace(batch, attn_meta=meta)
+
+    def _alibi_bias(self, distance: torch.Tensor) -> torch.Tensor:
+        """distance [batch, max_q, max_kv] (key minus query position) -> ALiBi's bias [batch,
+        kv_heads, group*max_q, max_kv] in the pool's dtype, folded as the queries are: row
+        g * max_q + i of KV head h is query i of head h * group + g."""
+        assert self.alibi is not None
+        max_q = distance.shape[1]
+        slopes = self.alibi.to(distance.device).view(self.num_kv_heads, self.group)
+        rows = slopes.repeat_interleave(max_q, dim=1)  # [kvh, group*max_q]
+        folded = distance.float().repeat(1, self.group, 1)[:, None]  # [batch, 1, rows, max_kv]
+        return (rows[None, :, :, None] * folded).to(self.pool.k_buffer.dtype)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:

@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from forklm.runtime.attention.backends import AttentionLayerSpec, layer_specs, packed_rows
+from forklm.runtime.attention.backends import (
+    AttentionLayerSpec,
+    alibi_slopes_of,
+    layer_specs,
+    packed_rows,
+)
 
 if TYPE_CHECKING:
     from forklm.runtime.forward.batch import ForwardBatch
@@ -50,6 +55,9 @@ class InvariantAttentionMeta:
     hidden: dict[int | None, torch.Tensor]
     num_rows: int  # real folded query rows per (request, kv head): group * max_q
     packed_rows: torch.Tensor | None  # real rows of the padded output; None: all (decode)
+    # ALiBi's slope * (key - query position), [kvh, batch, chunks, tiles, tile, KEY_CHUNK]
+    # float32: a function of each row's head and position only; None: no ALiBi
+    alibi_bias: torch.Tensor | None = None
 
 
 class BatchInvariantAttention:
@@ -66,6 +74,7 @@ class BatchInvariantAttention:
         self.layers = layer_specs(layers, pool.num_layers)
         self.scales = [spec.scale or head_dim**-0.5 for spec in self.layers]
         self.windows = sorted({spec.sliding_window for spec in self.layers if spec.sliding_window})
+        self.alibi = alibi_slopes_of(self.layers, pool.device)  # [num_heads] float32 or None
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         device = batch.q_lens.device
@@ -85,12 +94,20 @@ class BatchInvariantAttention:
         hidden: dict[int | None, torch.Tensor] = {None: after}
         for w in self.windows:
             hidden[w] = after | (k_pos <= q_pos - w)
+        def tiled(m: torch.Tensor) -> torch.Tensor:  # [b, tiles*tile, keys] -> scores' layout
+            return m.view(1, bsz, tiles, tile, chunks, KEY_CHUNK).permute(0, 1, 4, 2, 3, 5)
+
+        alibi_bias = None
+        if self.alibi is not None:  # row r's head within its KV group is r // max_q
+            group_of = torch.clamp(r // max_q, max=self.group - 1)  # [tiles*tile]
+            slopes = self.alibi.to(device).view(self.num_kv_heads, self.group)[:, group_of]
+            alibi_bias = (slopes.view(-1, 1, 1, tiles, tile, 1)
+                          * tiled((k_pos - q_pos).float())).contiguous()
         meta = InvariantAttentionMeta(
             slots=table.reshape(-1),
-            hidden={w: m.view(1, bsz, tiles, tile, chunks, KEY_CHUNK).permute(0, 1, 4, 2, 3, 5)
-                    .contiguous() for w, m in hidden.items()},
+            hidden={w: tiled(m).contiguous() for w, m in hidden.items()},
             num_rows=rows,
-            packed_rows=None if batch.is_decode else packed_rows(batch))
+            packed_rows=None if batch.is_decode else packed_rows(batch), alibi_bias=alibi_bias)
         return dataclasses.replace(batch, attn_meta=meta)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -116,6 +133,8 @@ class BatchInvariantAttention:
         scores = _chunk_products(q_tiles, k_ctx, transpose=True)  # [kvh, b, chunks, tiles, tile, chunk]
         if spec.softcap is not None:
             scores = torch.tanh(scores / spec.softcap) * spec.softcap
+        if meta.alibi_bias is not None:
+            scores += meta.alibi_bias
         scores.masked_fill_(hidden, float("-inf"))
         chunk_max = scores.amax(dim=-1, keepdim=True).clamp_min(_NO_SCORE)
         p = torch.exp(scores - chunk_max)

@@ -78,7 +78,7 @@ class NativeAttention(TorchAttention):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)  # [num_tokens, heads * d]
         scale, softcap, window = self.kernel_specs[layer_id]
         meta.plan.run(q.contiguous(), self.k_layers[layer_id], self.v_layers[layer_id], out,
-                      scale, softcap, window, self.dtype_code)
+                      scale, softcap, window, self.dtype_code, self.alibi)
         return out
 
 

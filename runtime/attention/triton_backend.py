@@ -13,7 +13,7 @@ import torch
 from forklm.kernels.triton.decode_attention import decode_attention
 from forklm.kernels.triton.extend_attention import extend_attention
 from forklm.kernels.triton.store_kv import store_kv
-from forklm.runtime.attention.backends import AttentionLayerSpec, layer_specs
+from forklm.runtime.attention.backends import AttentionLayerSpec, alibi_slopes_of, layer_specs
 from forklm.runtime.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 class TritonAttention:
     """Stores the new K/V with store_kv, then runs decode_attention (every request has one new
-    token) or extend_attention (chunks with cached prefixes).
+    token) or extend_attention (chunks with cached prefixes), with ALiBi's bias where the model
+    has it.
 
     The kernels take a flattened slot table with per-request start offsets; the engine's padded
     slot_table [batch, width] is that table with kv_start[b] = b * width, so prepare() only moves
@@ -38,6 +39,7 @@ class TritonAttention:
                                        "the Triton kernels have no sliding windows or soft-capping "
                                        "yet; this model needs attention_backend='torch'")
         self.scales = [spec.scale for spec in layers]
+        self.alibi = alibi_slopes_of(layers, pool.device)  # [num_heads] float32 or None
         if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidArgumentError("attention_backend", "triton",
                                        f"needs a CUDA device, the KV pool is on {pool.device} "
@@ -75,9 +77,11 @@ class TritonAttention:
         if batch.is_decode:
             assert batch.num_tokens == batch.batch_size, "a decode batch has one token per request"
             out = decode_attention(q, k_buffer, v_buffer, meta["kv_indices"], meta["kv_start"],
-                                   meta["kv_lens"], sm_scale=self.scales[layer_id])
+                                   meta["kv_lens"], sm_scale=self.scales[layer_id],
+                                   alibi_slopes=self.alibi)
         else:
             out = extend_attention(q, k_buffer, v_buffer, meta["q_start"], meta["q_lens"],
                                    meta["kv_indices"], meta["kv_start"], meta["kv_lens"],
-                                   batch.max_q_len, sm_scale=self.scales[layer_id])
+                                   batch.max_q_len, sm_scale=self.scales[layer_id],
+                                   alibi_slopes=self.alibi)
         return out.view(q.shape[0], self.num_heads * self.head_dim)

@@ -110,7 +110,9 @@ class ShardPlan:
     @property
     def local_spec(self) -> ModelSpec:
         """The model this rank builds: fewer heads, MLP columns and vocabulary rows."""
+        heads = slice(self.head_start, self.head_start + self.num_heads)
         return dataclasses.replace(self.spec, num_heads=self.num_heads,
+                                   alibi_slopes=self.spec.alibi_slopes[heads],  # its heads' own
                                    num_kv_heads=len(self.kv_heads),
                                    intermediate_size=self.intermediate[1],
                                    vocab_size=self.vocab_size)

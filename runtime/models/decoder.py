@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 def make_norm(spec: ModelSpec, shape: int | tuple[int, ...], bias: bool = True) -> nn.Module:
     """The family's norm over the last axis; `bias` only matters for LayerNorm."""
     if spec.norm_kind == "layer":
-        return LayerNorm(shape, spec.norm_eps, spec.norm_offset, bias)
+        return LayerNorm(shape, spec.norm_eps, spec.norm_offset, bias and spec.norm_bias)
     assert isinstance(shape, int), "RMSNorm weights are one row"
     return RMSNorm(shape, spec.norm_eps, spec.norm_offset)
 
@@ -52,6 +52,7 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(spec.hidden_size, (q_size, kv_size, kv_size), spec.qkv_bias)
         self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_clip = spec.qkv_clip
         self.qk_norm = spec.qk_norm
         if spec.qk_norm:  # before RoPE; StableLM's q/k LayerNorms have no bias
             q_shape, k_shape = {"head": (spec.head_dim, spec.head_dim),
@@ -66,7 +67,10 @@ class Attention(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> rotated q [T, heads, d], k and v [T, kv_heads, d]; cos/sin are this
         forward's rows of the rotary tables (RotaryEmbedding.tables_for)."""
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.qkv_clip is not None:  # MPT's clip_qkv
+            qkv = qkv.clamp(-self.qkv_clip, self.qkv_clip)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         if self.qk_norm == "proj":  # [T, heads * d], [T, kv_heads * d]
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [T, heads, d]
@@ -178,6 +182,8 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, config, max_positions: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        if spec.embed_norm:  # BLOOM's word_embeddings_layernorm
+            self.embed_norm = make_norm(spec, spec.hidden_size)
         if spec.position_embeddings:
             if max_positions > spec.position_embeddings:
                 raise UnsupportedModelError(
@@ -218,7 +224,9 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[AttentionLayerSpec]:
         """What the attention backend must do differently per layer."""
         return [AttentionLayerSpec(scale=self.spec.attn_scale, sliding_window=layer.sliding_window,
-                                   softcap=self.spec.attn_softcap) for layer in self.spec.layers]
+                                   softcap=self.spec.attn_softcap,
+                                   alibi_slopes=self.spec.alibi_slopes or None)
+                for layer in self.spec.layers]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -247,7 +255,7 @@ class CausalLM(nn.Module):
         x = _rows(self.model.embed_tokens, ids)
         if self.spec.embed_scale is not None:  # rounded to the model's dtype, as transformers does
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
-        return x
+        return self.model.embed_norm(x) if self.spec.embed_norm else x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.head_tile_rows:

@@ -27,7 +27,8 @@ LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                "output": "lm_head", "position_embd": "model.embed_positions"}
+                "output": "lm_head", "position_embd": "model.embed_positions",
+                "token_embd_norm": "model.embed_norm"}  # BLOOM's norm after the embedding
 # Stacked experts [experts, rows, cols]: one Hugging Face matrix per expert.
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                 "ffn_down_exps": "down_proj"}
@@ -182,6 +183,22 @@ def _granite(key: Key, hidden: int, heads: int) -> dict[str, Any]:
             "logits_scaling": key("logit_scale", 1.0)}
 
 
+def _mpt(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    # MPT's context length is max_seq_len; ALiBi's bias maximum and clip_qkv (llama.cpp's
+    # clamp_kqv) from the file, the softmax scale 1/sqrt(head_dim) (no key). The slopes are MPT's
+    # own rule (spec.py), which for a head count that is no power of two is not ggml's.
+    bias_max = key("attention.max_alibi_bias", 8.0)
+    return {"max_seq_len": key("context_length"), "attn_config": {
+        "alibi_bias_max": int(bias_max) if float(bias_max).is_integer() else bias_max,
+        "clip_qkv": key("attention.clamp_kqv")}}
+
+
+def _bloom_tensors(names: set[str]) -> dict[str, Any]:
+    # BLOOM's head is its embedding: llama.cpp's converter writes a copy of it as output.weight,
+    # which transformers ignores (it ties BLOOM whatever the file has), and so does forklm.
+    return {"tie_word_embeddings": True}
+
+
 _FALCON_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"}
 # Falcon 40B's two norms: llama.cpp calls the MLP's (ln_mlp) attn_norm, the attention's (ln_attn)
 # attn_norm_2; Falcon 7B's one norm (attn_norm) feeds both.
@@ -232,6 +249,12 @@ GGUF_ARCHS = {
     # exact GELU Falcon's config names.
     "falcon": GGUFArch(transformers.FalconConfig, _falcon, _FALCON_NAMES,
                        tensor_config=_falcon_tensors, eps_field="layer_norm_epsilon"),
+    # llama.cpp's converter regrouped BLOOM's per-head q/k/v rows as all q, all k, all v:
+    # forklm's fused order. ALiBi, the MLP width (4 * hidden) and GELU come from the family.
+    "bloom": GGUFArch(transformers.BloomConfig, layer_names=_FALCON_NAMES,
+                      tensor_config=_bloom_tensors, eps_field="layer_norm_epsilon"),
+    # MPT's Wqkv is q, k, v in order; its head is the embedding (spec.py ties it).
+    "mpt": GGUFArch(transformers.MptConfig, _mpt, _FALCON_NAMES, eps_field="layer_norm_epsilon"),
 }
 
 

@@ -17,6 +17,10 @@ _SPACE = "\u2581"  # sentencepiece's visible space
 # (transformers applies GPT-2's split alone, so " 123" stays one piece). SmolLM2 is one.
 _DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell",
                                "exaone", "minerva-7b", "mellum2"})
+# ... names llama.cpp splits by a regex of their own, as their tokenizer.json does before its
+# byte-level step (transformers applies GPT-2's split instead). BLOOM's keeps each run of
+# anything but whitespace and a few punctuation marks whole, with one space in front.
+_OWN_SPLITS = {"bloom": r" ?[^(\s|.,!?…。，、।۔،)]+"}
 # ... names whose vocabulary is looked up whole before any merge (tokenizers' ignore_merges).
 _WHOLE_WORDS_FIRST = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1",
                                 "pixtral", "midm-2.0", "lfm2", "jina-v5-nano", "tekken",
@@ -85,6 +89,10 @@ def _byte_level_split(backend: Any, pre: str | None) -> None:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])  # GPT-2's split
+    if pre in _OWN_SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_OWN_SPLITS[pre]), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if pre in _WHOLE_WORDS_FIRST:
         backend.model.ignore_merges = True
 

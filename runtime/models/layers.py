@@ -1,6 +1,6 @@
 """Layers shared by every decoder family: RMSNorm (with Gemma's +1 offset), LayerNorm (with
 Nemotron's), rotary embeddings (every static rope scaling transformers defines, and none: NoPE
-layers), activations and tanh soft-capping."""
+layers), ALiBi's slopes (BLOOM's and MPT's), activations and tanh soft-capping."""
 
 from __future__ import annotations
 
@@ -59,6 +59,24 @@ class LayerNorm(nn.Module):
             return F.layer_norm(x, dim, weight, self.bias, self.eps)
         out = F.layer_norm(x, dim, None, None, self.eps) * weight
         return out if self.bias is None else out + self.bias
+
+
+def alibi_slopes(num_heads: int) -> tuple[float, ...]:
+    """ALiBi's per-head slopes (Press et al., as BLOOM computes them): 2^(-8i/n) for i = 1..n, n
+    the largest power of two <= num_heads; the heads past n take the odd-numbered slopes of 2n
+    heads, 2^(-4i/n) for i = 1, 3, 5, ..."""
+    n = 1 << (num_heads.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * i / n) for i in range(1, n + 1)]
+    return tuple(slopes + [2.0 ** (-4.0 * i / n) for i in range(1, 2 * (num_heads - n), 2)])
+
+
+def mpt_alibi_slopes(num_heads: int, bias_max: float) -> tuple[float, ...]:
+    """MPT's ALiBi slopes: 2^(-i * bias_max / n) for i = 1..n, n the smallest power of two >=
+    num_heads; with fewer heads, the even-numbered slopes then the odd ones, the first num_heads
+    of them."""
+    n = 1 << (num_heads - 1).bit_length()
+    slopes = [2.0 ** (-i * bias_max / n) for i in range(1, n + 1)]
+    return tuple(slopes if n == num_heads else (slopes[1::2] + slopes[::2])[:num_heads])
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -72,6 +72,7 @@ def load_model(model_path: str, revision: str | None = None,
 # config's text_config, and their weights under the language model's prefix (the Hub's names and
 # transformers 5's); the vision tower and projector are not loaded.
 _TEXT_OF_MULTIMODAL = frozenset({"gemma3"})
+ALIBI_CONTEXT = 2048  # BLOOM's training sequence length
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."))
 
@@ -82,6 +83,11 @@ def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
     config = outer.get_text_config() if multimodal else outer
     if multimodal:  # the multimodal model ties (or not) its language model's head
         config.tie_word_embeddings = bool(getattr(outer, "tie_word_embeddings", False))
+    if getattr(config, "max_position_embeddings", None) is None:
+        # ALiBi models have no position table: MPT states its training length as max_seq_len,
+        # BLOOM not at all (2048). The engine's context_length may go past it.
+        config.max_position_embeddings = (getattr(config, "max_seq_len", None)
+                                          or getattr(config, "seq_length", None) or ALIBI_CONTEXT)
     shards = _safetensors_files(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     eos_ids = _eos_ids_from(_read_json(folder / "generation_config.json"), config, tokenizer)

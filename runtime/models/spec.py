@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forklm.runtime.errors import UnsupportedModelError
-from forklm.runtime.models.layers import NO_ROPE
+from forklm.runtime.models.layers import NO_ROPE, alibi_slopes, mpt_alibi_slopes
 from forklm.runtime.models.unsupported import missing_mechanism
 
 # rope_type values whose tables do not depend on the sequence being decoded ("dynamic" NTK does).
@@ -48,11 +48,14 @@ class ModelSpec:
     tie_word_embeddings: bool
     activation: str = "silu"  # "silu", "gelu_tanh", "gelu" or "relu2"
     qkv_bias: bool = False
+    qkv_clip: float | None = None  # MPT's clip_qkv: the fused q/k/v clamped to [-clip, clip]
     o_bias: bool = False
     mlp_bias: bool = False
     norm_kind: str = "rms"  # "rms", or "layer": LayerNorm with a bias (StableLM, StarCoder 2)
+    norm_bias: bool = True  # False: LayerNorms without a bias (MPT)
     norm_offset: float = 0.0  # Gemma (RMS) and Nemotron (Layer) store norm weights as w - 1
     embed_scale: float | None = None  # Gemma: sqrt(hidden_size); Granite: embedding_multiplier
+    embed_norm: bool = False  # BLOOM: a norm of its own right after the token embedding
     # "head": one norm over each head's q and k (Qwen3, Gemma 3); "each_head": a norm of its own
     # per head (StableLM); "proj": over the whole q and k projections (OLMo 2). "": none.
     qk_norm: str = ""
@@ -68,6 +71,10 @@ class ModelSpec:
     # GPT-2: rows of a learned absolute position table added to the embeddings; 0: none.
     position_embeddings: int = 0
     attn_scale: float = 0.0  # softmax scale; set from head_dim when 0
+    # ALiBi (BLOOM, MPT): each head's slope of a linear bias on its scores, slope_h * (key
+    # position - query position), in place of rotary positions (every layer's table is the
+    # identity); () none.
+    alibi_slopes: tuple[float, ...] = ()
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None
     layers: tuple[LayerSpec, ...] = ()
@@ -83,6 +90,7 @@ class ModelSpec:
         assert self.norm_placement in ("pre", "sandwich", "post"), self.norm_placement
         assert self.parallel_residual in ("", "shared_norm", "own_norm"), self.parallel_residual
         assert not self.parallel_residual or self.norm_placement == "pre", "parallel: pre norms"
+        assert not self.alibi_slopes or len(self.alibi_slopes) == self.num_heads, "a slope a head"
         assert self.residual_scale == 1.0 or (self.norm_placement == "pre"
                                               and not self.parallel_residual), "residual_scale"
 
@@ -303,7 +311,8 @@ def _falcon(config: Any) -> ModelSpec:
     # Attention and MLP in parallel (one shared norm, or ln_attn and ln_mlp on the 40B+ layout)
     # or in sequence; multi-query, grouped or per-head q/k/v (checkpoint_layouts.py regroups it).
     if config.alibi:
-        _refuse(config, "alibi", True, "ALiBi position biases are not implemented")
+        _refuse(config, "alibi", True, "Falcon's ALiBi (divided by sqrt(head_dim), rounded to "
+                "bf16 per position) is not implemented; BLOOM's and MPT's are")
     if config.new_decoder_architecture and not config.parallel_attn:
         _refuse(config, "parallel_attn", False, "the new decoder architecture runs in parallel")
     two_norms = config.new_decoder_architecture and (config.num_ln_in_parallel_attn or 2) == 2
@@ -312,6 +321,45 @@ def _falcon(config: Any) -> ModelSpec:
         config, intermediate_size=config.ffn_hidden_size, norm_eps=config.layer_norm_epsilon,
         norm_kind="layer", qkv_bias=bool(config.bias), o_bias=bool(config.bias),
         mlp_bias=bool(config.bias), gated_mlp=False, parallel_residual=parallel))
+
+
+def _bloom(config: Any) -> ModelSpec:
+    # ALiBi in place of positions, a LayerNorm after the embedding, LayerNorms and biases
+    # everywhere, a plain 4 * hidden GELU (tanh) MLP, q/k/v fused per head
+    # (checkpoint_layouts.py regroups them). pretraining_tp / slow_but_exact only change the
+    # order of a sum (the output matmuls in slices), not what is computed.
+    if config.apply_residual_connection_post_layernorm:
+        _refuse(config, "apply_residual_connection_post_layernorm", True,
+                "the residual is each block's input")
+    n = config.num_hidden_layers
+    return ModelSpec(**_common(
+        config, intermediate_size=4 * config.hidden_size, norm_eps=config.layer_norm_epsilon,
+        norm_kind="layer", activation="gelu_tanh", qkv_bias=True, o_bias=True, mlp_bias=True,
+        gated_mlp=False, embed_norm=True, alibi_slopes=alibi_slopes(config.num_attention_heads),
+        rope={NO_ROPE: {"rope_type": NO_ROPE}}, layers=_layers(config, [None] * n, [NO_ROPE] * n)))
+
+
+def _mpt(config: Any) -> ModelSpec:
+    # What transformers' MPT computes: ALiBi with MPT's slopes, LayerNorms and linears without
+    # biases, a plain 4 * hidden exact-GELU MLP, q/k/v fused in order (Wqkv), clip_qkv, a tied
+    # head. Fields it ignores but that would change the computation are refused here; a
+    # checkpoint with biases or learned positions is refused by name when its weights load.
+    attn = config.attn_config
+    for name, value, honoured in (
+            ("attn_config.alibi", attn.alibi, True), ("attn_config.qk_ln", attn.qk_ln, False),
+            ("attn_config.prefix_lm", attn.prefix_lm, False),
+            ("attn_config.attn_type", attn.attn_type, "multihead_attention"),
+            ("expansion_ratio", config.expansion_ratio, 4), ("logit_scale", config.logit_scale, None)):
+        if value != honoured:
+            _refuse(config, name, value, f"only {honoured!r}")
+    n = config.num_hidden_layers
+    return ModelSpec(**_common(
+        config, intermediate_size=4 * config.hidden_size, norm_eps=config.layer_norm_epsilon,
+        norm_kind="layer", norm_bias=False, activation="gelu", gated_mlp=False,
+        qkv_clip=attn.clip_qkv, attn_scale=attn.softmax_scale or 0.0,
+        alibi_slopes=mpt_alibi_slopes(config.num_attention_heads, attn.alibi_bias_max),
+        tie_word_embeddings=True, rope={NO_ROPE: {"rope_type": NO_ROPE}},
+        layers=_layers(config, [None] * n, [NO_ROPE] * n)))
 
 
 _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
@@ -333,5 +381,7 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "nemotron": _nemotron,
     "gpt2": _gpt2,
     "falcon": _falcon,
+    "bloom": _bloom,
+    "mpt": _mpt,
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))

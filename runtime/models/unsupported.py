@@ -11,8 +11,6 @@ MISSING_MECHANISMS = {
     "gpt-oss": "attention sinks and clamped-SwiGLU experts",
     "gemma4": "per-layer input embeddings and layers that share another layer's KV",
     "gemma3n": "per-layer input embeddings, AltUp and layers that share another layer's KV",
-    "bloom": "ALiBi position biases",
-    "mpt": "ALiBi position biases",
     "mamba": _STATE_SPACE,
     "mamba2": _STATE_SPACE,
     "falcon_mamba": _STATE_SPACE,
