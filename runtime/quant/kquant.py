@@ -30,7 +30,7 @@ KQUANT_TYPES = frozenset(RECORD_BYTES)
 # Calls of this many rows or more use a model's dense bf16 copy where it has one (small models,
 # onednn_linear.attach_dense_copies): measured in benchmarks/kquant_matmul.py, where the packed
 # bf16 GEMM overtakes the int8 records.
-DENSE_COPY_MIN_ROWS = 64
+DENSE_COPY_MIN_ROWS = 12
 # From this many rows (prefill chunks) a matrix is dequantized to bf16 for the call, into a
 # scratch buffer reused by every call of the thread, and multiplied by torch's GEMM (oneDNN):
 # exact bf16 activations, and faster than the int8 records from here (benchmarks/
