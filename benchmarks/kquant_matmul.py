@@ -13,6 +13,7 @@ blocks with realistic fp16 steps, tests/test_quant.make_weight).
 from __future__ import annotations
 
 import argparse
+import functools
 import platform
 
 import torch
@@ -25,9 +26,14 @@ from forklm.runtime.quant.linear import QuantizedLinear, use_int8_activations
 
 
 def cpu_name() -> str:
-    flags = open("/proc/cpuinfo").read()
+    with open("/proc/cpuinfo") as f:
+        flags = f.read()
     isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX2" if "avx2" in flags else "?"
     return f"{platform.processor() or platform.machine()} ({isa}), {torch.get_num_threads()} threads"
+
+
+def _dequantized_product(matrix: KQuantMatrix, wt: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x @ matrix.dense_t(wt)
 
 
 def main() -> None:
@@ -65,9 +71,12 @@ def main() -> None:
                 x = torch.randn(rows, in_features).bfloat16()
                 calls = max(1, 64 // rows)
                 with torch.inference_mode():
-                    t = medians({"records": lambda: kq_records(x), "int4": lambda: int4(x),
-                                 "dense": lambda: dense(x), "dequant": lambda: x @ kq.dense_t(wt),
-                                 "dequant only": lambda: kq.dense_t(wt)}, calls, args.rounds)
+                    t = medians({"records": functools.partial(kq_records, x),
+                                 "int4": functools.partial(int4, x),
+                                 "dense": functools.partial(dense, x),
+                                 "dequant": functools.partial(_dequantized_product, kq, wt, x),
+                                 "dequant only": functools.partial(kq.dense_t, wt)},
+                                calls, args.rounds)
                 print(f"| {type_name} | {shape} | {rows} | {t['records']:.0f} | {t['int4']:.0f} "
                       f"| {t['dense']:.0f} | {t['dequant']:.0f} ({t['dequant only']:.0f}) | "
                       f"{t['records'] / t['int4']:.2f} | {t['records'] / t['dense']:.2f} |",

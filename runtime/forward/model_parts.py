@@ -5,7 +5,6 @@ both build, so it lives below both."""
 from __future__ import annotations
 
 import functools
-
 import logging
 from typing import TYPE_CHECKING
 
