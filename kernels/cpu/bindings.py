@@ -117,18 +117,24 @@ class AttentionPlan:
     fn: Callable[..., int]  # paged_attention_batch
 
     def run(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
-            out: torch.Tensor, scale: float, softcap: float, window: int, dtype: int) -> None:
+            out: torch.Tensor, scale: float, softcap: float, window: int, dtype: int,
+            sinks: torch.Tensor | None = None) -> None:
         """out = attention of q over the plan's keys in (k_layer, v_layer). Shapes and dtypes as
         plan() was told, unchecked here: q, out [num_tokens, num_heads, head_dim] contiguous
         (out may be [num_tokens, num_heads * head_dim]); k_layer, v_layer [num_slots,
-        num_kv_heads, head_dim] contiguous; all of DTYPES[dtype]. softcap 0 / window 0: none."""
+        num_kv_heads, head_dim] contiguous; all of DTYPES[dtype]. softcap 0 / window 0: none.
+        sinks: [num_heads] contiguous fp32 logits that join each head's softmax (gpt-oss)."""
+        assert sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous()
+                                 and sinks.numel() == self.batch.num_heads)
         self.run_addresses(q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
-                           scale, softcap, window, dtype)
+                           scale, softcap, window, dtype, 0 if sinks is None else sinks.data_ptr())
 
     def run_addresses(self, q: int, k_layer: int, v_layer: int, out: int, scale: float,
-                      softcap: float, window: int, dtype: int) -> None:
-        """run() on the tensors' data_ptr()s (the fused decode layers keep them per layer)."""
-        rc = self.fn(self.address, q, k_layer, v_layer, out, scale, softcap, window, dtype)
+                      softcap: float, window: int, dtype: int, sinks: int = 0) -> None:
+        """run() on the tensors' data_ptr()s (the fused decode layers keep them per layer);
+        sinks 0: none."""
+        rc = self.fn(self.address, q, k_layer, v_layer, out, scale, softcap, window, dtype,
+                     sinks or None)
         assert rc == 0, f"paged_attention rejected dtype {dtype}, head_dim {self.batch.head_dim}"
 
 
@@ -154,7 +160,7 @@ def plan(slot_table: torch.Tensor, tok_req: torch.Tensor, tok_end: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                     out: torch.Tensor, slot_table: torch.Tensor, tok_req: torch.Tensor,
                     tok_end: torch.Tensor, scale: float, softcap: float | None,
-                    window: int | None) -> None:
+                    window: int | None, sinks: torch.Tensor | None = None) -> None:
     """One call of plan(...).run(...): out[t] = attention of q[t] over keys [start, tok_end[t])
     of request tok_req[t] (start = tok_end - window with a sliding window, else 0).
 
@@ -165,7 +171,7 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
         assert x.is_contiguous() and x.device.type == "cpu" and x.dtype == q.dtype
     assert out.shape == q.shape and k_layer.shape == v_layer.shape
     p = plan(slot_table, tok_req, tok_end, num_heads, k_layer.shape[1], head_dim)
-    p.run(q, k_layer, v_layer, out, scale, softcap or 0.0, window or 0, DTYPES[q.dtype])
+    p.run(q, k_layer, v_layer, out, scale, softcap or 0.0, window or 0, DTYPES[q.dtype], sinks)
 
 
 def _load_function(name: str) -> Callable[..., int]:
@@ -412,7 +418,7 @@ def _build_and_load() -> _Loaded:
     if lib is None:
         return _Loaded(None, reason)
     lib.paged_attention_batch.restype = _int
-    lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int]
+    lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int, _p]
     lib.paged_attention_threads.restype = _int
     lib.paged_attention_supports.restype = _int
     lib.paged_attention_supports.argtypes = [_int]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -25,6 +25,9 @@ class AttentionLayerSpec:
     # from the radix cache or an earlier prefill chunk (their KV is all still in the pool).
     sliding_window: int | None = None
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the mask
+    # gpt-oss: [num_heads] fp32 logits, one per head, that join the softmax's denominator as a
+    # score with no value (a query may so give its keys less than weight 1 in all). None: none.
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
 
 def layer_specs(layers: Sequence[AttentionLayerSpec] | None, num_layers: int) -> list[AttentionLayerSpec]:
@@ -72,7 +75,7 @@ class TorchAttention:
     softmax runs over both parts' scores together, so the result is ordinary attention.
 
     Layers with a sliding window use their own mask (and never the split); layers with
-    soft-capped scores run the attention in plain ops, since SDPA has no soft-capping.
+    soft-capped scores or sinks run the attention in plain ops, since SDPA has neither.
     """
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -83,7 +86,9 @@ class TorchAttention:
         self.layers = layer_specs(layers, pool.num_layers)
         self.scales = [spec.scale or head_dim**-0.5 for spec in self.layers]
         self.windows = sorted({spec.sliding_window for spec in self.layers if spec.sliding_window})
-        self.softcapped = any(spec.softcap is not None for spec in self.layers)
+        # plain-ops layers, which read the whole context: no split
+        self.softcapped = any(spec.softcap is not None or spec.sinks is not None
+                              for spec in self.layers)
         self.min_split_batch = MIN_SPLIT_BATCH.get(pool.k_buffer.dtype, MIN_SPLIT_BATCH_DEFAULT)
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
@@ -139,11 +144,15 @@ class TorchAttention:
             q_pad = q.index_select(0, batch.q_index.reshape(-1))
         q_pad = q_pad.view(bsz, max_q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, kvh, g * max_q, d)
         spec = self.layers[layer_id]
-        if spec.softcap is not None or spec.sliding_window or meta.shared_slots is None:
+        if (spec.softcap is not None or spec.sinks is not None or spec.sliding_window
+                or meta.shared_slots is None):
             window = spec.sliding_window
             mask = meta.window_masks[window] if window else meta.mask
+            # [1, kvh, g*max_q, 1]: folded row g * max_q + i is query head kv_head * g + g's
+            sinks = (None if spec.sinks is None else
+                     spec.sinks.view(kvh, g, 1).expand(kvh, g, max_q).reshape(1, kvh, -1, 1))
             out = _attention(q_pad, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), mask,
-                             self.scales[layer_id], spec.softcap)  # [batch, kvh, g*max_q, d]
+                             self.scales[layer_id], spec.softcap, sinks)  # [batch, kvh, g*max_q, d]
         else:
             out = self._split_attention(layer_id, q_pad, k_ctx, v_ctx, meta).to(q.dtype)
         out = out.view(bsz, kvh, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(bsz * max_q, kvh * g * d)
@@ -197,16 +206,24 @@ class TorchAttention:
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float | None) -> torch.Tensor:
+               scale: float, softcap: float | None, sinks: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """q [batch, kvh, rows, d], k/v [batch, kvh, keys, d], mask [batch, 1, rows, keys] bool or
-    None (all visible)."""
-    if softcap is None:
+    None (all visible), sinks [1, kvh, rows, 1] or None."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     # As transformers' eager path: scale, cap, mask, fp32 softmax, back to q's dtype.
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    # the sink is one more column of the softmax, dropped before the values
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(p[..., :-1].to(q.dtype), v)
 
 
 # torch's CPU flash attention returning (out, logsumexp): a private op, so looked up once and

@@ -1,7 +1,8 @@
 """Checkpoints laid out otherwise than Llama's (GPT-2, Falcon), their tensors renamed onto
 forklm's modules and rearranged as they stream from a Hugging Face folder: GPT-2's Conv1D
 matrices are stored [in, out] and are transposed to a Linear's [out, in]; Falcon's fused q/k/v
-rows are regrouped into all q heads, then all k heads, then all v heads."""
+rows are regrouped into all q heads, then all k heads, then all v heads; gpt-oss's stacked experts
+(gate and up columns interleaved, [in, out] per expert) become one Llama-style matrix each."""
 
 from __future__ import annotations
 
@@ -79,8 +80,33 @@ def _falcon_qkv_rows(config: Any) -> torch.Tensor | None:
     return (order[:, None] * head_dim + torch.arange(head_dim)[None, :]).reshape(-1)
 
 
+_GPT_OSS_EXPERTS = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.(?P<part>gate_up_proj|down_proj)"
+                              r"(?P<bias>_bias)?$")
+
+
+def gpt_oss_weights(config: Any, weights: Weights) -> Weights:
+    """The router is forklm's `mlp.gate`; experts are stored stacked, [experts, in, out] with gate
+    and up columns interleaved (gate 2j, up 2j + 1): each expert's gate/up/down weight [out, in]
+    and bias are yielded under Mixtral-style per-expert names."""
+    for name, tensor in weights:
+        m = _GPT_OSS_EXPERTS.match(name)
+        if m is None:
+            yield name.replace(".mlp.router.", ".mlp.gate."), tensor
+            continue
+        kind = "bias" if m["bias"] else "weight"
+        for e, matrix in enumerate(tensor):  # [in, out] (weight) or [out] (bias)
+            matrix = matrix if m["bias"] else matrix.t()
+            prefix = f"{m['mlp']}.experts.{e}"
+            if m["part"] == "down_proj":
+                yield f"{prefix}.down_proj.{kind}", matrix
+            else:
+                yield f"{prefix}.gate_proj.{kind}", matrix[0::2]
+                yield f"{prefix}.up_proj.{kind}", matrix[1::2]
+
+
 LAYOUTS: dict[str, Callable[[Any, Weights], Weights]] = {"gpt2": gpt2_weights,
-                                                          "falcon": falcon_weights}
+                                                          "falcon": falcon_weights,
+                                                          "gpt_oss": gpt_oss_weights}
 
 
 def forklm_layout(config: Any, weights: Weights) -> Weights:

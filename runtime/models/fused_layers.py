@@ -51,6 +51,7 @@ def unsupported_reason(model: CausalLM, attn: object) -> str:
         f"head_dim {spec.head_dim}": spec.head_dim > lib.fused_max_head_dim(),
         f"activation {spec.activation}": spec.activation != "silu",
         "a mixture of experts": spec.moe is not None,
+        "attention sinks": spec.attn_sinks,
         "an embedding scale": spec.embed_scale is not None,
         "partial rotary": any(layer.self_attn.rotary.rotary_dim != spec.head_dim
                               for layer in model.model.layers),
