@@ -31,8 +31,10 @@ FP16 = pytest.param(torch.float16, marks=pytest.mark.skipif(
     not native_kernels.available(torch.float16), reason="this compiler has no _Float16"))
 
 
-def attention_ref(q, k_pool, v_pool, table, tok_req, tok_end, scale, softcap=None, window=None):
-    """float64, one token at a time: q [T, H, d] over keys [start, tok_end[t]) of row tok_req[t]."""
+def attention_ref(q, k_pool, v_pool, table, tok_req, tok_end, scale, softcap=None, window=None,
+                  sinks=None):
+    """float64, one token at a time: q [T, H, d] over keys [start, tok_end[t]) of row tok_req[t];
+    sinks [H]: one more softmax column per head, with no value."""
     group = q.shape[1] // k_pool.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for t in range(q.shape[0]):
@@ -44,7 +46,10 @@ def attention_ref(q, k_pool, v_pool, table, tok_req, tok_end, scale, softcap=Non
         s = torch.einsum("hd,nhd->hn", q[t].double(), k) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        out[t] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+        if sinks is not None:
+            s = torch.cat((s, sinks.double()[:, None]), dim=1)
+        p = s.softmax(-1)[:, : slots.numel()]
+        out[t] = torch.einsum("hn,nhd->hd", p, v)
     return out
 
 
@@ -92,6 +97,26 @@ def test_kernel_softcap_and_sliding_window(dtype, softcap, window):
     ref = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125, softcap,
                         window)
     torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_kernel_attention_sinks(dtype, window):
+    """gpt-oss's per-head sink logits, from well below the scores to well above them (where
+    they take most of the softmax): the float64 reference's output."""
+    gen = torch.Generator().manual_seed(4)
+    batch, q, k_pool, v_pool = random_case(gen, dtype, [3, 300, 60, 9], [1, 4, 2, 5], 8, 2, 64)
+    sinks = torch.linspace(-6.0, 6.0, 8)
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_pool, v_pool, out, batch.slot_table, tok_req, tok_end,
+                                   0.125, None, window, sinks)
+    ref = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125, None,
+                        window, sinks)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+    plain = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125, None,
+                          window)
+    assert not torch.allclose(ref, plain, atol=1e-2), "the sinks should change the output"
 
 
 def test_token_map_of_packed_extends():
@@ -145,7 +170,9 @@ def test_native_backend_matches_torch_backend(dtype, kv_lens, q_lens, shared, pl
     capacity, num_heads, num_kv_heads, head_dim = 2 * sum(kv_lens), 9, 3, 64
     batch = make_forward_batch(gen, kv_lens, q_lens, capacity, shared)
     pools = layer_pools(gen, dtype, 3, capacity, num_kv_heads, head_dim)
-    layers = [AttentionLayerSpec(), AttentionLayerSpec(sliding_window=20),
+    # the windowed layer has gpt-oss's sinks, as gpt-oss's sliding layers do
+    layers = [AttentionLayerSpec(),
+              AttentionLayerSpec(sliding_window=20, sinks=torch.linspace(-1.0, 2.0, num_heads)),
               AttentionLayerSpec(softcap=20.0, scale=0.1)]
     if plain:
         layers = [AttentionLayerSpec(), AttentionLayerSpec(scale=0.1), AttentionLayerSpec()]
