@@ -340,16 +340,19 @@ def compile_only() -> None:
     from forklm.kernels.triton import store_kv as sk
 
     for dt, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
-        for d in (64, 128):
+        for d, sinks in ((64, False), (128, False), (64, True)):  # sinks: gpt-oss's
             common = dict(HEAD_DIM=d, BLOCK_D=d)
-            _compile(da._stage1_kernel, dt, dict(common, GROUP=GROUP, NUM_SPLITS=8, BLOCK_H=16,
-                                                 BLOCK_N=64, PRECISION=precision))
-            _compile(da._stage2_kernel, dt, dict(common, NUM_SPLITS=8, BLOCK_S=8))
+            if not sinks:
+                _compile(da._stage1_kernel, dt, dict(common, GROUP=GROUP, NUM_SPLITS=8,
+                                                     BLOCK_H=16, BLOCK_N=64, PRECISION=precision))
+            _compile(da._stage2_kernel, dt, dict(common, NUM_SPLITS=8, BLOCK_S=8,
+                                                 HAS_SINKS=sinks))
             block = 32 if dt == "fp32" else 64
             _compile(ea._extend_kernel, dt, dict(common, GROUP=GROUP, BLOCK_M=block, BLOCK_N=block,
-                                                 PRECISION=precision),
+                                                 PRECISION=precision, HAS_SINKS=sinks),
                      num_warps=4 if d <= 64 else 8)
-            _compile(sk._store_kv_kernel, dt, dict(common, NUM_KV_HEADS=8, BLOCK_H=8))
+            if not sinks:
+                _compile(sk._store_kv_kernel, dt, dict(common, NUM_KV_HEADS=8, BLOCK_H=8))
 
 
 def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
@@ -364,7 +367,7 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
             return "i32"
         if name == "qk_scale":
             return "fp32"
-        if name.startswith(("Mid_",)):
+        if name.startswith(("Mid_", "Sinks")):
             return "*fp32"
         if name.startswith(("KV_", "Q_", "Slots")):
             return "*i64"
@@ -374,7 +377,8 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
     compiled = triton.compile(ASTSource(kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": 2})
-    print(f"compiled {kernel.__name__:18s} {dtype} d={constexprs['HEAD_DIM']:<4d} "
+    sinks = " sinks" if constexprs.get("HAS_SINKS") else ""
+    print(f"compiled {kernel.__name__:18s} {dtype} d={constexprs['HEAD_DIM']:<4d}{sinks} "
           f"shared memory {compiled.metadata.shared} B")
 
 

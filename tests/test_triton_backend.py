@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from forklm.runtime.attention.backends import TorchAttention  # noqa: E402
+from forklm.runtime.attention.backends import AttentionLayerSpec, TorchAttention  # noqa: E402
 from forklm.runtime.attention.registry import create_attention_backend  # noqa: E402
 from forklm.runtime.config import EngineConfig  # noqa: E402
 from forklm.runtime.engine.engine import Engine  # noqa: E402
@@ -53,7 +53,9 @@ def make_forward_batch(gen: torch.Generator, kv_lens: list[int], q_lens: list[in
 @pytest.mark.parametrize(("kv_lens", "q_lens"), [([7, 1, 130], [1, 1, 1]),
                                                  ([5, 1, 90, 40], [2, 1, 33, 40])],
                          ids=["decode", "extend"])
-def test_triton_backend_matches_torch_backend(kv_lens, q_lens):
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_triton_backend_matches_torch_backend(kv_lens, q_lens, sinks):
+    """sinks: layer 1 has gpt-oss's per-head sink logits."""
     gen = torch.Generator().manual_seed(len(kv_lens))
     capacity = 300
     batch = make_forward_batch(gen, kv_lens, q_lens, capacity)
@@ -66,8 +68,12 @@ def test_triton_backend_matches_torch_backend(kv_lens, q_lens):
     q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=gen)
     kv = torch.randn(n, 2 * NUM_KV_HEADS * HEAD_DIM, generator=gen)  # k, v as strided views
     k, v = (t.reshape(n, NUM_KV_HEADS, HEAD_DIM) for t in kv.chunk(2, dim=1))
-    backends = [TorchAttention(pools[0], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM),
-                create_attention_backend("triton", pools[1], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)]
+    layers = None
+    if sinks:
+        layers = [AttentionLayerSpec(), AttentionLayerSpec(sinks=torch.linspace(-2.0, 3.0, NUM_HEADS))]
+    backends = [TorchAttention(pools[0], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, layers),
+                create_attention_backend("triton", pools[1], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                                         layers)]
     outs = []
     for backend in backends:
         prepared = backend.prepare(batch)

@@ -17,6 +17,7 @@ import torch
 from forklm.kernels.triton._common import (
     FLOAT_DTYPES,
     check,
+    check_sinks,
     check_index,
     check_tensor,
     check_triton,
@@ -87,9 +88,12 @@ def _stage1_kernel(Q, K, V, KV_indices, KV_start, KV_lens, Mid_O, Mid_LSE, qk_sc
 
 
 @jit
-def _stage2_kernel(Mid_O, Mid_LSE, Out, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b, head): Out[b, head] = the splits' partial outputs weighted by exp2(lse)."""
+def _stage2_kernel(Mid_O, Mid_LSE, Out, Sinks, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
+    """Program (b, head): Out[b, head] = the splits' partial outputs weighted by exp2(lse).
+    HAS_SINKS: Sinks[head] (a natural log) joins the denominator as one more split with no
+    value."""
     b = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -99,10 +103,15 @@ def _stage2_kernel(Mid_O, Mid_LSE, Out, stride_ob, stride_oh, HEAD_DIM: tl.const
     lse = tl.load(Mid_LSE + mid, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (kv_len 0): output zeros
+    sink_weight = 0.0
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634  # base 2, as lse
+        m = tl.maximum(m, sink)
+        sink_weight = tl.exp2(sink - m)
     w = tl.exp2(lse - m)  # [BLOCK_S]
     parts = tl.load(Mid_O + mid[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None],
                     other=0.0)  # [BLOCK_S, BLOCK_D]
-    denom = tl.sum(w, 0)
+    denom = tl.sum(w, 0) + sink_weight
     out = tl.sum(w[:, None] * parts, 0) / tl.where(denom == 0.0, 1.0, denom)
     o_ptrs = Out + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -110,12 +119,14 @@ def _stage2_kernel(Mid_O, Mid_LSE, Out, stride_ob, stride_oh, HEAD_DIM: tl.const
 
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      kv_indices: torch.Tensor, kv_start: torch.Tensor, kv_lens: torch.Tensor,
-                     sm_scale: float | None = None, num_kv_splits: int | None = None
-                     ) -> torch.Tensor:
+                     sm_scale: float | None = None, num_kv_splits: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buffer/v_buffer [num_slots, num_kv_heads, head_dim] (one
     layer of the pool, same dtype as q); kv_indices [n] slot ids; kv_start, kv_lens [batch].
-    -> [batch, num_heads, head_dim] in q's dtype. sm_scale defaults to head_dim ** -0.5."""
+    -> [batch, num_heads, head_dim] in q's dtype. sm_scale defaults to head_dim ** -0.5. sinks:
+    [num_heads] fp32 logits that join each head's softmax with no value (gpt-oss); None: none."""
     _check_args(q, k_buffer, v_buffer, kv_indices, kv_start, kv_lens)
+    check_sinks(sinks, q)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     group = num_heads // num_kv_heads
@@ -137,17 +148,19 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         num_warps=4, num_stages=2,
     )
     _stage2_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-        NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+        mid_o, mid_lse, out, mid_lse if sinks is None else sinks, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=next_power_of_2(splits), BLOCK_D=block_d,
+        HAS_SINKS=sinks is not None, num_warps=4,
     )
     return out
 
 
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          kv_indices: torch.Tensor, kv_start: torch.Tensor, kv_lens: torch.Tensor,
-                         sm_scale: float | None = None, num_kv_splits: int | None = None
-                         ) -> torch.Tensor:
-    """Torch twin of decode_attention, the same split-K algorithm in fp32 (splits merged by lse)."""
+                         sm_scale: float | None = None, num_kv_splits: int | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin of decode_attention, the same split-K algorithm in fp32 (splits merged by lse,
+    a sink as one more lse with no value)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     splits = num_kv_splits or default_num_kv_splits(batch, num_kv_heads, q.device)
@@ -169,6 +182,9 @@ def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         p = torch.exp(s - lse[..., None]).masked_fill(~keep, 0.0).nan_to_num(0.0)
         parts.append(torch.einsum("bhn,bnhd->bhd", p, v))
         lses.append(lse)
+    if sinks is not None:
+        lses.append(sinks.float()[None, :].expand(batch, num_heads))
+        parts.append(torch.zeros_like(parts[0]))
     w = torch.softmax(torch.stack(lses), dim=0).nan_to_num(0.0)  # [splits, batch, heads]
     return (w[..., None] * torch.stack(parts)).sum(0).to(q.dtype)
 

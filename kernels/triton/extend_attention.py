@@ -15,6 +15,7 @@ import torch
 from forklm.kernels.triton._common import (
     FLOAT_DTYPES,
     check,
+    check_sinks,
     check_index,
     check_tensor,
     check_triton,
@@ -28,13 +29,15 @@ LOG2E = 1.4426950408889634
 
 
 @jit
-def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens, qk_scale,
+def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens, Sinks, qk_scale,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                    stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_SINKS: tl.constexpr):
     """Program (m_block, b, head): BLOCK_M of request b's new queries for one head, flash-style
-    over context positions [0, end of the tile's causal reach)."""
+    over context positions [0, end of the tile's causal reach). HAS_SINKS: Sinks[head] (a natural
+    log) joins each row's softmax denominator."""
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     head = tl.program_id(2)
@@ -80,6 +83,11 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
+    if HAS_SINKS:  # one more score, with no value: it rescales the row, adds to its sum
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634  # base 2, as s
+        m_new = tl.maximum(m, sink)
+        row_sum = row_sum * tl.exp2(m - m_new) + tl.exp2(sink - m_new)
+        acc = acc * tl.exp2(m - m_new)[:, None]
     out = acc / row_sum[:, None]
     o_ptrs = Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -88,13 +96,16 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      q_start: torch.Tensor, q_lens: torch.Tensor, kv_indices: torch.Tensor,
                      kv_start: torch.Tensor, kv_lens: torch.Tensor, max_q_len: int,
-                     sm_scale: float | None = None) -> torch.Tensor:
+                     sm_scale: float | None = None, sinks: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] packed new tokens; k_buffer/v_buffer
     [num_slots, num_kv_heads, head_dim] (one layer, same dtype as q, chunk K/V already stored);
     q_start, q_lens, kv_start, kv_lens [batch]; max_q_len >= every q_lens[b] (a host int, so the
     grid needs no device sync). -> [num_tokens, num_heads, head_dim] in q's dtype; rows no request
-    covers are left uninitialized."""
+    covers are left uninitialized. sinks: [num_heads] fp32 logits that join each head's softmax
+    as a score with no value (gpt-oss); None: none."""
     _check_args(q, k_buffer, v_buffer, q_start, q_lens, kv_indices, kv_start, kv_lens)
+    check_sinks(sinks, q)
     num_tokens, num_heads, head_dim = q.shape
     batch = q_lens.shape[0]
     group = num_heads // k_buffer.shape[1]
@@ -107,11 +118,12 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     scale = (sm_scale if sm_scale is not None else head_dim ** -0.5) * LOG2E
     grid = (triton.cdiv(max_q_len, block), batch, num_heads)
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, q_start, q_lens, kv_indices, kv_start, kv_lens, scale,
+        q, k_buffer, v_buffer, out, q_start, q_lens, kv_indices, kv_start, kv_lens,
+        q if sinks is None else sinks, scale,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
         num_warps=4 if block_d <= 64 else 8, num_stages=2,
     )
     return out
@@ -120,7 +132,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 def extend_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          q_start: torch.Tensor, q_lens: torch.Tensor, kv_indices: torch.Tensor,
                          kv_start: torch.Tensor, kv_lens: torch.Tensor, max_q_len: int,
-                         sm_scale: float | None = None) -> torch.Tensor:
+                         sm_scale: float | None = None, sinks: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """Torch twin of extend_attention: gather into a padded batch, one masked softmax in fp32."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
@@ -141,7 +154,10 @@ def extend_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     q_pos = (kv_lens - q_lens)[:, None] + qi  # [batch, max_q]
     visible = kv_valid[:, None, :] & (kn[:, None, :] <= q_pos[:, :, None])  # [batch, max_q, width]
     s = s.masked_fill(~visible[:, None], -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        sink = sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)
+        s = torch.cat((s, sink), dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :width]
     o = torch.einsum("bhmn,bnhd->bmhd", p, v).to(q.dtype)  # [batch, max_q, heads, d]
     out[q_rows[q_valid]] = o[q_valid]
     return out

@@ -38,6 +38,8 @@ class TritonAttention:
                                        "the Triton kernels have no sliding windows or soft-capping "
                                        "yet; this model needs attention_backend='torch'")
         self.scales = [spec.scale for spec in layers]
+        self.sinks = [None if spec.sinks is None else spec.sinks.float().to(pool.device).contiguous()
+                      for spec in layers]  # gpt-oss: [num_heads] fp32, or None
         if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidArgumentError("attention_backend", "triton",
                                        f"needs a CUDA device, the KV pool is on {pool.device} "
@@ -75,9 +77,11 @@ class TritonAttention:
         if batch.is_decode:
             assert batch.num_tokens == batch.batch_size, "a decode batch has one token per request"
             out = decode_attention(q, k_buffer, v_buffer, meta["kv_indices"], meta["kv_start"],
-                                   meta["kv_lens"], sm_scale=self.scales[layer_id])
+                                   meta["kv_lens"], sm_scale=self.scales[layer_id],
+                                   sinks=self.sinks[layer_id])
         else:
             out = extend_attention(q, k_buffer, v_buffer, meta["q_start"], meta["q_lens"],
                                    meta["kv_indices"], meta["kv_start"], meta["kv_lens"],
-                                   batch.max_q_len, sm_scale=self.scales[layer_id])
+                                   batch.max_q_len, sm_scale=self.scales[layer_id],
+                                   sinks=self.sinks[layer_id])
         return out.view(q.shape[0], self.num_heads * self.head_dim)
