@@ -125,7 +125,7 @@ class GGUFModel:
                         tensor.data[expert], tensor.tensor_type, (shape[1], shape[2]),
                         release=functools.partial(self.file.release, tensor, expert, 1))
                 continue
-            if keep_quantized and len(shape) == 2:
+            if keep_quantized and len(shape) == 2 and not name.endswith(".bias"):
                 dequantized.add(tensor.tensor_type.name)
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # a copy
@@ -212,6 +212,8 @@ def _hf_name(gguf_name: str, layer_names: Mapping[str, str], path: pathlib.Path)
     if stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] == "attn_sinks" and "attn_sinks" in layer_names:
+        return f"model.layers.{parts[1]}.self_attn.sinks"  # a bare parameter, not a module's
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in EXPERT_NAMES:
