@@ -187,10 +187,11 @@ def _gpt_oss(key: Key, hidden: int, heads: int) -> dict[str, Any]:
     SwiGLU clamped at 7 with alpha 1.702 (constants in llama.cpp, not keys of the file), top-k
     softmax routing. YaRN untruncated, as gpt-oss's own config has it."""
     layers = key("block_count")
-    return {**_head_dim(key, hidden, heads), "num_local_experts": key("expert_count"),
-            "num_experts_per_tok": key("expert_used_count"),
+    read = {"num_local_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
             "intermediate_size": key("expert_feed_forward_length") or key("feed_forward_length"),
-            "sliding_window": key("attention.sliding_window"),
+            "sliding_window": key("attention.sliding_window")}
+    return {**_head_dim(key, hidden, heads),
+            **{name: value for name, value in read.items() if value is not None},
             "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
                             for i in range(layers)],
             "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "rope": {"truncate": False}}
