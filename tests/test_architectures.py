@@ -196,3 +196,16 @@ def test_unhonoured_config_field_is_refused(tmp_path, tokenizer, field, value):
     shown = value["rope_type"] if isinstance(value, dict) else value
     assert shown in str(info.value)
     assert ("rope_type" if isinstance(value, dict) else field) in str(info.value)
+
+
+def test_gpt_oss_with_hub_mxfp4_experts_is_refused(tokenizer):
+    """The hub's gpt-oss checkpoints pack their experts in MXFP4 (`*_blocks`, `*_scales`):
+    refused by name, not failed on at the first unknown tensor."""
+    from forklm.runtime.models.spec import spec_from_config
+    from tests.tiny_models import tiny_config
+
+    config = tiny_config("gpt_oss", tokenizer)
+    spec_from_config(config)  # the dense one is served
+    config.quantization_config = {"quant_method": "mxfp4"}
+    with pytest.raises(UnsupportedModelError, match="quantization_config='mxfp4'.*GGUF"):
+        spec_from_config(config)
