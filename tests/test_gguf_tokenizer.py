@@ -372,6 +372,19 @@ def test_bos_eos_and_chat_template_from_the_metadata(loaded, load):
             == vocab.original.encode(chat, add_special_tokens=False).ids)
 
 
+def test_a_harmony_vocabulary_ends_turns_at_return_and_call(tmp_path, monkeypatch):
+    """gpt-oss's harmony format: generation ends at <|return|> and <|call|> (and the file's eos),
+    not at <|end|>, which closes the reasoning message before the answer (llama.cpp's rule)."""
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    specials = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|return|>", "<|call|>"]
+    vocab = Vocab("harmony", _byte_level(GPT4O_SPLIT, specials, None, None), arch="gpt-oss",
+                  model="gpt2", pre="gpt-4o", bos_id=0, eos_id=4, eot_id=2, add_bos=False,
+                  chat_template=None)
+    path = write_gguf(tmp_path / "harmony.gguf", vocab)
+    for model in (GGUFModel(path), GGUFModel(path)):  # converted, then from the cache
+        assert sorted(model.eos_token_ids) == [0, 4, 5]
+
+
 def test_the_cache_keeps_the_whole_tokenizer(loaded):
     first, cached = loaded.first.tokenizer, loaded.cached.tokenizer
     parts = ("normalizer", "pre_tokenizer", "post_processor", "decoder", "model", "added_tokens")
