@@ -340,18 +340,20 @@ def compile_only() -> None:
     from forklm.kernels.triton import store_kv as sk
 
     for dt, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
-        for d, sinks in ((64, False), (128, False), (64, True)):  # sinks: gpt-oss's
+        # the last: gpt-oss's attention sinks and sliding window
+        for d, extra in ((64, False), (128, False), (64, True)):
             common = dict(HEAD_DIM=d, BLOCK_D=d)
-            if not sinks:
-                _compile(da._stage1_kernel, dt, dict(common, GROUP=GROUP, NUM_SPLITS=8,
-                                                     BLOCK_H=16, BLOCK_N=64, PRECISION=precision))
+            _compile(da._stage1_kernel, dt, dict(common, GROUP=GROUP, NUM_SPLITS=8, BLOCK_H=16,
+                                                 BLOCK_N=64, PRECISION=precision,
+                                                 HAS_WINDOW=extra))
             _compile(da._stage2_kernel, dt, dict(common, NUM_SPLITS=8, BLOCK_S=8,
-                                                 HAS_SINKS=sinks))
+                                                 HAS_SINKS=extra))
             block = 32 if dt == "fp32" else 64
             _compile(ea._extend_kernel, dt, dict(common, GROUP=GROUP, BLOCK_M=block, BLOCK_N=block,
-                                                 PRECISION=precision, HAS_SINKS=sinks),
+                                                 PRECISION=precision, HAS_SINKS=extra,
+                                                 HAS_WINDOW=extra),
                      num_warps=4 if d <= 64 else 8)
-            if not sinks:
+            if not extra:
                 _compile(sk._store_kv_kernel, dt, dict(common, NUM_KV_HEADS=8, BLOCK_H=8))
 
 
@@ -367,6 +369,8 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
             return "i32"
         if name == "qk_scale":
             return "fp32"
+        if name == "window":
+            return "i32"
         if name.startswith(("Mid_", "Sinks")):
             return "*fp32"
         if name.startswith(("KV_", "Q_", "Slots")):
@@ -377,7 +381,7 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
     compiled = triton.compile(ASTSource(kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": 2})
-    sinks = " sinks" if constexprs.get("HAS_SINKS") else ""
+    sinks = " sinks/window" if constexprs.get("HAS_SINKS") or constexprs.get("HAS_WINDOW") else ""
     print(f"compiled {kernel.__name__:18s} {dtype} d={constexprs['HEAD_DIM']:<4d}{sinks} "
           f"shared memory {compiled.metadata.shared} B")
 

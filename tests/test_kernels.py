@@ -75,15 +75,17 @@ def random_lens(gen: torch.Generator, n: int, low: int, high: int, fixed: list[i
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """float64 causal attention: q [m, heads, d] at positions prefix..prefix+m-1 over k/v
     [n, kv_heads, d] gathered from the pool -> [m, heads, d]; sinks [heads]: one more softmax
-    column per head, with no value."""
+    column per head, with no value; window: position p sees keys (p - window, p]."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     s = torch.einsum("mhd,nhd->hmn", q.double(), k) / q.shape[-1] ** 0.5
     visible = torch.arange(k.shape[0])[None, :] <= prefix + torch.arange(q.shape[0])[:, None]
+    if window:
+        visible &= torch.arange(k.shape[0])[None, :] > (prefix + torch.arange(q.shape[0]))[:, None] - window
     s = s.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         s = torch.cat((s, sinks.double()[:, None, None].expand(-1, s.shape[1], 1)), dim=-1)
@@ -147,39 +149,44 @@ def test_extend_attention(dtype, group, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_attention_sinks(dtype):
-    """gpt-oss's per-head sink logits (from well below the scores to well above) in both
-    kernels: their twins' and the dense float64 attention's output."""
+@pytest.mark.parametrize(("with_sinks", "window"), [(True, None), (False, 24), (True, 24)],
+                         ids=["sinks", "window", "sinks+window"])
+def test_sinks_and_sliding_window(dtype, with_sinks, window):
+    """gpt-oss's per-head sink logits (from well below the scores to well above) and its sliding
+    window (shorter than some contexts and chunks, longer than others) in both kernels: their
+    twins' and the dense float64 attention's output."""
     gen = torch.Generator().manual_seed(7)
     group, head_dim = 4, 64
-    sinks = torch.linspace(-4.0, 4.0, NUM_KV_HEADS * group)
+    sinks = torch.linspace(-4.0, 4.0, NUM_KV_HEADS * group) if with_sinks else None
     kv_lens, q_lens = [1, 70, 128, 9], [1, 16, 64, 9]
     batch = make_paged_batch(gen, kv_lens, head_dim, dtype)
     tol_ref, tol_dense = TOL[dtype]
     q = torch.randn(len(kv_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
     args = (q, batch.k_buffer, batch.v_buffer, batch.kv_indices, batch.kv_start, batch.kv_lens)
-    out = decode_attention(*args, num_kv_splits=2, sinks=sinks)
-    assert_close(out, decode_attention_ref(*args, num_kv_splits=2, sinks=sinks), tol_ref)
+    out = decode_attention(*args, num_kv_splits=2, sinks=sinks, window=window)
+    assert_close(out, decode_attention_ref(*args, num_kv_splits=2, sinks=sinks, window=window),
+                 tol_ref)
     for b in range(len(kv_lens)):
         slots = batch.slots(b)
         want = dense_attention(q[b : b + 1], batch.k_buffer[slots], batch.v_buffer[slots],
-                               kv_lens[b] - 1, sinks)
+                               kv_lens[b] - 1, sinks, window)
         assert_close(out[b : b + 1], want, tol_dense)
     q = torch.randn(sum(q_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
     q_start = torch.tensor([sum(q_lens[:b]) for b in range(len(q_lens))])
     args = (q, batch.k_buffer, batch.v_buffer, q_start, torch.tensor(q_lens), batch.kv_indices,
             batch.kv_start, batch.kv_lens, max(q_lens))
-    out = extend_attention(*args, sinks=sinks)
-    assert_close(out, extend_attention_ref(*args, sinks=sinks), tol_ref)
+    out = extend_attention(*args, sinks=sinks, window=window)
+    assert_close(out, extend_attention_ref(*args, sinks=sinks, window=window), tol_ref)
     for b in range(len(q_lens)):
         rows = slice(int(q_start[b]), int(q_start[b]) + q_lens[b])
         slots = batch.slots(b)
         want = dense_attention(q[rows], batch.k_buffer[slots], batch.v_buffer[slots],
-                               kv_lens[b] - q_lens[b], sinks)
+                               kv_lens[b] - q_lens[b], sinks, window)
         assert_close(out[rows], want, tol_dense)
         plain = dense_attention(q[rows], batch.k_buffer[slots], batch.v_buffer[slots],
                                 kv_lens[b] - q_lens[b])
-        assert (want - plain).abs().max() > 1e-2, "the sinks should change the output"
+        if with_sinks or kv_lens[b] > window:  # else every row sees all its keys
+            assert (want - plain).abs().max() > 1e-2, "sinks / window should change the output"
 
 
 @pytest.mark.parametrize(("src_dtype", "dst_dtype"),

@@ -53,9 +53,12 @@ def make_forward_batch(gen: torch.Generator, kv_lens: list[int], q_lens: list[in
 @pytest.mark.parametrize(("kv_lens", "q_lens"), [([7, 1, 130], [1, 1, 1]),
                                                  ([5, 1, 90, 40], [2, 1, 33, 40])],
                          ids=["decode", "extend"])
-@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-def test_triton_backend_matches_torch_backend(kv_lens, q_lens, sinks):
-    """sinks: layer 1 has gpt-oss's per-head sink logits."""
+@pytest.mark.parametrize("layer", [
+    AttentionLayerSpec(), AttentionLayerSpec(sinks=torch.linspace(-2.0, 3.0, NUM_HEADS)),
+    # gpt-oss's sliding layers: a window shorter than the longer contexts and chunks
+    AttentionLayerSpec(sliding_window=20, sinks=torch.linspace(-2.0, 3.0, NUM_HEADS))],
+                         ids=["plain", "sinks", "window+sinks"])
+def test_triton_backend_matches_torch_backend(kv_lens, q_lens, layer):
     gen = torch.Generator().manual_seed(len(kv_lens))
     capacity = 300
     batch = make_forward_batch(gen, kv_lens, q_lens, capacity)
@@ -68,9 +71,7 @@ def test_triton_backend_matches_torch_backend(kv_lens, q_lens, sinks):
     q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=gen)
     kv = torch.randn(n, 2 * NUM_KV_HEADS * HEAD_DIM, generator=gen)  # k, v as strided views
     k, v = (t.reshape(n, NUM_KV_HEADS, HEAD_DIM) for t in kv.chunk(2, dim=1))
-    layers = None
-    if sinks:
-        layers = [AttentionLayerSpec(), AttentionLayerSpec(sinks=torch.linspace(-2.0, 3.0, NUM_HEADS))]
+    layers = [AttentionLayerSpec(), layer]
     backends = [TorchAttention(pools[0], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, layers),
                 create_attention_backend("triton", pools[1], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
                                          layers)]
@@ -156,3 +157,23 @@ def test_engine_greedy_tokens_equal_torch_backend(tmp_path, tokenizer):
         assert results[1]["meta_info"]["cached_tokens"] >= 4
     assert outputs["triton"] == outputs["torch"]
     assert outputs["torch"] == [hf_greedy(model, ids, 6) for ids in prompts]
+
+
+def test_gpt_oss_through_the_triton_kernels(tmp_path, tokenizer):
+    """The tiny gpt-oss (sinks on every layer, sliding windows of 8 on two of three) with
+    prompts past its window, chunked prefill and a cached prefix: greedy tokens equal
+    transformers'."""
+    from tests.tiny_models import build_tiny_model
+
+    model = build_tiny_model("gpt_oss", tmp_path, tokenizer)
+    texts = ["the quick brown fox jumps over the lazy dog near the river bank", "hello world"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256,
+                attention_backend="triton", chunked_prefill_size=4,
+                debug_check_invariants=True) as engine:
+        engine.generate(input_ids=prompts[0][:5], sampling_params=greedy)  # cache a prefix
+        results = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert engine.last_error is None
+    assert results[0]["meta_info"]["cached_tokens"] >= 4
+    assert [r["output_ids"] for r in results] == [hf_greedy(model, ids, 8) for ids in prompts]

@@ -32,13 +32,14 @@ MIN_BLOCK_H = 16  # tl.dot needs >= 16 rows on GPUs: a GQA group is padded up to
 
 
 @jit
-def _stage1_kernel(Q, K, V, KV_indices, KV_start, KV_lens, Mid_O, Mid_LSE, qk_scale,
+def _stage1_kernel(Q, K, V, KV_indices, KV_start, KV_lens, Mid_O, Mid_LSE, qk_scale, window,
                    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (b, kv_head, split): the GROUP query heads sharing kv_head, over one context slice.
-    Writes Mid_O[b, head, split] = softmax-weighted V of the slice and Mid_LSE = its base-2 lse."""
+    Writes Mid_O[b, head, split] = softmax-weighted V of the slice and Mid_LSE = its base-2 lse.
+    HAS_WINDOW: the context is the last `window` keys (the splits share those out)."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -50,8 +51,11 @@ def _stage1_kernel(Q, K, V, KV_indices, KV_start, KV_lens, Mid_O, Mid_LSE, qk_sc
 
     kv_len = tl.load(KV_lens + b).to(tl.int32)
     kv_start = tl.load(KV_start + b).to(tl.int64)
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    first = kv_len * 0  # the first key seen
+    if HAS_WINDOW:
+        first = tl.maximum(kv_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(kv_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, kv_len)
 
     q_ptrs = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
@@ -120,11 +124,13 @@ def _stage2_kernel(Mid_O, Mid_LSE, Out, Sinks, stride_ob, stride_oh, HEAD_DIM: t
 def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      kv_indices: torch.Tensor, kv_start: torch.Tensor, kv_lens: torch.Tensor,
                      sm_scale: float | None = None, num_kv_splits: int | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, window: int | None = None
+                     ) -> torch.Tensor:
     """q [batch, num_heads, head_dim]; k_buffer/v_buffer [num_slots, num_kv_heads, head_dim] (one
     layer of the pool, same dtype as q); kv_indices [n] slot ids; kv_start, kv_lens [batch].
     -> [batch, num_heads, head_dim] in q's dtype. sm_scale defaults to head_dim ** -0.5. sinks:
-    [num_heads] fp32 logits that join each head's softmax with no value (gpt-oss); None: none."""
+    [num_heads] fp32 logits that join each head's softmax with no value (gpt-oss); None: none.
+    window: a sliding window, the query sees its last `window` keys; None: all."""
     _check_args(q, k_buffer, v_buffer, kv_indices, kv_start, kv_lens)
     check_sinks(sinks, q)
     batch, num_heads, head_dim = q.shape
@@ -139,12 +145,12 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     mid_o = torch.empty(batch, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     _stage1_kernel[(batch, num_kv_heads, splits)](
-        q, k_buffer, v_buffer, kv_indices, kv_start, kv_lens, mid_o, mid_lse, scale,
+        q, k_buffer, v_buffer, kv_indices, kv_start, kv_lens, mid_o, mid_lse, scale, window or 0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
         BLOCK_H=max(MIN_BLOCK_H, next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_WINDOW=bool(window),
         num_warps=4, num_stages=2,
     )
     _stage2_kernel[(batch, num_heads)](
@@ -158,7 +164,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          kv_indices: torch.Tensor, kv_start: torch.Tensor, kv_lens: torch.Tensor,
                          sm_scale: float | None = None, num_kv_splits: int | None = None,
-                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         sinks: torch.Tensor | None = None, window: int | None = None
+                         ) -> torch.Tensor:
     """Torch twin of decode_attention, the same split-K algorithm in fp32 (splits merged by lse,
     a sink as one more lse with no value)."""
     batch, num_heads, head_dim = q.shape
@@ -167,14 +174,15 @@ def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     scale = sm_scale if sm_scale is not None else head_dim ** -0.5
     width = max(1, int(kv_lens.max())) if batch else 1
     pos = torch.arange(width, device=q.device)[None, :]  # [1, width]
-    valid = pos < kv_lens[:, None]  # [batch, width]
+    first = (kv_lens - window).clamp(min=0) if window else torch.zeros_like(kv_lens)  # [batch]
+    valid = (pos < kv_lens[:, None]) & (pos >= first[:, None])  # [batch, width]
     index = torch.where(valid, kv_start[:, None] + pos, 0)
     slots = kv_indices[index.clamp(max=max(kv_indices.numel() - 1, 0))]  # [batch, width]
     k = k_buffer[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=2)
     v = v_buffer[slots].float().repeat_interleave(num_heads // num_kv_heads, dim=2)
     s = torch.einsum("bhd,bnhd->bhn", q.float(), k) * scale  # [batch, heads, width]
-    split_len = _cdiv(_cdiv(kv_lens, splits), BLOCK_N) * BLOCK_N  # [batch], as in stage 1
-    split_of = pos // split_len.clamp(min=1)[:, None]  # [batch, width]
+    split_len = _cdiv(_cdiv(kv_lens - first, splits), BLOCK_N) * BLOCK_N  # [batch], as in stage 1
+    split_of = (pos - first[:, None]) // split_len.clamp(min=1)[:, None]  # [batch, width]
     parts, lses = [], []
     for i in range(splits):
         keep = (valid & (split_of == i))[:, None, :]  # [batch, 1, width]

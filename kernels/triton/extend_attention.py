@@ -30,14 +30,15 @@ LOG2E = 1.4426950408889634
 
 @jit
 def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens, Sinks, qk_scale,
-                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+                   window, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                    stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                   HAS_SINKS: tl.constexpr):
+                   HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (m_block, b, head): BLOCK_M of request b's new queries for one head, flash-style
     over context positions [0, end of the tile's causal reach). HAS_SINKS: Sinks[head] (a natural
-    log) joins each row's softmax denominator."""
+    log) joins each row's softmax denominator. HAS_WINDOW: a query at position p sees keys
+    (p - window, p], and the loop starts at the tile's first row's first key."""
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     head = tl.program_id(2)
@@ -62,9 +63,13 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Key 0 is visible to every row, so each row's max is finite after the first block.
+    # Without a window key 0 is visible to every row, so each row's max is finite after the first
+    # block; with one, a row may see no key of a block before its own window starts.
     hi = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
+    lo = hi * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0)
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         slots = tl.load(KV_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -73,10 +78,15 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = m_new  # what the exponents subtract: finite even for a row that saw no key yet
+        if HAS_WINDOW:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         row_sum = row_sum * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -96,14 +106,15 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      q_start: torch.Tensor, q_lens: torch.Tensor, kv_indices: torch.Tensor,
                      kv_start: torch.Tensor, kv_lens: torch.Tensor, max_q_len: int,
-                     sm_scale: float | None = None, sinks: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+                     sm_scale: float | None = None, sinks: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] packed new tokens; k_buffer/v_buffer
     [num_slots, num_kv_heads, head_dim] (one layer, same dtype as q, chunk K/V already stored);
     q_start, q_lens, kv_start, kv_lens [batch]; max_q_len >= every q_lens[b] (a host int, so the
     grid needs no device sync). -> [num_tokens, num_heads, head_dim] in q's dtype; rows no request
     covers are left uninitialized. sinks: [num_heads] fp32 logits that join each head's softmax
-    as a score with no value (gpt-oss); None: none."""
+    as a score with no value (gpt-oss); None: none. window: a sliding window, a query sees
+    itself and the window - 1 keys before it; None: all before it."""
     _check_args(q, k_buffer, v_buffer, q_start, q_lens, kv_indices, kv_start, kv_lens)
     check_sinks(sinks, q)
     num_tokens, num_heads, head_dim = q.shape
@@ -119,11 +130,12 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     grid = (triton.cdiv(max_q_len, block), batch, num_heads)
     _extend_kernel[grid](
         q, k_buffer, v_buffer, out, q_start, q_lens, kv_indices, kv_start, kv_lens,
-        q if sinks is None else sinks, scale,
+        q if sinks is None else sinks, scale, window or 0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None,
+        HAS_WINDOW=bool(window),
         num_warps=4 if block_d <= 64 else 8, num_stages=2,
     )
     return out
@@ -132,8 +144,8 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
 def extend_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                          q_start: torch.Tensor, q_lens: torch.Tensor, kv_indices: torch.Tensor,
                          kv_start: torch.Tensor, kv_lens: torch.Tensor, max_q_len: int,
-                         sm_scale: float | None = None, sinks: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         sm_scale: float | None = None, sinks: torch.Tensor | None = None,
+                         window: int | None = None) -> torch.Tensor:
     """Torch twin of extend_attention: gather into a padded batch, one masked softmax in fp32."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
@@ -153,6 +165,8 @@ def extend_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     s = torch.einsum("bmhd,bnhd->bhmn", q[q_rows].float(), k) * scale
     q_pos = (kv_lens - q_lens)[:, None] + qi  # [batch, max_q]
     visible = kv_valid[:, None, :] & (kn[:, None, :] <= q_pos[:, :, None])  # [batch, max_q, width]
+    if window:
+        visible &= kn[:, None, :] > q_pos[:, :, None] - window
     s = s.masked_fill(~visible[:, None], -math.inf)
     if sinks is not None:  # one more column per head, dropped after the softmax
         sink = sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)
