@@ -17,8 +17,8 @@ import torch
 from forklm.kernels.triton._common import (
     FLOAT_DTYPES,
     check,
-    check_sinks,
     check_index,
+    check_sinks,
     check_tensor,
     check_triton,
     jit,

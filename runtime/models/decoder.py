@@ -226,7 +226,7 @@ class CausalLM(nn.Module):
     def _sinks(self, layer_id: int) -> torch.Tensor | None:
         if not self.spec.attn_sinks:
             return None
-        sinks = self.model.layers[layer_id].self_attn.sinks
+        sinks = self.model.get_parameter(f"layers.{layer_id}.self_attn.sinks")
         assert not sinks.is_meta, "attention_layers reads the sinks: load the weights first"
         return sinks.detach().float()
 
