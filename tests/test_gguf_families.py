@@ -81,8 +81,10 @@ def _falcon_qkv(array: np.ndarray, config) -> np.ndarray:
 
 def _gpt_oss_defaults(config) -> None:
     # llama.cpp clamps gpt-oss's SwiGLU at 7 with alpha 1.702 (constants, no GGUF key); layers
-    # 0 and 2 slide, as its pattern of two has them. Experts scaled so the clamp still bends.
+    # 0 and 2 slide, as its pattern of two has them. Weights twice as large as the other tiny
+    # models' so that gate/up values (up to ~12) still cross the clamp.
     config.swiglu_limit, config.swiglu_alpha = 7.0, 1.702
+    config.initializer_range = 0.04
     assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
 
 
