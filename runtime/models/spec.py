@@ -248,13 +248,12 @@ def _qwen_moe(config: Any) -> ModelSpec:
 def _gpt_oss(config: Any) -> ModelSpec:
     # Sliding and full layers alternate (layer_types); q/k/v/o biases; a sink logit per head;
     # every layer's MLP is a mixture of experts with biases and a clamped SwiGLU.
+    # The hub's checkpoints pack the experts in MXFP4 (checkpoint_layouts.py dequantizes them).
     quant = getattr(config, "quantization_config", None) or {}
-    if quant:
-        method = (quant.get("quant_method") if isinstance(quant, dict)
-                  else getattr(quant, "quant_method", None))
-        _refuse(config, "quantization_config", method,
-                "the hub's MXFP4-packed experts are not read from safetensors; use its GGUF "
-                "(MXFP4 kept quantized) or a dequantized checkpoint")
+    method = (quant.get("quant_method") if isinstance(quant, dict)
+              else getattr(quant, "quant_method", None))
+    if quant and method != "mxfp4":
+        _refuse(config, "quantization_config", method, "only the hub's MXFP4 experts are read")
     moe = MoESpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
                   renormalize=False, routing="topk_softmax", bias=True,
                   swiglu_limit=float(config.swiglu_limit), swiglu_alpha=float(config.swiglu_alpha))
