@@ -118,6 +118,34 @@ def test_shared_prefix_split_equals_plain_attention(monkeypatch, kv_lens, q_lens
     torch.testing.assert_close(outs[2], outs[0], atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+def test_sinks_through_the_flash_op_equal_plain_ops(monkeypatch, window, dtype):
+    """TorchAttention's sinks on the CPU flash op (output scaled by sigmoid(lse - sink)) equal
+    the plain-ops softmax with the sink as one more column, on a prefill and a decode batch."""
+    import forklm.runtime.attention.backends as attention
+
+    gen = torch.Generator().manual_seed(5)
+    layers = [AttentionLayerSpec(), AttentionLayerSpec(
+        sliding_window=window, sinks=torch.linspace(-3.0, 4.0, NUM_HEADS))]
+    for kv_lens, q_lens in (([5, 1, 90, 40], [2, 1, 33, 40]), ([7, 1, 130], [1, 1, 1])):
+        batch = make_forward_batch(gen, kv_lens, q_lens, 300)
+        pool = KVPool(2, 300, NUM_KV_HEADS, HEAD_DIM, dtype)
+        pool.k_buffer.copy_(torch.randn(pool.k_buffer.shape, generator=gen))
+        pool.v_buffer.copy_(torch.randn(pool.v_buffer.shape, generator=gen))
+        n = batch.num_tokens
+        q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen).to(dtype)
+                   for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+        flash = attention._FLASH_WITH_LSE
+        outs = []
+        for op in (flash, None):
+            monkeypatch.setattr(attention, "_FLASH_WITH_LSE", op)
+            backend = TorchAttention(pool, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, layers)
+            outs.append(backend.forward(1, q, k, v, backend.prepare(batch)).float())
+        atol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(outs[0], outs[1], atol=atol, rtol=0)
+
+
 def test_auto_backend_is_triton_on_cuda_only(monkeypatch):
     assert EngineConfig(device="cuda").resolved_attention_backend == "triton"
     assert EngineConfig(device="cpu").resolved_attention_backend in ("torch", "native")

@@ -212,6 +212,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     None (all visible), sinks [1, kvh, rows, 1] or None."""
     if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if softcap is None and _FLASH_WITH_LSE is not None and q.device.type == "cpu":
+        return _attention_with_sinks(q, k, v, mask, scale, sinks)
     # As transformers' eager path: scale, cap, mask, fp32 softmax, back to q's dtype.
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
@@ -224,6 +226,20 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
     p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
     return torch.matmul(p[..., :-1].to(q.dtype), v)
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor | None, scale: float, sinks: torch.Tensor
+                          ) -> torch.Tensor:
+    """_attention with sinks through the CPU flash op, never a [rows, keys] score matrix per head
+    (a long prefill's would take gigabytes): with the keys' log-sum-exp L, a sink s only scales
+    the output, by sum(exp(scores)) / (sum(exp(scores)) + exp(s)) = sigmoid(L - s)."""
+    assert _FLASH_WITH_LSE is not None
+    bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device
+                                                  ).masked_fill(~mask, float("-inf"))
+    out, lse = _FLASH_WITH_LSE(q, k, v, attn_mask=bias, scale=scale)[:2]  # lse [b, kvh, rows]
+    weight = torch.sigmoid(lse - sinks[..., 0].float())[..., None]  # [b, kvh, rows, 1]
+    return (out.float() * weight).to(q.dtype)
 
 
 # torch's CPU flash attention returning (out, logsumexp): a private op, so looked up once and
