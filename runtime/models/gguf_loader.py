@@ -223,10 +223,10 @@ def _hf_name(gguf_name: str, layer_names: Mapping[str, str], path: pathlib.Path)
     if stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] == "attn_sinks" and "attn_sinks" in layer_names:
-        return f"model.layers.{parts[1]}.self_attn.sinks"  # a bare parameter, not a module's
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
-        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
+        target = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
+        # gpt-oss's sinks are a bare parameter (GGUF names every tensor `.weight`)
+        return target if target.endswith(".sinks") else f"{target}.{kind}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in EXPERT_NAMES:
         return f"model.layers.{parts[1]}.mlp.experts.{{expert}}.{EXPERT_NAMES[parts[2]]}.{kind}"
     raise ModelNotFoundError(f"{path}: tensor {gguf_name!r} has no Hugging Face counterpart")

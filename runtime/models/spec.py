@@ -40,6 +40,9 @@ class MoESpec:
     swiglu_limit: float | None = None  # None: the family's plain activation
     swiglu_alpha: float = 1.0
 
+    def __post_init__(self) -> None:
+        assert self.routing in ("softmax_topk", "topk_softmax"), self.routing
+
 
 @dataclass(frozen=True)
 class ModelSpec:
