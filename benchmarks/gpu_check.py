@@ -361,19 +361,23 @@ def compile_only() -> None:
     from forklm.kernels.triton import store_kv as sk
 
     for dt, precision in (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "ieee")):
-        for d in (64, 128):
+        # the last: gpt-oss's attention sinks and sliding window
+        for d, extra in ((64, False), (128, False), (64, True)):
             common = dict(HEAD_DIM=d, BLOCK_D=d)
             block = 32 if dt == "fp32" else 64
             for alibi in (False, True):
                 _compile(da._stage1_kernel, dt, dict(common, GROUP=GROUP, NUM_SPLITS=8,
                                                      BLOCK_H=16, BLOCK_N=64, PRECISION=precision,
-                                                     HAS_ALIBI=alibi))
+                                                     HAS_ALIBI=alibi, HAS_WINDOW=extra))
                 _compile(ea._extend_kernel, dt, dict(common, GROUP=GROUP, BLOCK_M=block,
                                                      BLOCK_N=block, PRECISION=precision,
-                                                     HAS_ALIBI=alibi),
+                                                     HAS_ALIBI=alibi, HAS_SINKS=extra,
+                                                     HAS_WINDOW=extra),
                          num_warps=4 if d <= 64 else 8)
-            _compile(da._stage2_kernel, dt, dict(common, NUM_SPLITS=8, BLOCK_S=8))
-            _compile(sk._store_kv_kernel, dt, dict(common, NUM_KV_HEADS=8, BLOCK_H=8))
+            _compile(da._stage2_kernel, dt, dict(common, NUM_SPLITS=8, BLOCK_S=8,
+                                                 HAS_SINKS=extra))
+            if not extra:
+                _compile(sk._store_kv_kernel, dt, dict(common, NUM_KV_HEADS=8, BLOCK_H=8))
 
 
 def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
@@ -388,7 +392,9 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
             return "i32"
         if name == "qk_scale":
             return "fp32"
-        if name.startswith(("Mid_",)) or name == "Alibi":  # ALiBi's slopes are float32
+        if name == "window":
+            return "i32"
+        if name.startswith(("Mid_", "Sinks")) or name == "Alibi":  # ALiBi's slopes are float32
             return "*fp32"
         if name.startswith(("KV_", "Q_", "Slots")):
             return "*i64"
@@ -398,9 +404,10 @@ def _compile(kernel, dtype: str, constexprs: dict, num_warps: int = 4) -> None:
     compiled = triton.compile(ASTSource(kernel, signature, constexprs),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": 2})
-    alibi = " alibi" if constexprs.get("HAS_ALIBI") else ""
+    extras = [label for label, flag in (("alibi", "HAS_ALIBI"), ("sinks", "HAS_SINKS"),
+                                        ("window", "HAS_WINDOW")) if constexprs.get(flag)]
     print(f"compiled {kernel.__name__:18s} {dtype} d={constexprs['HEAD_DIM']:<4d} "
-          f"shared memory {compiled.metadata.shared} B{alibi}")
+          f"shared memory {compiled.metadata.shared} B {'/'.join(extras)}")
 
 
 def run(name: str, fn: Callable[[], None]) -> None:

@@ -260,3 +260,56 @@ def test_alibi_models_under_deterministic_inference(name, tmp_path, tokenizer):
         engine.generate(input_ids=prompts[2][:10], sampling_params=GREEDY)  # cache a prefix
         outs = _outputs(engine.generate(input_ids=prompts, sampling_params=GREEDY))
     assert outs == [hf_greedy(model, ids, NUM_NEW) for ids in prompts]
+
+
+def _mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[experts, out, in] float -> MXFP4 blocks [experts, out, in / 32, 16] and scales: per group
+    of 32 a power-of-two scale putting its largest magnitude within E2M1's 6, codes the nearest
+    E2M1 value (the low nibble the even element)."""
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    groups = weight.reshape(*weight.shape[:-1], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled.abs()[..., None] - values).abs().argmin(-1) + 8 * (scaled < 0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_gpt_oss_with_the_hubs_mxfp4_experts(tmp_path, tokenizer):
+    """The hub's gpt-oss checkpoints pack their experts in MXFP4 (`*_blocks`, `*_scales`, a
+    `quantization_config`): forklm dequantizes them as transformers' own dequantization does,
+    so greedy tokens equal transformers' on those dequantized experts."""
+    import safetensors.torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from forklm.runtime.models.checkpoint_layouts import mxfp4_dequantize
+
+    model = build_tiny_model("gpt_oss", tmp_path, tokenizer)
+    state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _mxfp4_pack(state.pop(name).transpose(1, 2))  # packed as [out, in]
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        reference = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert torch.equal(torch.stack([mxfp4_dequantize(b, s) for b, s in zip(blocks, scales)]),
+                           reference.transpose(1, 2))
+        with torch.no_grad():  # the reference model computes with the dequantized experts
+            model.get_parameter(name).copy_(reference)
+    (tmp_path / "model.safetensors").unlink()
+    safetensors.torch.save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = [tokenizer.encode(text) for text in TEXTS[:2]]
+    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=512) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [r["output_ids"] for r in results] == [hf_greedy(model, ids, NUM_NEW) for ids in prompts]
+
+
+def test_gpt_oss_with_other_quantization_is_refused(tokenizer):
+    from forklm.runtime.models.spec import spec_from_config
+    from tests.tiny_models import tiny_config
+
+    config = tiny_config("gpt_oss", tokenizer)
+    config.quantization_config = {"quant_method": "bitsandbytes"}
+    with pytest.raises(UnsupportedModelError, match="quantization_config='bitsandbytes'"):
+        spec_from_config(config)

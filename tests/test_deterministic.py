@@ -113,10 +113,15 @@ def _run(attn, pool: KVPool, batch: ForwardBatch, q: torch.Tensor, seed: int = 2
     return attn.forward(0, q, k, v, attn.prepare(batch))
 
 
-@pytest.mark.parametrize("layers", [None, [AttentionLayerSpec(sliding_window=40, softcap=20.0)],
-                                    [AttentionLayerSpec(sliding_window=40,
-                                                        alibi_slopes=alibi_slopes(HEADS))]],
-                         ids=["causal", "window+softcap", "window+alibi"])
+@pytest.mark.parametrize("layers", [
+    None, [AttentionLayerSpec(sliding_window=40, softcap=20.0)],
+    [AttentionLayerSpec(sliding_window=40, alibi_slopes=alibi_slopes(HEADS))],
+    # gpt-oss's sinks, large enough to take a real share of each row's softmax
+    [AttentionLayerSpec(sliding_window=40, sinks=torch.linspace(-2.0, 3.0, HEADS))],
+    [AttentionLayerSpec(sliding_window=40, alibi_slopes=alibi_slopes(HEADS),
+                        sinks=torch.linspace(-2.0, 3.0, HEADS))]],
+                         ids=["causal", "window+softcap", "window+alibi", "window+sinks",
+                              "window+alibi+sinks"])
 @torch.inference_mode()
 def test_a_query_row_has_the_same_bits_alone_batched_padded_and_in_a_prefill(layers):
     pool = _pool()

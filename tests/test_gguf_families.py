@@ -21,6 +21,7 @@ from tests.tiny_models import ARCHITECTURES, build_tiny_model
 
 NUM_NEW = 12
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
 PROMPT_TEXTS = ["Paris is the capital of",
                 "The quick brown fox jumps over the lazy dog near the river bank."]
 
@@ -98,6 +99,34 @@ def _bloom_qkv(array: np.ndarray, config) -> np.ndarray:
     return np.concatenate([qkv[:, i].reshape(-1, *array.shape[1:]) for i in range(3)])
 
 
+def _gpt_oss_defaults(config) -> None:
+    # llama.cpp clamps gpt-oss's SwiGLU at 7 with alpha 1.702 (constants, no GGUF key); layers
+    # 0 and 2 slide, as its pattern of two has them. Weights twice as large as the other tiny
+    # models' so that gate/up values (up to ~12) still cross the clamp.
+    config.swiglu_limit, config.swiglu_alpha = 7.0, 1.702
+    config.initializer_range = 0.04
+    assert config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _gpt_oss_tensors(name: str, array: np.ndarray, layer: str | None) -> list | None:
+    """llama.cpp's converter on a gpt-oss tensor: experts stored [experts, in, out] with gate and
+    up columns interleaved become [experts, out, in] stacks (and their biases split alike); the
+    sinks get a `.weight`. None: not one of these."""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        return [(f"blk.{layer}.ffn_gate_exps.weight", array[:, :, 0::2].transpose(0, 2, 1)),
+                (f"blk.{layer}.ffn_up_exps.weight", array[:, :, 1::2].transpose(0, 2, 1))]
+    if name.endswith("mlp.experts.gate_up_proj_bias"):
+        return [(f"blk.{layer}.ffn_gate_exps.bias", array[:, 0::2]),
+                (f"blk.{layer}.ffn_up_exps.bias", array[:, 1::2])]
+    if name.endswith("mlp.experts.down_proj"):
+        return [(f"blk.{layer}.ffn_down_exps.weight", array.transpose(0, 2, 1))]
+    if name.endswith("mlp.experts.down_proj_bias"):
+        return [(f"blk.{layer}.ffn_down_exps.bias", array)]
+    if name.endswith("self_attn.sinks"):
+        return [(f"blk.{layer}.attn_sinks.weight", array)]
+    return None
+
+
 def _no_attention_bias(config) -> None:
     config.attention_bias = False  # llama.cpp's OLMo 2 reads no attention biases
 
@@ -125,6 +154,7 @@ CASES = {
     "falcon_40b": ("falcon_40b", "falcon", _falcon_defaults),
     "bloom": ("bloom", "bloom", _bloom_context),
     "mpt": ("mpt", "mpt", _mpt_defaults),
+    "gpt_oss": ("gpt_oss", "gpt-oss", _gpt_oss_defaults),
 }
 # The LayerNorm families' epsilon field (llama.cpp's attention.layer_norm_epsilon).
 LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
@@ -147,18 +177,20 @@ def write_gguf(path, model, arch: str, q8_0: bool = False,
                quantizer: Quantizer | None = None) -> None:
     """`model` (a transformers CausalLM) as llama.cpp's converter would write it, with the
     default model's tokenizer; `q8_0`: its matrices and expert stacks in Q8_0 blocks (where
-    rows hold whole blocks; norms and biases stay float32); `quantizer`: each tensor's blocks
-    as it decides."""
+    rows hold whole blocks; norms and biases stay float32), gpt-oss's expert stacks in MXFP4 as
+    llama.cpp's converter writes them; `quantizer`: each tensor's blocks as it decides."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, config)
     _copy_tokenizer(writer)
     def add(gguf_name: str, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array)
         blocks = quantizer(gguf_name, array) if quantizer is not None else None
         if blocks is not None:
             writer.add_tensor(gguf_name, blocks[0], raw_dtype=blocks[1])
-        elif q8_0 and array.ndim >= 2 and array.shape[-1] % 32 == 0:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
+        elif q8_0 and array.ndim >= 2 and array.shape[-1] % 32 == 0 and ".bias" not in gguf_name:
+            kind = MXFP4 if arch == "gpt-oss" and "_exps.weight" in gguf_name else Q8_0
+            writer.add_tensor(gguf_name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, np.ascontiguousarray(array))
 
@@ -174,6 +206,10 @@ def write_gguf(path, model, arch: str, q8_0: bool = False,
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
             array = _permute_qk(array, heads)
         layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if arch == "gpt-oss" and (converted := _gpt_oss_tensors(name, array, layer)) is not None:
+            for gguf_name, part in converted:
+                add(gguf_name, part)
+            continue
         if name.endswith("mlp.experts.gate_up_proj"):  # [experts, 2 * ff, hidden]: gate, then up
             gate, up = np.split(array, 2, axis=1)
             add(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
@@ -233,6 +269,10 @@ def _write_rope(writer, config, head_dim: int) -> None:
         writer.add_rope_scaling_factor(rope["factor"])
     if rope["rope_type"] == "longrope":
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if rope["rope_type"] == "yarn":  # gpt-oss
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _write_metadata(writer, config) -> None:
@@ -278,6 +318,8 @@ def _write_metadata(writer, config) -> None:
     elif getattr(config, "num_local_experts", None):  # Mixtral: experts as wide as the MLP
         writer.add_expert_count(config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+        if config.model_type == "gpt_oss":  # llama.cpp's converter writes it for gpt-oss
+            writer.add_expert_feed_forward_length(config.intermediate_size)
 
 
 def _copy_tokenizer(writer) -> None:

@@ -1,11 +1,11 @@
 """The tokenizer forklm builds from a GGUF's own metadata encodes as the tokenizer the vocabulary
 came from: the default model's byte-level BPE, byte-level BPEs trained here under llama.cpp's
-`qwen2`, `llama-bpe`, `gpt-2` and `bloom` pre-tokenizer names, and sentencepiece-style
-vocabularies (BPE with byte fallback, written as llama.cpp's `llama` model with scores and byte
-tokens). BOS, EOS and the chat template follow the GGUF as llama.cpp reads it; the cached reload
-is checked alike. When written, llama.cpp's own llama_tokenize (vocab_only) gave these ids on all
-of these files but the `bloom` one (added later, without a llama.cpp build at hand: checked
-against the split of BLOOM's tokenizer.json, which llama.cpp's `bloom` regex restates)."""
+`qwen2`, `llama-bpe`, `gpt-2`, `bloom` and `gpt-4o` (gpt-oss's o200k) pre-tokenizer names, and
+sentencepiece-style vocabularies (BPE with byte fallback, written as llama.cpp's `llama` model with
+scores and byte tokens). BOS, EOS and the chat template follow the GGUF as llama.cpp reads it; the
+cached reload is checked alike. When written, llama.cpp's own llama_tokenize (vocab_only) gave these
+ids on all of these files but the `bloom` one (added later, without a llama.cpp build at hand:
+checked against the split of BLOOM's tokenizer.json, which llama.cpp's `bloom` regex restates)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,13 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 BLOOM_SPLIT = " ?[^(\\s|[.,!?…。，、।۔،])]+"
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k's (gpt-oss): words split at case changes, contractions kept on their word, "/" after
+# punctuation runs
+GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 WHOLE_WORD = " Bäume"
 BYTE_SPELLING = bytes_to_unicode()  # byte -> the character a byte-level vocabulary writes
 SPACE = "\u2581"  # sentencepiece's visible space
@@ -155,13 +162,14 @@ def _byte_level(split: str | None, specials: list[str], bos: str | None,
 
 
 def _byte_level_vocab(name: str, pre: str, split: str | None, add_bos: bool | None,
-                      bos: bool) -> Vocab:
+                      bos: bool, arch: str | None = None) -> Vocab:
     """A byte-level BPE under llama.cpp's `pre` name; `bos`: llama.cpp adds BOS to it."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|eom_id|>"]
     llama3 = pre == "llama-bpe"
     original = _byte_level(split, specials, specials[0] if bos else None,
                            WHOLE_WORD if llama3 else None)
-    return Vocab(name, original, arch=pre if pre in ("qwen2", "bloom") else "llama", model="gpt2",
+    arch = arch or (pre if pre in ("qwen2", "bloom") else "llama")
+    return Vocab(name, original, arch=arch, model="gpt2",
                  pre=pre, bos_id=0, eos_id=2, eot_id=2, eom_id=3 if llama3 else None,
                  add_bos=add_bos, chat_template=CHATML)
 
@@ -273,6 +281,8 @@ VOCABS = {
                                                   None, bos=True),
     "gpt-2": lambda: _byte_level_vocab("gpt-2", "gpt-2", None, None, bos=False),
     "bloom": lambda: _byte_level_vocab("bloom", "bloom", BLOOM_SPLIT, None, bos=False),
+    "gpt-4o": lambda: _byte_level_vocab("gpt-4o", "gpt-4o", GPT4O_SPLIT, False, bos=False,
+                                        arch="gpt-oss"),
     # no add_bos_token / add_space_prefix keys: llama.cpp adds both to a sentencepiece vocabulary
     "spm-llama": lambda: _sentencepiece_vocab("spm-llama", "llama", None, None),
     "spm-llama-no-prefix": lambda: _sentencepiece_vocab("spm-llama-no-prefix", "llama", False,
@@ -340,7 +350,8 @@ def test_decode_round_trips(loaded, load):
 # llama.cpp's rule: tokenizer.ggml.add_bos_token when the file has it, else BOS for a sentencepiece
 # vocabulary and for the llama3 family of byte-level pre-tokenizers.
 ADDS_BOS = {"smollm2": False, "qwen2": False, "llama-bpe": True, "llama-bpe-no-key": True,
-            "gpt-2": False, "bloom": False, "spm-llama": True, "spm-llama-no-prefix": False, "spm-gemma": True}
+            "gpt-2": False, "bloom": False, "gpt-4o": False, "spm-llama": True,
+            "spm-llama-no-prefix": False, "spm-gemma": True}
 
 
 @pytest.mark.parametrize("load", ["first", "cached"])
@@ -364,6 +375,19 @@ def test_bos_eos_and_chat_template_from_the_metadata(loaded, load):
     assert chat.startswith("<s>[INST]" if vocab.model == "llama" else "<|im_start|>")
     assert (tokenizer.encode(chat, add_special_tokens=False)
             == vocab.original.encode(chat, add_special_tokens=False).ids)
+
+
+def test_a_harmony_vocabulary_ends_turns_at_return_and_call(tmp_path, monkeypatch):
+    """gpt-oss's harmony format: generation ends at <|return|> and <|call|> (and the file's eos),
+    not at <|end|>, which closes the reasoning message before the answer (llama.cpp's rule)."""
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    specials = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|return|>", "<|call|>"]
+    vocab = Vocab("harmony", _byte_level(GPT4O_SPLIT, specials, None, None), arch="gpt-oss",
+                  model="gpt2", pre="gpt-4o", bos_id=0, eos_id=4, eot_id=2, add_bos=False,
+                  chat_template=None)
+    path = write_gguf(tmp_path / "harmony.gguf", vocab)
+    for model in (GGUFModel(path), GGUFModel(path)):  # converted, then from the cache
+        assert sorted(model.eos_token_ids) == [0, 4, 5]
 
 
 def test_the_cache_keeps_the_whole_tokenizer(loaded):

@@ -76,18 +76,27 @@ def random_lens(gen: torch.Generator, n: int, low: int, high: int, fixed: list[i
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
-                    alibi: torch.Tensor | None = None) -> torch.Tensor:
+                    alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                    window: int | None = None) -> torch.Tensor:
     """float64 causal attention: q [m, heads, d] at positions prefix..prefix+m-1 over k/v
     [n, kv_heads, d] gathered from the pool -> [m, heads, d]; `alibi` [heads]: ALiBi's slopes,
-    added as BLOOM adds them (slope * absolute key position)."""
+    slope * (key - query position) (BLOOM's slope * key position is the same softmax, but not
+    beside a sink); sinks [heads]: one more softmax column per head, with no value; window:
+    position p sees keys (p - window, p]."""
     group = q.shape[1] // k.shape[1]
     k = k.double().repeat_interleave(group, dim=1)
     v = v.double().repeat_interleave(group, dim=1)
     s = torch.einsum("mhd,nhd->hmn", q.double(), k) / q.shape[-1] ** 0.5
+    key_pos, q_pos = torch.arange(k.shape[0])[None, :], prefix + torch.arange(q.shape[0])[:, None]
     if alibi is not None:
-        s = s + alibi.double()[:, None, None] * torch.arange(k.shape[0], dtype=torch.float64)
-    visible = torch.arange(k.shape[0])[None, :] <= prefix + torch.arange(q.shape[0])[:, None]
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+        s = s + alibi.double()[:, None, None] * (key_pos - q_pos)
+    visible = key_pos <= q_pos
+    if window:
+        visible &= key_pos > q_pos - window
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        s = torch.cat((s, sinks.double()[:, None, None].expand(-1, s.shape[1], 1)), dim=-1)
+    p = torch.softmax(s, dim=-1)[..., : k.shape[0]]
     return torch.einsum("hmn,nhd->mhd", p, v)
 
 
@@ -178,6 +187,52 @@ def test_attention_kernels_with_alibi(group):
         assert_close(out[rows], want, tol_dense)
         plain = dense_attention(q[rows], batch.k_buffer[slots], batch.v_buffer[slots], n - m)
         assert n < 2 or not torch.allclose(want, plain, atol=1e-2)  # the bias matters
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("with_sinks", "window", "with_alibi"),
+                         [(True, None, False), (False, 24, False), (True, 24, False),
+                          (True, 24, True)],
+                         ids=["sinks", "window", "sinks+window", "sinks+window+alibi"])
+def test_sinks_and_sliding_window(dtype, with_sinks, window, with_alibi):
+    """gpt-oss's per-head sink logits (from well below the scores to well above) and its sliding
+    window (shorter than some contexts and chunks, longer than others) in both kernels, also
+    under ALiBi's bias (both features in one model): their twins' and the dense float64
+    attention's output."""
+    gen = torch.Generator().manual_seed(7)
+    group, head_dim = 4, 64
+    sinks = torch.linspace(-4.0, 4.0, NUM_KV_HEADS * group) if with_sinks else None
+    slopes = (torch.tensor(alibi_slopes(NUM_KV_HEADS * group), dtype=torch.float32)
+              if with_alibi else None)
+    extra = {"alibi_slopes": slopes, "sinks": sinks, "window": window}
+    kv_lens, q_lens = [1, 70, 128, 9], [1, 16, 64, 9]
+    batch = make_paged_batch(gen, kv_lens, head_dim, dtype)
+    tol_ref, tol_dense = TOL[dtype]
+    q = torch.randn(len(kv_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
+    args = (q, batch.k_buffer, batch.v_buffer, batch.kv_indices, batch.kv_start, batch.kv_lens)
+    out = decode_attention(*args, num_kv_splits=2, **extra)
+    assert_close(out, decode_attention_ref(*args, num_kv_splits=2, **extra), tol_ref)
+    for b in range(len(kv_lens)):
+        slots = batch.slots(b)
+        want = dense_attention(q[b : b + 1], batch.k_buffer[slots], batch.v_buffer[slots],
+                               kv_lens[b] - 1, slopes, sinks, window)
+        assert_close(out[b : b + 1], want, tol_dense)
+    q = torch.randn(sum(q_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
+    q_start = torch.tensor([sum(q_lens[:b]) for b in range(len(q_lens))])
+    args = (q, batch.k_buffer, batch.v_buffer, q_start, torch.tensor(q_lens), batch.kv_indices,
+            batch.kv_start, batch.kv_lens, max(q_lens))
+    out = extend_attention(*args, **extra)
+    assert_close(out, extend_attention_ref(*args, **extra), tol_ref)
+    for b in range(len(q_lens)):
+        rows = slice(int(q_start[b]), int(q_start[b]) + q_lens[b])
+        slots = batch.slots(b)
+        want = dense_attention(q[rows], batch.k_buffer[slots], batch.v_buffer[slots],
+                               kv_lens[b] - q_lens[b], slopes, sinks, window)
+        assert_close(out[rows], want, tol_dense)
+        plain = dense_attention(q[rows], batch.k_buffer[slots], batch.v_buffer[slots],
+                                kv_lens[b] - q_lens[b], slopes)
+        if with_sinks or kv_lens[b] > window:  # else every row sees all its keys
+            assert (want - plain).abs().max() > 1e-2, "sinks / window should change the output"
 
 
 @pytest.mark.parametrize(("src_dtype", "dst_dtype"),

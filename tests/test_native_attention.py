@@ -33,9 +33,11 @@ FP16 = pytest.param(torch.float16, marks=pytest.mark.skipif(
 
 
 def attention_ref(q, k_pool, v_pool, table, tok_req, tok_end, scale, softcap=None, window=None,
-                  alibi=None):
+                  alibi=None, sinks=None):
     """float64, one token at a time: q [T, H, d] over keys [start, tok_end[t]) of row tok_req[t];
-    `alibi` [H]: ALiBi's slopes, as BLOOM adds them (slope * absolute key position)."""
+    `alibi` [H]: ALiBi's slopes, slope * (key - query position) (BLOOM's slope * key position is
+    the same softmax, but not beside a sink); sinks [H]: one more softmax column per head, with
+    no value."""
     group = q.shape[1] // k_pool.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
     for t in range(q.shape[0]):
@@ -48,8 +50,11 @@ def attention_ref(q, k_pool, v_pool, table, tok_req, tok_end, scale, softcap=Non
         if softcap:
             s = softcap * torch.tanh(s / softcap)
         if alibi is not None:
-            s = s + alibi.double()[:, None] * torch.arange(start, end, dtype=torch.float64)
-        out[t] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+            s = s + alibi.double()[:, None] * torch.arange(start + 1 - end, 1, dtype=torch.float64)
+        if sinks is not None:
+            s = torch.cat((s, sinks.double()[:, None]), dim=1)
+        p = s.softmax(-1)[:, : slots.numel()]
+        out[t] = torch.einsum("hn,nhd->hd", p, v)
     return out
 
 
@@ -121,6 +126,29 @@ def test_kernel_alibi(dtype, num_heads, num_kv_heads, window):
     assert not torch.allclose(ref, unbiased, atol=1e-2)  # the bias changes the result
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "with_alibi"), [(None, False), (7, False), (7, True)],
+                         ids=["sinks", "sinks+window", "sinks+window+alibi"])
+def test_kernel_attention_sinks(dtype, window, with_alibi):
+    """gpt-oss's per-head sink logits, from well below the scores to well above them (where
+    they take most of the softmax): the float64 reference's output, with ALiBi's bias too (both
+    features in one model)."""
+    gen = torch.Generator().manual_seed(4)
+    batch, q, k_pool, v_pool = random_case(gen, dtype, [3, 300, 60, 9], [1, 4, 2, 5], 8, 2, 64)
+    sinks = torch.linspace(-6.0, 6.0, 8)
+    alibi = torch.tensor(alibi_slopes(8), dtype=torch.float32) if with_alibi else None
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_pool, v_pool, out, batch.slot_table, tok_req, tok_end,
+                                   0.125, None, window, alibi, sinks)
+    ref = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125, None,
+                        window, alibi, sinks)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+    plain = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125, None,
+                          window, alibi)
+    assert not torch.allclose(ref, plain, atol=1e-2), "the sinks should change the output"
+
+
 def test_token_map_of_packed_extends():
     """Request b's i-th new token sees keys [0, kv_len_b - q_len_b + i + 1)."""
     batch = make_forward_batch(torch.Generator().manual_seed(0), [4, 6, 2], [2, 1, 2], 64)
@@ -172,7 +200,9 @@ def test_native_backend_matches_torch_backend(dtype, kv_lens, q_lens, shared, pl
     capacity, num_heads, num_kv_heads, head_dim = 2 * sum(kv_lens), 9, 3, 64
     batch = make_forward_batch(gen, kv_lens, q_lens, capacity, shared)
     pools = layer_pools(gen, dtype, 3, capacity, num_kv_heads, head_dim)
-    layers = [AttentionLayerSpec(), AttentionLayerSpec(sliding_window=20),
+    # the windowed layer has gpt-oss's sinks, as gpt-oss's sliding layers do
+    layers = [AttentionLayerSpec(),
+              AttentionLayerSpec(sliding_window=20, sinks=torch.linspace(-1.0, 2.0, num_heads)),
               AttentionLayerSpec(softcap=20.0, scale=0.1)]
     if plain:
         layers = [AttentionLayerSpec(), AttentionLayerSpec(scale=0.1), AttentionLayerSpec()]
@@ -200,16 +230,18 @@ def test_native_backend_matches_torch_backend(dtype, kv_lens, q_lens, shared, pl
                           ([130 + i for i in range(16)], [1] * 16, 100)],
                          ids=["decode", "extend", "shared-prefix"])
 def test_alibi_backends_agree(dtype, kv_lens, q_lens, shared):
-    """An ALiBi model's layers (GQA folded: 12 heads over 4 KV heads) through TorchAttention,
-    whose masks become biases (and which never splits off a shared prefix), and through the
-    native kernel: the same outputs, and TorchAttention's equal the float64 reference."""
+    """An ALiBi model's layers (GQA folded: 12 heads over 4 KV heads; the windowed one with
+    gpt-oss's sinks too) through TorchAttention, whose masks become biases (and which never
+    splits off a shared prefix), and through the native kernel: the same outputs, and
+    TorchAttention's equal the float64 reference."""
     gen = torch.Generator().manual_seed(len(kv_lens))
     capacity, num_heads, num_kv_heads, head_dim = 2 * sum(kv_lens), 12, 4, 64
     batch = make_forward_batch(gen, kv_lens, q_lens, capacity, shared)
     pools = layer_pools(gen, dtype, 2, capacity, num_kv_heads, head_dim)
     slopes = alibi_slopes(num_heads)
-    layers = [AttentionLayerSpec(alibi_slopes=slopes), AttentionLayerSpec(alibi_slopes=slopes,
-                                                                          sliding_window=20)]
+    sinks = torch.linspace(-2.0, 3.0, num_heads)
+    layers = [AttentionLayerSpec(alibi_slopes=slopes),
+              AttentionLayerSpec(alibi_slopes=slopes, sliding_window=20, sinks=sinks)]
     backends = [TorchAttention(pools[0], num_heads, num_kv_heads, head_dim, layers),
                 create_attention_backend("native", pools[1], num_heads, num_kv_heads, head_dim,
                                          layers)]
@@ -218,7 +250,7 @@ def test_alibi_backends_agree(dtype, kv_lens, q_lens, shared):
     assert prepared[0].attn_meta.shared_slots is None
     tok_req, tok_end = _token_map(batch)
     n = batch.num_tokens
-    for layer_id, window in enumerate((None, 20)):
+    for layer_id, (window, layer_sinks) in enumerate(((None, None), (20, sinks))):
         q = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
         k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
         outs = [b.forward(layer_id, q, k, v, p).float() for b, p in zip(backends, prepared)]
@@ -226,7 +258,7 @@ def test_alibi_backends_agree(dtype, kv_lens, q_lens, shared):
         torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
         ref = attention_ref(q, pools[0].k_buffer[layer_id], pools[0].v_buffer[layer_id],
                             batch.slot_table, tok_req, tok_end, head_dim**-0.5, window=window,
-                            alibi=torch.tensor(slopes))
+                            alibi=torch.tensor(slopes), sinks=layer_sinks)
         torch.testing.assert_close(outs[0].double(), ref.view(n, -1), atol=atol, rtol=0)
 
 

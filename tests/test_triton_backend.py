@@ -3,6 +3,7 @@ the engine gives the same greedy tokens with attention_backend="triton" as with 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 # Before anything imports Triton: @triton.jit reads it when the kernel modules are imported.
@@ -56,7 +57,12 @@ def make_forward_batch(gen: torch.Generator, kv_lens: list[int], q_lens: list[in
 @pytest.mark.parametrize(("kv_lens", "q_lens"), [([7, 1, 130], [1, 1, 1]),
                                                  ([5, 1, 90, 40], [2, 1, 33, 40])],
                          ids=["decode", "extend"])
-def test_triton_backend_matches_torch_backend(kv_lens, q_lens, alibi):
+@pytest.mark.parametrize("layer", [
+    AttentionLayerSpec(), AttentionLayerSpec(sinks=torch.linspace(-2.0, 3.0, NUM_HEADS)),
+    # gpt-oss's sliding layers: a window shorter than the longer contexts and chunks
+    AttentionLayerSpec(sliding_window=20, sinks=torch.linspace(-2.0, 3.0, NUM_HEADS))],
+                         ids=["dense", "sinks", "window+sinks"])
+def test_triton_backend_matches_torch_backend(kv_lens, q_lens, alibi, layer):
     gen = torch.Generator().manual_seed(len(kv_lens))
     capacity = 300
     batch = make_forward_batch(gen, kv_lens, q_lens, capacity)
@@ -69,8 +75,9 @@ def test_triton_backend_matches_torch_backend(kv_lens, q_lens, alibi):
     q = torch.randn(n, NUM_HEADS, HEAD_DIM, generator=gen)
     kv = torch.randn(n, 2 * NUM_KV_HEADS * HEAD_DIM, generator=gen)  # k, v as strided views
     k, v = (t.reshape(n, NUM_KV_HEADS, HEAD_DIM) for t in kv.chunk(2, dim=1))
-    # ALiBi's slopes of 6 heads (4, then 2 more) on every layer
-    layers = [AttentionLayerSpec(alibi_slopes=alibi_slopes(NUM_HEADS))] * 2 if alibi else None
+    # ALiBi's slopes of 6 heads (4, then 2 more) on every layer, with the sinks or without
+    slopes = alibi_slopes(NUM_HEADS) if alibi else None
+    layers = [dataclasses.replace(spec, alibi_slopes=slopes) for spec in (AttentionLayerSpec(), layer)]
     backends = [TorchAttention(pools[0], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, layers),
                 create_attention_backend("triton", pools[1], NUM_HEADS, NUM_KV_HEADS, HEAD_DIM,
                                          layers)]
@@ -115,6 +122,37 @@ def test_shared_prefix_split_equals_plain_attention(monkeypatch, kv_lens, q_lens
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1], outs[0], atol=atol, rtol=0)
     torch.testing.assert_close(outs[2], outs[0], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("alibi", [False, True], ids=["no-alibi", "alibi"])
+def test_sinks_through_the_flash_op_equal_plain_ops(monkeypatch, window, dtype, alibi):
+    """TorchAttention's sinks on the CPU flash op (output scaled by sigmoid(lse - sink)) equal
+    the plain-ops softmax with the sink as one more column, on a prefill and a decode batch,
+    with boolean masks or ALiBi's additive biases."""
+    import forklm.runtime.attention.backends as attention
+
+    gen = torch.Generator().manual_seed(5)
+    slopes = alibi_slopes(NUM_HEADS) if alibi else None
+    layers = [AttentionLayerSpec(alibi_slopes=slopes), AttentionLayerSpec(
+        sliding_window=window, sinks=torch.linspace(-3.0, 4.0, NUM_HEADS), alibi_slopes=slopes)]
+    for kv_lens, q_lens in (([5, 1, 90, 40], [2, 1, 33, 40]), ([7, 1, 130], [1, 1, 1])):
+        batch = make_forward_batch(gen, kv_lens, q_lens, 300)
+        pool = KVPool(2, 300, NUM_KV_HEADS, HEAD_DIM, dtype)
+        pool.k_buffer.copy_(torch.randn(pool.k_buffer.shape, generator=gen))
+        pool.v_buffer.copy_(torch.randn(pool.v_buffer.shape, generator=gen))
+        n = batch.num_tokens
+        q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen).to(dtype)
+                   for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+        flash = attention._FLASH_WITH_LSE
+        outs = []
+        for op in (flash, None):
+            monkeypatch.setattr(attention, "_FLASH_WITH_LSE", op)
+            backend = TorchAttention(pool, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, layers)
+            outs.append(backend.forward(1, q, k, v, backend.prepare(batch)).float())
+        atol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(outs[0], outs[1], atol=atol, rtol=0)
 
 
 def test_auto_backend_is_triton_on_cuda_only(monkeypatch):
@@ -176,3 +214,21 @@ def test_engine_alibi_model_equals_transformers(tmp_path, tokenizer):
         assert engine.last_error is None
     assert results[0]["meta_info"]["cached_tokens"] >= 4
     assert [r["output_ids"] for r in results] == [hf_greedy(model, ids, 6) for ids in prompts]
+
+
+def test_gpt_oss_through_the_triton_kernels(tmp_path, tokenizer):
+    """The tiny gpt-oss (sinks on every layer, sliding windows of 8 on two of three) with
+    prompts past its window, chunked prefill and a cached prefix: greedy tokens equal
+    transformers'."""
+    model = build_tiny_model("gpt_oss", tmp_path, tokenizer)
+    texts = ["the quick brown fox jumps over the lazy dog near the river bank", "hello world"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256,
+                attention_backend="triton", chunked_prefill_size=4,
+                debug_check_invariants=True) as engine:
+        engine.generate(input_ids=prompts[0][:5], sampling_params=greedy)  # cache a prefix
+        results = engine.generate(input_ids=prompts, sampling_params=greedy)
+        assert engine.last_error is None
+    assert results[0]["meta_info"]["cached_tokens"] >= 4
+    assert [r["output_ids"] for r in results] == [hf_greedy(model, ids, 8) for ids in prompts]

@@ -119,6 +119,18 @@ def _qwen2_moe(c: dict) -> transformers.PretrainedConfig:
         mlp_only_layers=[], rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 
+def _gpt_oss(c: dict) -> transformers.PretrainedConfig:
+    # Sliding and full layers alternate; YaRN with an original context of 32, below the prompts;
+    # a limit of 1.5 so the clamps bend real gate/up values (they reach ~3 here).
+    rope = {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 8.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}
+    return transformers.GptOssConfig(
+        **{**c, "num_hidden_layers": 3}, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=SLIDING_WINDOW, swiglu_limit=1.5, swiglu_alpha=1.702,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=rope, tie_word_embeddings=False)
+
+
 def _smollm3(c: dict) -> transformers.PretrainedConfig:
     # Layers 1 and 3 have no positions (NoPE), layers 1 and 2 slide: each of the four pairings.
     return transformers.SmolLM3Config(
@@ -227,6 +239,7 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "mixtral": TinyArch(_mixtral, transformers.MixtralForCausalLM, 3.0),
     "qwen3_moe": TinyArch(_qwen3_moe, transformers.Qwen3MoeForCausalLM, 3.0),
     "qwen2_moe": TinyArch(_qwen2_moe, transformers.Qwen2MoeForCausalLM, 3.0),
+    "gpt_oss": TinyArch(_gpt_oss, transformers.GptOssForCausalLM, 3.0),
     "smollm3": TinyArch(_smollm3, transformers.SmolLM3ForCausalLM, 3.0),
     "granite": TinyArch(_granite, transformers.GraniteForCausalLM, 3.0),
     "olmo2": TinyArch(_olmo2, transformers.Olmo2ForCausalLM, 3.0),

@@ -127,21 +127,27 @@ class AttentionPlan:
 
     def run(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
             out: torch.Tensor, scale: float, softcap: float, window: int, dtype: int,
-            alibi: torch.Tensor | None = None) -> None:
+            alibi: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> None:
         """out = attention of q over the plan's keys in (k_layer, v_layer). Shapes and dtypes as
         plan() was told, unchecked here: q, out [num_tokens, num_heads, head_dim] contiguous
         (out may be [num_tokens, num_heads * head_dim]); k_layer, v_layer [num_slots,
         num_kv_heads, head_dim] contiguous; all of DTYPES[dtype]. softcap 0 / window 0: none.
-        alibi: [num_heads] contiguous float32 ALiBi slopes (None: none)."""
+        alibi: [num_heads] contiguous float32 ALiBi slopes (None: none); sinks: [num_heads]
+        contiguous fp32 logits that join each head's softmax (gpt-oss; None: none)."""
+        for x in (alibi, sinks):
+            assert x is None or (x.dtype == torch.float32 and x.is_contiguous()
+                                 and x.numel() == self.batch.num_heads)
         self.run_addresses(q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
-                           scale, softcap, window, dtype, 0 if alibi is None else alibi.data_ptr())
+                           scale, softcap, window, dtype, 0 if alibi is None else alibi.data_ptr(),
+                           0 if sinks is None else sinks.data_ptr())
 
     def run_addresses(self, q: int, k_layer: int, v_layer: int, out: int, scale: float,
-                      softcap: float, window: int, dtype: int, alibi: int = 0) -> None:
+                      softcap: float, window: int, dtype: int, alibi: int = 0,
+                      sinks: int = 0) -> None:
         """run() on the tensors' data_ptr()s (the fused decode layers keep them per layer);
-        alibi 0: no ALiBi."""
+        alibi 0: no ALiBi, sinks 0: no sinks."""
         rc = self.fn(self.address, q, k_layer, v_layer, out, scale, softcap, window, dtype,
-                     alibi or None)
+                     alibi or None, sinks or None)
         assert rc == 0, f"paged_attention rejected dtype {dtype}, head_dim {self.batch.head_dim}"
 
 
@@ -167,7 +173,8 @@ def plan(slot_table: torch.Tensor, tok_req: torch.Tensor, tok_end: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                     out: torch.Tensor, slot_table: torch.Tensor, tok_req: torch.Tensor,
                     tok_end: torch.Tensor, scale: float, softcap: float | None,
-                    window: int | None, alibi: torch.Tensor | None = None) -> None:
+                    window: int | None, alibi: torch.Tensor | None = None,
+                    sinks: torch.Tensor | None = None) -> None:
     """One call of plan(...).run(...): out[t] = attention of q[t] over keys [start, tok_end[t])
     of request tok_req[t] (start = tok_end - window with a sliding window, else 0), biased by
     ALiBi's slopes `alibi` [num_heads] float32 when given.
@@ -179,9 +186,8 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
         assert x.is_contiguous() and x.device.type == "cpu" and x.dtype == q.dtype
     assert out.shape == q.shape and k_layer.shape == v_layer.shape
     p = plan(slot_table, tok_req, tok_end, num_heads, k_layer.shape[1], head_dim)
-    if alibi is not None:
-        assert alibi.dtype == torch.float32 and alibi.is_contiguous() and alibi.numel() == num_heads
-    p.run(q, k_layer, v_layer, out, scale, softcap or 0.0, window or 0, DTYPES[q.dtype], alibi)
+    p.run(q, k_layer, v_layer, out, scale, softcap or 0.0, window or 0, DTYPES[q.dtype], alibi,
+          sinks)
 
 
 def _load_function(name: str) -> Callable[..., int]:
@@ -523,7 +529,7 @@ def _build_and_load() -> _Loaded:
     if lib is None:
         return _Loaded(None, reason)
     lib.paged_attention_batch.restype = _int
-    lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int, _p]
+    lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int, _p, _p]
     lib.paged_attention_threads.restype = _int
     lib.paged_attention_supports.restype = _int
     lib.paged_attention_supports.argtypes = [_int]

@@ -28,6 +28,7 @@ typedef struct {
     int64_t table_stride, num_heads, num_kv_heads, head_dim, row_stride, window;
     float scale, softcap;
     const float *alibi; /* [num_heads] ALiBi slopes, or NULL */
+    const float *sinks; /* [num_heads] logits that join each softmax's denominator, or NULL */
 } pa_job;
 
 static inline void store_elem(void *base, int64_t i, float x, int dtype) {
@@ -171,7 +172,8 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
         }
     }
     /* Softmax numerators in place, with soft-capping first when the layer has it, and ALiBi's
-     * slope * (key - query position): key j sits at start + j, the query at end - 1. */
+     * slope * (key - query position): key j sits at start + j, the query at end - 1. A sink
+     * (gpt-oss) is one more score with no value: it joins the max and the denominator. */
     float sums[group];
     for (int64_t g = 0; g < group; g++) {
         float *s = sc + g * n;
@@ -181,10 +183,11 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
             const float slope = jb->alibi[h * group + g];
             for (int64_t j = 0; j < n; j++) s[j] += slope * (float)(start + j + 1 - end);
         }
-        float m = s[0];
+        const float sink = jb->sinks ? jb->sinks[h * group + g] : -INFINITY;
+        float m = jb->sinks && sink > s[0] ? sink : s[0];
 #pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-        float sum = 0.0f;
+        float sum = jb->sinks ? exp_nonpos(sink - m) : 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; j++) {
             float p = exp_nonpos(s[j] - m);
@@ -292,17 +295,17 @@ typedef struct {
  *   tok_end[t] - window with a sliding window; key j lives in slot
  *   slot_table[tok_req[t] * table_stride + j]. softcap 0 = none, window 0 = none.
  *   alibi: [num_heads] float32 slopes, head h's scores + alibi[h] * (j - (tok_end[t] - 1));
- *   NULL = none.
+ *   NULL = none. sinks: [num_heads] fp32 or NULL = none.
  * The caller guarantees tok_end[t] <= table_stride and every slot read < num_slots. */
 int paged_attention_batch(const pa_batch *b, const void *q, const void *k_pool,
                           const void *v_pool, void *out, float scale, float softcap,
-                          int64_t window, int dtype, const float *alibi) {
+                          int64_t window, int dtype, const float *alibi, const float *sinks) {
     const int64_t kvh = b->num_kv_heads, d = b->head_dim;
     attend_fn fn = pick(dtype, d);
     if (!fn || kvh <= 0 || b->num_heads % kvh || d <= 0 || d % 16) return -1;
     const pa_job jb = {q, k_pool, v_pool, out, b->slot_table, b->tok_req, b->tok_end,
                        b->table_stride, b->num_heads, kvh, d, b->row_stride, window, scale,
-                       softcap, alibi};
+                       softcap, alibi, sinks};
     int64_t keys = 0;
     for (int64_t t = 0; t < b->num_tokens; t++) {
         int64_t end = b->tok_end[t];
@@ -328,8 +331,9 @@ int paged_attention(const void *q, const void *k_pool, const void *v_pool, void 
                     const int64_t *slot_table, int64_t table_stride, const int64_t *tok_req,
                     const int64_t *tok_end, int64_t num_tokens, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t row_stride, float scale,
-                    float softcap, int64_t window, int dtype) {
+                    float softcap, int64_t window, int dtype, const float *sinks) {
     const pa_batch b = {slot_table, tok_req, tok_end, table_stride, num_tokens, num_heads,
                         num_kv_heads, head_dim, row_stride, PA_PARALLEL_WORK};
-    return paged_attention_batch(&b, q, k_pool, v_pool, out, scale, softcap, window, dtype, 0);
+    return paged_attention_batch(&b, q, k_pool, v_pool, out, scale, softcap, window, dtype, 0,
+                                 sinks);
 }

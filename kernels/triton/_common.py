@@ -59,3 +59,9 @@ def check_alibi(slopes: torch.Tensor | None, num_heads: int, device: torch.devic
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """sinks: None, or [num_heads] fp32 on q's device (one logit per query head)."""
+    if sinks is not None:
+        check_tensor("sinks", sinks, (q.shape[1],), (torch.float32,), q.device)

@@ -17,6 +17,7 @@ from forklm.kernels.triton._common import (
     check,
     check_alibi,
     check_index,
+    check_sinks,
     check_tensor,
     check_triton,
     jit,
@@ -29,15 +30,17 @@ LOG2E = 1.4426950408889634
 
 
 @jit
-def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens, qk_scale,
-                   Alibi, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens, Sinks, qk_scale,
+                   Alibi, window, stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
                    stride_ot, stride_oh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                   HAS_ALIBI: tl.constexpr):
+                   HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """Program (m_block, b, head): BLOCK_M of request b's new queries for one head, flash-style
     over context positions [0, end of the tile's causal reach). HAS_ALIBI: Alibi [num_heads]
-    holds ALiBi's slopes times log2(e) (scores are base 2)."""
+    holds ALiBi's slopes times log2(e) (scores are base 2). HAS_SINKS: Sinks[head] (a natural
+    log) joins each row's softmax denominator. HAS_WINDOW: a query at position p sees keys
+    (p - window, p], and the loop starts at the tile's first row's first key."""
     m_block = tl.program_id(0)
     b = tl.program_id(1)
     head = tl.program_id(2)
@@ -64,9 +67,13 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_ALIBI:
         slope = tl.load(Alibi + head)
-    # Key 0 is visible to every row, so each row's max is finite after the first block.
+    # Without a window key 0 is visible to every row, so each row's max is finite after the first
+    # block; with one, a row may see no key of a block before its own window starts.
     hi = tl.minimum(kv_len, prefix + (m_block + 1) * BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
+    lo = hi * 0
+    if HAS_WINDOW:
+        lo = tl.maximum(prefix + m_block * BLOCK_M - window + 1, 0)
+    for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         slots = tl.load(KV_indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -77,16 +84,26 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
         if HAS_ALIBI:  # slope * (key - query position)
             s += slope * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = m_new  # what the exponents subtract: finite even for a row that saw no key yet
+        if HAS_WINDOW:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         row_sum = row_sum * alpha + tl.sum(p, 1)
         v = tl.load(V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
+    if HAS_SINKS:  # one more score, with no value: it rescales the row, adds to its sum
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634  # base 2, as s
+        m_new = tl.maximum(m, sink)
+        row_sum = row_sum * tl.exp2(m - m_new) + tl.exp2(sink - m_new)
+        acc = acc * tl.exp2(m - m_new)[:, None]
     out = acc / row_sum[:, None]
     o_ptrs = Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -95,16 +112,20 @@ def _extend_kernel(Q, K, V, Out, Q_start, Q_lens, KV_indices, KV_start, KV_lens,
 def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                      q_start: torch.Tensor, q_lens: torch.Tensor, kv_indices: torch.Tensor,
                      kv_start: torch.Tensor, kv_lens: torch.Tensor, max_q_len: int,
-                     sm_scale: float | None = None,
-                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     sm_scale: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None, window: int | None = None
+                     ) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim] packed new tokens; k_buffer/v_buffer
     [num_slots, num_kv_heads, head_dim] (one layer, same dtype as q, chunk K/V already stored);
     q_start, q_lens, kv_start, kv_lens [batch]; max_q_len >= every q_lens[b] (a host int, so the
     grid needs no device sync). -> [num_tokens, num_heads, head_dim] in q's dtype; rows no request
     covers are left uninitialized. alibi_slopes [num_heads] float32: head h's scores get
-    slope_h * (key - query position)."""
+    slope_h * (key - query position). sinks: [num_heads] fp32 logits that join each head's
+    softmax as a score with no value (gpt-oss); None: none. window: a sliding window, a query
+    sees itself and the window - 1 keys before it; None: all before it."""
     _check_args(q, k_buffer, v_buffer, q_start, q_lens, kv_indices, kv_start, kv_lens)
     check_alibi(alibi_slopes, q.shape[1], q.device)
+    check_sinks(sinks, q)
     num_tokens, num_heads, head_dim = q.shape
     batch = q_lens.shape[0]
     group = num_heads // k_buffer.shape[1]
@@ -118,12 +139,14 @@ def extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     grid = (triton.cdiv(max_q_len, block), batch, num_heads)
     alibi = q if alibi_slopes is None else alibi_slopes * LOG2E  # q: an unread placeholder
     _extend_kernel[grid](
-        q, k_buffer, v_buffer, out, q_start, q_lens, kv_indices, kv_start, kv_lens, scale, alibi,
+        q, k_buffer, v_buffer, out, q_start, q_lens, kv_indices, kv_start, kv_lens,
+        q if sinks is None else sinks, scale, alibi, window or 0,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        HAS_ALIBI=alibi_slopes is not None, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None, HAS_WINDOW=bool(window),
+        num_warps=4 if block_d <= 64 else 8, num_stages=2,
     )
     return out
 
@@ -132,7 +155,9 @@ def extend_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
                          q_start: torch.Tensor, q_lens: torch.Tensor, kv_indices: torch.Tensor,
                          kv_start: torch.Tensor, kv_lens: torch.Tensor, max_q_len: int,
                          sm_scale: float | None = None,
-                         alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                         alibi_slopes: torch.Tensor | None = None,
+                         sinks: torch.Tensor | None = None, window: int | None = None
+                         ) -> torch.Tensor:
     """Torch twin of extend_attention: gather into a padded batch, one masked softmax in fp32."""
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k_buffer.shape[1]
@@ -154,8 +179,13 @@ def extend_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     visible = kv_valid[:, None, :] & (kn[:, None, :] <= q_pos[:, :, None])  # [batch, max_q, width]
     if alibi_slopes is not None:  # slope * (key - query position)
         s = s + alibi_slopes[None, :, None, None] * (kn[:, None, :] - q_pos[:, :, None])[:, None]
+    if window:
+        visible &= kn[:, None, :] > q_pos[:, :, None] - window
     s = s.masked_fill(~visible[:, None], -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    if sinks is not None:  # one more column per head, dropped after the softmax
+        sink = sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)
+        s = torch.cat((s, sink), dim=-1)
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)[..., :width]
     o = torch.einsum("bhmn,bnhd->bmhd", p, v).to(q.dtype)  # [batch, max_q, heads, d]
     out[q_rows[q_valid]] = o[q_valid]
     return out

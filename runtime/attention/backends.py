@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -30,6 +30,9 @@ class AttentionLayerSpec:
     # numbers). Positions are absolute in the request's context, so the bias holds for keys that
     # came from the radix cache or an earlier chunk. None: no bias.
     alibi_slopes: tuple[float, ...] | None = None
+    # gpt-oss: [num_heads] fp32 logits, one per head, that join the softmax's denominator as a
+    # score with no value (a query may so give its keys less than weight 1 in all). None: none.
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
 
 def layer_specs(layers: Sequence[AttentionLayerSpec] | None, num_layers: int) -> list[AttentionLayerSpec]:
@@ -88,7 +91,7 @@ class TorchAttention:
     softmax runs over both parts' scores together, so the result is ordinary attention.
 
     Layers with a sliding window use their own mask (and never the split); layers with
-    soft-capped scores run the attention in plain ops, since SDPA has no soft-capping. ALiBi
+    soft-capped scores or sinks run the attention in plain ops, since SDPA has neither. ALiBi
     models (every layer biased alike) take their masks as additive biases, built once per batch.
     """
 
@@ -100,9 +103,12 @@ class TorchAttention:
         self.layers = layer_specs(layers, pool.num_layers)
         self.scales = [spec.scale or head_dim**-0.5 for spec in self.layers]
         self.windows = sorted({spec.sliding_window for spec in self.layers if spec.sliding_window})
-        self.softcapped = any(spec.softcap is not None for spec in self.layers)
         self.alibi = alibi_slopes_of(self.layers, pool.device)  # [num_heads] float32 or None
-        assert self.alibi is None or not self.softcapped, "ALiBi with soft-capping"
+        assert self.alibi is None or all(spec.softcap is None for spec in self.layers), (
+            "ALiBi with soft-capping")
+        # plain-ops layers, which read the whole context: no split
+        self.softcapped = any(spec.softcap is not None or spec.sinks is not None
+                              for spec in self.layers)
         self.min_split_batch = MIN_SPLIT_BATCH.get(pool.k_buffer.dtype, MIN_SPLIT_BATCH_DEFAULT)
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
@@ -174,11 +180,15 @@ class TorchAttention:
             q_pad = q.index_select(0, batch.q_index.reshape(-1))
         q_pad = q_pad.view(bsz, max_q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(bsz, kvh, g * max_q, d)
         spec = self.layers[layer_id]
-        if spec.softcap is not None or spec.sliding_window or meta.shared_slots is None:
+        if (spec.softcap is not None or spec.sinks is not None or spec.sliding_window
+                or meta.shared_slots is None):
             window = spec.sliding_window
             mask = meta.window_masks[window] if window else meta.mask
+            # [1, kvh, g*max_q, 1]: folded row g * max_q + i is query head kv_head * g + g's
+            sinks = (None if spec.sinks is None else
+                     spec.sinks.view(kvh, g, 1).expand(kvh, g, max_q).reshape(1, kvh, -1, 1))
             out = _attention(q_pad, k_ctx.transpose(1, 2), v_ctx.transpose(1, 2), mask,
-                             self.scales[layer_id], spec.softcap)  # [batch, kvh, g*max_q, d]
+                             self.scales[layer_id], spec.softcap, sinks)  # [batch, kvh, g*max_q, d]
         else:
             out = self._split_attention(layer_id, q_pad, k_ctx, v_ctx, meta).to(q.dtype)
         out = out.view(bsz, kvh, g, max_q, d).permute(0, 3, 1, 2, 4).reshape(bsz * max_q, kvh * g * d)
@@ -232,16 +242,46 @@ class TorchAttention:
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-               scale: float, softcap: float | None) -> torch.Tensor:
+               scale: float, softcap: float | None, sinks: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """q [batch, kvh, rows, d], k/v [batch, kvh, keys, d], mask [batch, 1, rows, keys] bool or
-    None (all visible)."""
-    if softcap is None:
+    None (all visible), or an ALiBi bias [batch, kvh, rows, keys] (-inf: hidden), sinks [1, kvh,
+    rows, 1] or None."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if softcap is None and sinks is not None and _FLASH_WITH_LSE is not None and (
+            q.device.type == "cpu"):
+        return _attention_with_sinks(q, k, v, mask, scale, sinks)
     # As transformers' eager path: scale, cap, mask, fp32 softmax, back to q's dtype.
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
-    if mask is not None:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    elif mask is not None:  # ALiBi's bias
+        scores = scores + mask
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    # the sink is one more column of the softmax, dropped before the values
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    p = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)
+    return torch.matmul(p[..., :-1].to(q.dtype), v)
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor | None, scale: float, sinks: torch.Tensor
+                          ) -> torch.Tensor:
+    """_attention with sinks through the CPU flash op, never a [rows, keys] score matrix per head
+    (a long prefill's would take gigabytes): with the keys' log-sum-exp L, a sink s only scales
+    the output, by sum(exp(scores)) / (sum(exp(scores)) + exp(s)) = sigmoid(L - s)."""
+    assert _FLASH_WITH_LSE is not None
+    bias = mask  # None, or ALiBi's bias already additive
+    if mask is not None and mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~mask, float("-inf"))
+    out, lse = _FLASH_WITH_LSE(q, k, v, attn_mask=bias, scale=scale)[:2]  # lse [b, kvh, rows]
+    weight = torch.sigmoid(lse - sinks[..., 0].float())[..., None]  # [b, kvh, rows, 1]
+    return (out.float() * weight).to(q.dtype)
 
 
 # torch's CPU flash attention returning (out, logsumexp): a private op, so looked up once and

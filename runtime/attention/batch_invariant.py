@@ -141,13 +141,27 @@ class BatchInvariantAttention:
         chunk_out = _chunk_products(p, v_ctx, transpose=False)  # [kvh, b, chunks, tiles, tile, d]
         # Merge the chunks in order: a cumulative sum is sequential, so a hidden chunk (weight
         # exactly 0) at the end leaves every earlier partial sum, hence the total, unchanged.
-        weight = torch.exp(chunk_max - chunk_max.amax(dim=2, keepdim=True))
+        top = chunk_max.amax(dim=2, keepdim=True)  # [kvh, b, 1, tiles, tile, 1]
+        sinks = None if spec.sinks is None else self._sink_rows(spec.sinks, max_q, tiles)
+        if sinks is not None:  # one more score with no value: it joins the max and the total
+            top = torch.maximum(top, sinks)
+        weight = torch.exp(chunk_max - top)
         total = (weight * p.sum(dim=-1, keepdim=True)).cumsum(dim=2)[:, :, -1]
+        if sinks is not None:
+            total = total + torch.exp(sinks - top)[:, :, 0]
         out = (weight * chunk_out).cumsum(dim=2)[:, :, -1] / total  # [kvh, b, tiles, tile, d]
         out = out.reshape(kvh, bsz, -1, d)[:, :, :meta.num_rows]
         out = out.reshape(kvh, bsz, g, max_q, d).permute(1, 3, 0, 2, 4).reshape(bsz * max_q, -1)
         out = out.to(q.dtype)
         return out if meta.packed_rows is None else out.index_select(0, meta.packed_rows)
+
+    def _sink_rows(self, sinks: torch.Tensor, max_q: int, tiles: int) -> torch.Tensor:
+        """[num_heads] sinks -> [kvh, 1, 1, tiles, tile, 1]: folded row g * max_q + i takes
+        head kv_head * group + g's (padding rows any real one's)."""
+        tile = self.query_tile
+        g = (torch.arange(tiles * tile, device=sinks.device) // max_q).clamp(max=self.group - 1)
+        rows = sinks.float().view(self.num_kv_heads, self.group)[:, g]  # [kvh, tiles * tile]
+        return rows.view(self.num_kv_heads, 1, 1, tiles, tile, 1)
 
 
 def _chunk_products(x: torch.Tensor, kv: torch.Tensor, transpose: bool) -> torch.Tensor:

@@ -51,6 +51,8 @@ class NativeAttention(TorchAttention):
         self.k_layers, self.v_layers = pool.k_buffer.unbind(0), pool.v_buffer.unbind(0)
         self.kernel_specs = [(scale, spec.softcap or 0.0, spec.sliding_window or 0)
                              for scale, spec in zip(self.scales, self.layers)]
+        self.sinks = [None if spec.sinks is None else spec.sinks.float().contiguous()
+                      for spec in self.layers]  # gpt-oss: [num_heads] fp32, or None
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         if (not self.enabled or batch.max_q_len > NATIVE_MAX_Q_LEN
@@ -78,7 +80,7 @@ class NativeAttention(TorchAttention):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)  # [num_tokens, heads * d]
         scale, softcap, window = self.kernel_specs[layer_id]
         meta.plan.run(q.contiguous(), self.k_layers[layer_id], self.v_layers[layer_id], out,
-                      scale, softcap, window, self.dtype_code, self.alibi)
+                      scale, softcap, window, self.dtype_code, self.alibi, self.sinks[layer_id])
         return out
 
 

@@ -34,12 +34,15 @@ class TritonAttention:
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  layers: Sequence[AttentionLayerSpec] | None = None):
         layers = layer_specs(layers, pool.num_layers)
-        if any(spec.sliding_window or spec.softcap is not None for spec in layers):
+        if any(spec.softcap is not None for spec in layers):
             raise InvalidArgumentError("attention_backend", "triton",
-                                       "the Triton kernels have no sliding windows or soft-capping "
-                                       "yet; this model needs attention_backend='torch'")
+                                       "the Triton kernels have no soft-capping yet; this model "
+                                       "needs attention_backend='torch'")
         self.scales = [spec.scale for spec in layers]
         self.alibi = alibi_slopes_of(layers, pool.device)  # [num_heads] float32 or None
+        self.windows = [spec.sliding_window for spec in layers]
+        self.sinks = [None if spec.sinks is None else spec.sinks.float().to(pool.device).contiguous()
+                      for spec in layers]  # gpt-oss: [num_heads] fp32, or None
         if pool.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise InvalidArgumentError("attention_backend", "triton",
                                        f"needs a CUDA device, the KV pool is on {pool.device} "
@@ -78,10 +81,12 @@ class TritonAttention:
             assert batch.num_tokens == batch.batch_size, "a decode batch has one token per request"
             out = decode_attention(q, k_buffer, v_buffer, meta["kv_indices"], meta["kv_start"],
                                    meta["kv_lens"], sm_scale=self.scales[layer_id],
-                                   alibi_slopes=self.alibi)
+                                   alibi_slopes=self.alibi, sinks=self.sinks[layer_id],
+                                   window=self.windows[layer_id])
         else:
             out = extend_attention(q, k_buffer, v_buffer, meta["q_start"], meta["q_lens"],
                                    meta["kv_indices"], meta["kv_start"], meta["kv_lens"],
                                    batch.max_q_len, sm_scale=self.scales[layer_id],
-                                   alibi_slopes=self.alibi)
+                                   alibi_slopes=self.alibi, sinks=self.sinks[layer_id],
+                                   window=self.windows[layer_id])
         return out.view(q.shape[0], self.num_heads * self.head_dim)

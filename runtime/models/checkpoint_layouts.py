@@ -1,7 +1,9 @@
 """Checkpoints laid out otherwise than Llama's (GPT-2, Falcon, BLOOM, MPT), their tensors renamed onto
 forklm's modules and rearranged as they stream from a Hugging Face folder: GPT-2's Conv1D
 matrices are stored [in, out] and are transposed to a Linear's [out, in]; Falcon's and BLOOM's
-fused q/k/v rows are regrouped into all q heads, then all k heads, then all v heads."""
+fused q/k/v rows are regrouped into all q heads, then all k heads, then all v heads; gpt-oss's
+stacked experts (gate and up interleaved; dense [in, out] per expert, or the hub's MXFP4 blocks)
+become one Llama-style matrix each."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from forklm.runtime.errors import ModelNotFoundError
 
 Weights = Iterator[tuple[str, torch.Tensor]]
 
@@ -121,10 +125,68 @@ def mpt_weights(config: Any, weights: Weights) -> Weights:
             yield name, tensor  # lm_head, or a name the weight loader will refuse
 
 
+_GPT_OSS_EXPERTS = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.(?P<part>gate_up_proj|down_proj)"
+                              r"(?P<suffix>_bias|_blocks|_scales)?$")
+# MXFP4's E2M1 values by 4-bit code (the sign is the high bit)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def gpt_oss_weights(config: Any, weights: Weights) -> Weights:
+    """The router is forklm's `mlp.gate`; experts are stored stacked with gate and up interleaved
+    (gate 2j, up 2j + 1): dense as [experts, in, out], or (the hub's checkpoints) as MXFP4
+    `_blocks` [experts, out, in / 32, 16] and `_scales` [experts, out, in / 32], dequantized here
+    one expert at a time. Each expert's gate/up/down weight [out, in] and bias are yielded under
+    Mixtral-style per-expert names."""
+    packed: dict[str, torch.Tensor] = {}  # a `_blocks` or `_scales` waiting for its other half
+    for name, tensor in weights:
+        m = _GPT_OSS_EXPERTS.match(name)
+        if m is None:
+            yield name.replace(".mlp.router.", ".mlp.gate."), tensor
+            continue
+        prefix = f"{m['mlp']}.experts.{{}}.{m['part']}"
+        if m["suffix"] == "_bias":
+            yield from _gpt_oss_expert_rows(prefix, "bias", tensor)
+        elif m["suffix"] is None:  # [experts, in, out]
+            yield from _gpt_oss_expert_rows(prefix, "weight", tensor.transpose(1, 2))
+        else:
+            packed[name] = tensor
+            stem = name.removesuffix(m["suffix"])
+            if f"{stem}_blocks" in packed and f"{stem}_scales" in packed:
+                blocks, scales = packed.pop(f"{stem}_blocks"), packed.pop(f"{stem}_scales")
+                dequantized = (mxfp4_dequantize(b, s) for b, s in zip(blocks, scales))
+                yield from _gpt_oss_expert_rows(prefix, "weight", dequantized)
+    if packed:
+        raise ModelNotFoundError(f"MXFP4 tensors without their blocks or scales: {sorted(packed)}")
+
+
+def _gpt_oss_expert_rows(prefix: str, kind: str, per_expert: Any) -> Weights:
+    """Each expert's [out, ...] rows of `per_expert` (a stacked tensor or an iterator of them):
+    down_proj whole, gate_up_proj's even rows as gate_proj and odd rows as up_proj."""
+    for e, rows in enumerate(per_expert):
+        name = prefix.format(e)
+        if name.endswith("down_proj"):
+            yield f"{name}.{kind}", rows
+        else:
+            stem = name.removesuffix("gate_up_proj")
+            yield f"{stem}gate_proj.{kind}", rows[0::2]
+            yield f"{stem}up_proj.{kind}", rows[1::2]
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """blocks [rows, groups, 16] uint8 (two E2M1 codes a byte, the low nibble first), scales
+    [rows, groups] uint8 (E8M0: 2^(s - 127)) -> [rows, groups * 32] float32."""
+    values = torch.tensor(_FP4_VALUES)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [rows, groups, 16, 2]
+    out = values[codes].flatten(2)  # [rows, groups, 32]
+    out = torch.ldexp(out, scales.long()[..., None] - 127)
+    return out.flatten(1)
+
+
 LAYOUTS: dict[str, Callable[[Any, Weights], Weights]] = {"gpt2": gpt2_weights,
                                                           "falcon": falcon_weights,
                                                           "bloom": bloom_weights,
-                                                          "mpt": mpt_weights}
+                                                          "mpt": mpt_weights,
+                                                          "gpt_oss": gpt_oss_weights}
 
 
 def forklm_layout(config: Any, weights: Weights) -> Weights:

@@ -62,6 +62,8 @@ class Attention(nn.Module):
             self.q_norm = make_norm(spec, q_shape, bias=False)
             self.k_norm = make_norm(spec, k_shape, bias=False)
         self.rotary = rotary
+        if spec.attn_sinks:  # [heads] logits, read by the attention backend (attention_layers)
+            self.sinks = nn.Parameter(torch.empty(spec.num_heads))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -225,8 +227,16 @@ class CausalLM(nn.Module):
         """What the attention backend must do differently per layer."""
         return [AttentionLayerSpec(scale=self.spec.attn_scale, sliding_window=layer.sliding_window,
                                    softcap=self.spec.attn_softcap,
-                                   alibi_slopes=self.spec.alibi_slopes or None)
-                for layer in self.spec.layers]
+                                   alibi_slopes=self.spec.alibi_slopes or None,
+                                   sinks=self._sinks(i))
+                for i, layer in enumerate(self.spec.layers)]
+
+    def _sinks(self, layer_id: int) -> torch.Tensor | None:
+        if not self.spec.attn_sinks:
+            return None
+        sinks = self.model.get_parameter(f"layers.{layer_id}.self_attn.sinks")
+        assert not sinks.is_meta, "attention_layers reads the sinks: load the weights first"
+        return sinks.detach().float()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:

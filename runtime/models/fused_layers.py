@@ -53,6 +53,7 @@ def unsupported_reason(model: CausalLM, attn: object) -> str:
         "a mixture of experts": spec.moe is not None,
         "ALiBi": bool(spec.alibi_slopes),
         "q/k/v clipping": spec.qkv_clip is not None,
+        "attention sinks": spec.attn_sinks,
         "an embedding scale": spec.embed_scale is not None,
         "partial rotary": any(layer.self_attn.rotary.rotary_dim != spec.head_dim
                               for layer in model.model.layers),

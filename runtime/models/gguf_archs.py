@@ -199,6 +199,25 @@ def _bloom_tensors(names: set[str]) -> dict[str, Any]:
     return {"tie_word_embeddings": True}
 
 
+def _gpt_oss(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    """As llama.cpp runs gpt-oss: layers 0, 2, 4, ... slide (its SWA pattern of 2), the experts'
+    SwiGLU clamped at 7 with alpha 1.702 (constants in llama.cpp, not keys of the file), top-k
+    softmax routing. YaRN untruncated, as gpt-oss's own config has it."""
+    layers = key("block_count")
+    read = {"num_local_experts": key("expert_count"), "num_experts_per_tok": key("expert_used_count"),
+            "intermediate_size": key("expert_feed_forward_length") or key("feed_forward_length"),
+            "sliding_window": key("attention.sliding_window")}
+    return {**_head_dim(key, hidden, heads),
+            **{name: value for name, value in read.items() if value is not None},
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(layers)],
+            "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "rope": {"truncate": False}}
+
+
+# gpt-oss's second norm is llama.cpp's post_attention_norm; the router has a bias.
+_GPT_OSS_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                  "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.gate"}
+
 _FALCON_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"}
 # Falcon 40B's two norms: llama.cpp calls the MLP's (ln_mlp) attn_norm, the attention's (ln_attn)
 # attn_norm_2; Falcon 7B's one norm (attn_norm) feeds both.
@@ -245,6 +264,7 @@ GGUF_ARCHS = {
     "gpt2": GGUFArch(transformers.GPT2Config, _gpt2,
                      {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"},
                      eps_field="layer_norm_epsilon"),
+    "gpt-oss": GGUFArch(transformers.GptOssConfig, _gpt_oss, _GPT_OSS_NAMES),
     # GELU: llama.cpp's Falcon takes ggml's tanh approximation, transformers (and forklm) the
     # exact GELU Falcon's config names.
     "falcon": GGUFArch(transformers.FalconConfig, _falcon, _FALCON_NAMES,

@@ -49,6 +49,9 @@ _CACHE_VERSION = 4  # 3: the tokenizer as llama.cpp reads the GGUF; 4: end-of-ge
 END_OF_GENERATION_TEXTS = frozenset({
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
     "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<\uff5cend\u2581of\u2581sentence\uff5c>"})
+# Harmony (gpt-oss): a turn ends at <|return|> (the answer) or <|call|> (a tool call); its <|end|>
+# closes one message of the turn (the reasoning before the answer), so llama.cpp does not end there.
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
 _ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's Llama 3 rope scaling
 _ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
 
@@ -84,12 +87,7 @@ class GGUFModel:
         meta.setdefault(f"{arch}.vocab_size", len(self.file.fields["tokenizer.ggml.tokens"]))
         self.config = _gguf_config(meta, arch, self.spec, {t.name: t for t in self.file.tensors})
         self.tokenizer = gguf_tokenizer(path, meta)
-        # llama.cpp ends generation at each (Llama 3.1's <|eom_id|> ends a tool call's turn).
-        eos_keys = [f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom")]
-        by_text = [i for i, text in enumerate(self.file.fields["tokenizer.ggml.tokens"])
-                   if text in END_OF_GENERATION_TEXTS]
-        self.eos_token_ids = list(dict.fromkeys([*(meta[k] for k in eos_keys if k in meta),
-                                                 *by_text]))
+        self.eos_token_ids = _end_of_generation_ids(self.file.fields["tokenizer.ggml.tokens"], meta)
         _write_cache(self, cached)
 
     def weights(self, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
@@ -125,7 +123,7 @@ class GGUFModel:
                         tensor.data[expert], tensor.tensor_type, (shape[1], shape[2]),
                         release=functools.partial(self.file.release, tensor, expert, 1))
                 continue
-            if keep_quantized and len(shape) == 2:
+            if keep_quantized and len(shape) == 2 and not name.endswith(".bias"):
                 dequantized.add(tensor.tensor_type.name)
             array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
             weight = torch.from_numpy(np.require(array, np.float32, ["C", "W"]))  # a copy
@@ -153,6 +151,19 @@ class GGUFModel:
                  else self.config.num_key_value_heads)
         # llama.cpp interleaves each head's two rotary halves: [heads, half, 2] -> [heads, 2, half]
         return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _end_of_generation_ids(tokens: list[str], meta: dict) -> list[int]:
+    """The file's eos, eot and eom ids (llama.cpp ends generation at each: Llama 3.1's <|eom_id|>
+    ends a tool call's turn), then the END_OF_GENERATION_TEXTS tokens; a harmony vocabulary's
+    ends instead of its <|end|>."""
+    keys = [f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom")]
+    ids = [*(meta[k] for k in keys if k in meta),
+           *(i for i, text in enumerate(tokens) if text in END_OF_GENERATION_TEXTS)]
+    harmony = [i for i, text in enumerate(tokens) if text in _HARMONY_ENDS]
+    if len(harmony) == len(_HARMONY_ENDS):
+        ids = [i for i in ids if tokens[i] != "<|end|>"] + harmony
+    return list(dict.fromkeys(ids))
 
 
 def _gguf_config(meta: dict, arch: str, spec: GGUFArch,
@@ -213,7 +224,9 @@ def _hf_name(gguf_name: str, layer_names: Mapping[str, str], path: pathlib.Path)
         return f"{GLOBAL_NAMES[stem]}.{kind}"
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
-        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
+        target = f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
+        # gpt-oss's sinks are a bare parameter (GGUF names every tensor `.weight`)
+        return target if target.endswith(".sinks") else f"{target}.{kind}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in EXPERT_NAMES:
         return f"model.layers.{parts[1]}.mlp.experts.{{expert}}.{EXPERT_NAMES[parts[2]]}.{kind}"
     raise ModelNotFoundError(f"{path}: tensor {gguf_name!r} has no Hugging Face counterpart")

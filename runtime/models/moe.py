@@ -1,5 +1,6 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): softmax router, top-k experts
-per token, optional renormalisation, and Qwen2-MoE's sigmoid-gated shared expert."""
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss): softmax router, top-k
+experts per token, optional renormalisation, Qwen2-MoE's sigmoid-gated shared expert, and gpt-oss's
+router and expert biases with its clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ class SparseMoE(nn.Module):
                  shared_expert: nn.Module | None):
         super().__init__()
         self.spec, self.act = spec, act
-        self.gate = nn.Linear(hidden, spec.num_experts, bias=False)  # the router
+        self.gate = nn.Linear(hidden, spec.num_experts, bias=spec.bias)  # the router
         self.w13 = nn.Parameter(torch.empty(spec.num_experts, 2 * spec.intermediate_size, hidden))
         self.w2 = nn.Parameter(torch.empty(spec.num_experts, hidden, spec.intermediate_size))
+        if spec.bias:  # gpt-oss: [experts, 2 * inter] and [experts, hidden]
+            self.w13_bias = nn.Parameter(torch.empty(spec.num_experts, 2 * spec.intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(spec.num_experts, hidden))
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert else None
         # How an expert multiplies its tokens (batch_invariant.py swaps in a row-tiled one).
@@ -43,8 +47,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, experts]
-        weights, experts = probs.topk(self.spec.top_k, dim=-1)  # [T, top_k]
+        weights, experts = self._route(x)  # [T, top_k]
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -60,22 +63,42 @@ class SparseMoE(nn.Module):
             start += n
             tokens = picks // self.spec.top_k  # [n]
             gate, up = self._gate_up(e, x[tokens]).chunk(2, dim=-1)
-            y = self._down(e, self.act(gate) * up)  # [n, hidden]
+            y = self._down(e, self._glu(gate, up))  # [n, hidden]
             out.index_add_(0, tokens, y * weights.reshape(-1)[picks, None])
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
 
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> the chosen experts' weights (fp32) and indices, [T, top_k] each."""
+        logits = self.gate(x).float()  # [T, experts]
+        if self.spec.routing == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
+            top, experts = logits.topk(self.spec.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+        return torch.softmax(logits, dim=-1).topk(self.spec.top_k, dim=-1)
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        limit = self.spec.swiglu_limit
+        if limit is None:
+            return self.act(gate) * up
+        # gpt-oss's clamped SwiGLU, in transformers' order of operations
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.spec.swiglu_alpha))
+
     def _gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.quantized_experts is not None:
-            return self._quantized(e, 0)(x)
-        return self.expert_linear(x, self.w13[e])
+            y = self._quantized(e, 0)(x)
+        else:
+            y = self.expert_linear(x, self.w13[e])
+        return y + self.w13_bias[e] if self.spec.bias else y
 
     def _down(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.quantized_experts is not None:
-            return self._quantized(e, 1)(x)
-        return self.expert_linear(x, self.w2[e])
+            y = self._quantized(e, 1)(x)
+        else:
+            y = self.expert_linear(x, self.w2[e])
+        return y + self.w2_bias[e] if self.spec.bias else y
 
     def _quantized(self, e: int, which: int) -> nn.Module:
         assert self.quantized_experts is not None

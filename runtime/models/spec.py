@@ -32,6 +32,16 @@ class MoESpec:
     intermediate_size: int
     renormalize: bool  # top-k weights divided by their sum (Mixtral; Qwen's norm_topk_prob)
     shared_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, gated by a sigmoid
+    # gpt-oss: the router has a bias and softmaxes only the top-k logits ("topk_softmax"; the
+    # others "softmax_topk": softmax over all experts, then top-k); experts have biases and a
+    # clamped SwiGLU, (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit).
+    routing: str = "softmax_topk"
+    bias: bool = False  # router and expert biases
+    swiglu_limit: float | None = None  # None: the family's plain activation
+    swiglu_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        assert self.routing in ("softmax_topk", "topk_softmax"), self.routing
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ class ModelSpec:
     # identity); () none.
     alibi_slopes: tuple[float, ...] = ()
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    attn_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax's denominator
     final_softcap: float | None = None
     layers: tuple[LayerSpec, ...] = ()
     # rope_key -> rope parameters (rope_type, rope_theta, scaling fields)
@@ -245,6 +256,22 @@ def _qwen_moe(config: Any) -> ModelSpec:
     return ModelSpec(**_common(config, moe=moe, layers=layers, **extra))
 
 
+def _gpt_oss(config: Any) -> ModelSpec:
+    # Sliding and full layers alternate (layer_types); q/k/v/o biases; a sink logit per head;
+    # every layer's MLP is a mixture of experts with biases and a clamped SwiGLU.
+    # The hub's checkpoints pack the experts in MXFP4 (checkpoint_layouts.py dequantizes them).
+    quant = getattr(config, "quantization_config", None) or {}
+    method = (quant.get("quant_method") if isinstance(quant, dict)
+              else getattr(quant, "quant_method", None))
+    if quant and method != "mxfp4":
+        _refuse(config, "quantization_config", method, "only the hub's MXFP4 experts are read")
+    moe = MoESpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+                  renormalize=False, routing="topk_softmax", bias=True,
+                  swiglu_limit=float(config.swiglu_limit), swiglu_alpha=float(config.swiglu_alpha))
+    layers = _layers(config, _windows(config), moe=[True] * config.num_hidden_layers)
+    return ModelSpec(**_common(config, moe=moe, layers=layers, attn_sinks=True))
+
+
 def _smollm3(config: Any) -> ModelSpec:
     # no_rope_layers[i] == 0: layer i has no positions (NoPE), an identity rotary table.
     keys = ["default" if use_rope else NO_ROPE for use_rope in config.no_rope_layers]
@@ -373,6 +400,7 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "mixtral": _mixtral,
     "qwen2_moe": _qwen_moe,
     "qwen3_moe": _qwen_moe,
+    "gpt_oss": _gpt_oss,
     "smollm3": _smollm3,
     "granite": _granite,
     "olmo2": _olmo2,

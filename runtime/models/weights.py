@@ -28,7 +28,8 @@ QuantizedFactory = Callable[[list[Any], "torch.Tensor | None", torch.dtype], nn.
 _FUSED = re.compile(r"(?P<prefix>.*)\.(?P<part>q|k|v|gate|up)_proj\.(?P<kind>weight|bias)$")
 _FUSED_SHARD = {"q": ("qkv_proj", 0), "k": ("qkv_proj", 1), "v": ("qkv_proj", 2),
                 "gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1)}
-_EXPERT = re.compile(r"(?P<prefix>.*\.mlp)\.experts\.(?P<e>\d+)\.(?P<part>\w+)\.weight$")
+_EXPERT = re.compile(r"(?P<prefix>.*\.mlp)\.experts\.(?P<e>\d+)\.(?P<part>\w+)\."
+                     r"(?P<kind>weight|bias)$")
 _EXPERT_SHARD = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1),
                  "w3": ("w13", 1), "down_proj": ("w2", None), "w2": ("w2", None)}
 # StableLM's per-head q/k norms: one LayerNorm per head, stacked into one [heads, d] weight.
@@ -63,6 +64,8 @@ def target_of(name: str, fused: bool = True) -> Target:
         if m["part"] not in _EXPERT_SHARD:
             raise ModelNotFoundError(f"checkpoint tensor {name!r}: unknown expert matrix")
         param, shard = _EXPERT_SHARD[m["part"]]
+        if m["kind"] == "bias":  # gpt-oss's experts: w13_bias, w2_bias
+            param = f"{param}_bias"
         return Target(m["prefix"], param, shard, int(m["e"]))
     if fused and (m := _FUSED.match(name)) and not m["prefix"].endswith("experts"):
         fused_module, shard = _FUSED_SHARD[m["part"]]
@@ -245,19 +248,20 @@ def _shard_sizes(module: nn.Module, param: str) -> tuple[int, ...]:
     """Rows of each fused part of `module.param` (of one expert's slice for stacked experts)."""
     if isinstance(module, FusedLinear):
         return module.part_sizes
-    assert param == "w13", f"{param} has no fused parts"
+    assert param in ("w13", "w13_bias"), f"{param} has no fused parts"
     inter = getattr(module, param).shape[1] // 2  # gate rows, then up rows
     return (inter, inter)
 
 
 def _num_shards(module: nn.Module, param: str) -> int:
-    return len(_shard_sizes(module, param)) if isinstance(module, FusedLinear) or param == "w13" else 1
+    fused = isinstance(module, FusedLinear) or param in ("w13", "w13_bias")
+    return len(_shard_sizes(module, param)) if fused else 1
 
 
 def _stack_size(module: nn.Module, param: str) -> int | None:
     """First-axis count of a stacked parameter (experts; per-head norm weights, [heads, d]),
     which the checkpoint may give slice by slice; None: not stacked."""
-    if param in ("w13", "w2") or (isinstance(module, LayerNorm)
+    if param in ("w13", "w2", "w13_bias", "w2_bias") or (isinstance(module, LayerNorm)
                                   and getattr(module, param).dim() == 2):
         return getattr(module, param).shape[0]
     return None
