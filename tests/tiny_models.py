@@ -77,6 +77,25 @@ def _gemma3(c: dict) -> transformers.PretrainedConfig:
         rope_parameters=rope, tie_word_embeddings=False)
 
 
+def _gemma4(c: dict, **extra: Any) -> transformers.PretrainedConfig:
+    # Five layers: 0-2 compute their own K/V, 3 (sliding) and 4 (full) read those of 2 and 1.
+    # Full layers have wider heads (32) over one KV head whose keys are also its values, and
+    # rotate a quarter of each head's angles (proportional rope); per-layer inputs 8 wide.
+    # Untied like _gemma2.
+    rope = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    kinds = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+             "full_attention"]
+    fields = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                  attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                  hidden_size_per_layer_input=8, vocab_size_per_layer_input=c["vocab_size"],
+                  hidden_activation="gelu_pytorch_tanh", sliding_window=SLIDING_WINDOW,
+                  layer_types=kinds, rope_parameters=rope, final_logit_softcapping=2.0,
+                  tie_word_embeddings=False)
+    return transformers.Gemma4TextConfig(**{**c, "num_hidden_layers": 5}, **{**fields, **extra})
+
+
 def _phi3(original_context: int) -> Callable[[dict], transformers.PretrainedConfig]:
     """longrope: transformers takes long_factor for a whole forward when its max position + 1
     exceeds original_max_position_embeddings, else short_factor (so with a KV cache, keys cached
@@ -199,6 +218,7 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "qwen3": TinyArch(_qwen3, transformers.Qwen3ForCausalLM, 3.0),
     "gemma2": TinyArch(_gemma2, transformers.Gemma2ForCausalLM, 4.0),
     "gemma3": TinyArch(_gemma3, transformers.Gemma3ForCausalLM, 4.0),
+    "gemma4": TinyArch(_gemma4, transformers.Gemma4ForCausalLM, 4.0),
     # original context 4, below every test prompt: transformers always takes the long factors,
     # and so does forklm (its context length, 256, exceeds 4).
     "phi3": TinyArch(_phi3(4), transformers.Phi3ForCausalLM, 3.0),
@@ -270,4 +290,7 @@ def randomized(model: transformers.PreTrainedModel, weight_scale: float
             p.mul_(weight_scale)
             if "norm" in param_name or ".ln_" in f".{param_name}":  # GPT-2, Falcon: ln_1, ln_f
                 p.add_(torch.randn_like(p) * 0.5)
+        for buffer_name, b in model.named_buffers():
+            if buffer_name.endswith("layer_scalar"):  # Gemma 4's, saved though a buffer
+                b.uniform_(0.5, 1.5)
     return model
