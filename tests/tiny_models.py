@@ -4,6 +4,7 @@ transformers. Every field that changes the computation is set to a non-default v
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -219,6 +220,11 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "gemma2": TinyArch(_gemma2, transformers.Gemma2ForCausalLM, 4.0),
     "gemma3": TinyArch(_gemma3, transformers.Gemma3ForCausalLM, 4.0),
     "gemma4": TinyArch(_gemma4, transformers.Gemma4ForCausalLM, 4.0),
+    # Every layer its own K/V, its values from v_proj, no per-layer inputs; full layers still
+    # have wider heads and their own rope.
+    "gemma4_plain": TinyArch(functools.partial(_gemma4, hidden_size_per_layer_input=0,
+                                               num_kv_shared_layers=0, attention_k_eq_v=False),
+                             transformers.Gemma4ForCausalLM, 4.0),
     # original context 4, below every test prompt: transformers always takes the long factors,
     # and so does forklm (its context length, 256, exceeds 4).
     "phi3": TinyArch(_phi3(4), transformers.Phi3ForCausalLM, 3.0),
@@ -285,11 +291,16 @@ def randomized(model: transformers.PreTrainedModel, weight_scale: float
     near-uniform logits) and its norm weights jittered (they start as constants, which would hide
     a misread one)."""
     model = model.float().eval()
+    # Gemma 4 scales no attention score (its q/k norms set the scale): norm weights of ~4 would
+    # make scores of ~256, a softmax that fp32 and fp64 already disagree on by 1e-2.
+    unscaled_scores = model.config.model_type.startswith("gemma4")
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             p.mul_(weight_scale)
             if "norm" in param_name or ".ln_" in f".{param_name}":  # GPT-2, Falcon: ln_1, ln_f
                 p.add_(torch.randn_like(p) * 0.5)
+            if unscaled_scores and param_name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(1 / 8)  # scores of unit-RMS heads times ~16: a softmax fp32 resolves
         for buffer_name, b in model.named_buffers():
             if buffer_name.endswith("layer_scalar"):  # Gemma 4's, saved though a buffer
                 b.uniform_(0.5, 1.5)

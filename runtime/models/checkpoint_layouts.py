@@ -1,4 +1,4 @@
-"""Checkpoints laid out otherwise than Llama's (GPT-2, Falcon), their tensors renamed onto
+"""Checkpoints laid out otherwise than Llama's (GPT-2, Falcon, Gemma 4), their tensors renamed onto
 forklm's modules and rearranged as they stream from a Hugging Face folder: GPT-2's Conv1D
 matrices are stored [in, out] and are transposed to a Linear's [out, in]; Falcon's fused q/k/v
 rows are regrouped into all q heads, then all k heads, then all v heads."""
@@ -79,8 +79,22 @@ def _falcon_qkv_rows(config: Any) -> torch.Tensor | None:
     return (order[:, None] * head_dim + torch.arange(head_dim)[None, :]).reshape(-1)
 
 
+_GEMMA4_KV = re.compile(r"^model\.layers\.(?P<layer>\d+)\.self_attn\.[kv]_(proj|norm)\.")
+
+
+def gemma4_weights(config: Any, weights: Weights) -> Weights:
+    """Without the k/v projections and norms some checkpoints keep for the layers that read
+    another layer's K/V (transformers skips them too)."""
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    for name, tensor in weights:
+        m = _GEMMA4_KV.match(name)
+        if m is None or int(m["layer"]) < first_shared:
+            yield name, tensor
+
+
 LAYOUTS: dict[str, Callable[[Any, Weights], Weights]] = {"gpt2": gpt2_weights,
-                                                          "falcon": falcon_weights}
+                                                          "falcon": falcon_weights,
+                                                          "gemma4_text": gemma4_weights}
 
 
 def forklm_layout(config: Any, weights: Weights) -> Weights:

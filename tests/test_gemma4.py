@@ -1,0 +1,53 @@
+"""Gemma 4 beyond greedy equality (tests/test_architectures.py): the layers that read another
+layer's K/V take no KV pool layer of their own, checkpoints that still carry their k/v matrices
+load, and the mixture-of-experts variant is refused naming what it lacks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from forklm.runtime.engine.engine import Engine
+from forklm.runtime.errors import UnsupportedModelError
+from tests.conftest import hf_greedy
+from tests.tiny_models import build_tiny_model
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+PROMPT = "The quick brown fox jumps over the lazy dog near the river bank."
+
+
+def test_shared_kv_layers_take_no_pool_layer_and_leftover_kv_weights_are_skipped(
+        tmp_path, tokenizer):
+    model = build_tiny_model("gemma4", tmp_path, tokenizer)
+    shard = next(tmp_path.glob("*.safetensors"))
+    tensors = load_file(shard)
+    # Layers 3 and 4 read layers 2's and 1's K/V; some checkpoints keep unused k/v for them.
+    tensors["model.layers.3.self_attn.k_proj.weight"] = torch.randn(2 * 16, 64)
+    tensors["model.layers.4.self_attn.k_norm.weight"] = torch.randn(32)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    ids = tokenizer.encode(PROMPT)
+    engine = Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=512)
+    try:
+        assert engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"] == (
+            hf_greedy(model, ids, GREEDY["max_new_tokens"]))
+        spec = engine.parts.runner.model.spec
+        assert spec.kv_pool_layers == (0, 1, 2, 2, 1)
+        # 3 layers, 2 KV heads (the full layers' one repeated), 32 wide (the sliding ones padded)
+        assert spec.kv_pool_shape == (3, 2, 32)
+        pool = engine.parts.runner.kv.pool
+        assert tuple(pool.k_buffer.shape[i] for i in (0, 2, 3)) == (3, 2, 32)
+    finally:
+        engine.shutdown()
+
+
+def test_the_mixture_of_experts_variant_is_refused_naming_it(tmp_path, tokenizer):
+    build_tiny_model("gemma4", tmp_path, tokenizer)
+    config_file = tmp_path / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="enable_moe_block=True.*mixture-of-experts"):
+        Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
