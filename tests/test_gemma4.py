@@ -51,3 +51,21 @@ def test_the_mixture_of_experts_variant_is_refused_naming_it(tmp_path, tokenizer
     config_file.write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match="enable_moe_block=True.*mixture-of-experts"):
         Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
+
+
+@pytest.mark.parametrize("config", [{"enable_deterministic_inference": True},
+                                    {"enable_torch_compile": True}],
+                         ids=["deterministic", "torch_compile_asked"])
+def test_other_engine_modes_generate_as_transformers(tmp_path, tokenizer, config):
+    """Deterministic inference tiles Gemma 4's matmuls too; asked for torch.compile, Gemma 4
+    runs its layers eagerly (its layers are not LayerSteps) and still serves."""
+    model = build_tiny_model("gemma4", tmp_path, tokenizer)
+    prompts = [tokenizer.encode(PROMPT), tokenizer.encode("Paris is the capital of")]
+    engine = Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=512, **config)
+    try:
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [out["output_ids"] for out in outs] == [
+            hf_greedy(model, ids, GREEDY["max_new_tokens"]) for ids in prompts]
+        assert engine.parts.runner.model.compiled_steps is None
+    finally:
+        engine.shutdown()

@@ -204,6 +204,7 @@ class CausalLM(nn.Module):
     """
 
     layer_class: type[nn.Module] = DecoderLayer
+    compiles_layer_steps = True  # its layers run LayerSteps (torch_compile.py compiles them)
 
     def __init__(self, spec: ModelSpec, config, max_positions: int):
         super().__init__()

@@ -135,6 +135,7 @@ class Gemma4CausalLM(CausalLM):
     layer. Its layers always run eagerly (no fused C steps, no compiled ones)."""
 
     layer_class = Gemma4DecoderLayer
+    compiles_layer_steps = False
 
     def __init__(self, spec: ModelSpec, config, max_positions: int):
         super().__init__(spec, config, max_positions)

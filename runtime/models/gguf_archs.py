@@ -153,6 +153,10 @@ def _gemma4(key: Key, hidden: int, heads: int) -> dict[str, Any]:
             "hidden_size_per_layer_input": key("embedding_length_per_layer_input", 0),
             "vocab_size_per_layer_input": key("vocab_size"),  # no key of its own: as llama.cpp
             "final_logit_softcapping": key("final_logit_softcapping"),
+            # the MoE variant (refused by ModelSpec, naming it)
+            "enable_moe_block": bool(key("expert_count")), "num_experts": key("expert_count"),
+            "top_k_experts": key("expert_used_count"),
+            "moe_intermediate_size": key("expert_feed_forward_length"),
             "sliding_rope": local}
 
 

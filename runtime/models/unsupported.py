@@ -9,7 +9,6 @@ _ENCODER_DECODER = "an encoder-decoder (forklm serves decoder-only models)"
 MISSING_MECHANISMS = {
     "gpt_oss": "attention sinks and clamped-SwiGLU experts",
     "gpt-oss": "attention sinks and clamped-SwiGLU experts",
-    "gemma4": "per-layer input embeddings and layers that share another layer's KV",
     "gemma3n": "per-layer input embeddings, AltUp and layers that share another layer's KV",
     "bloom": "ALiBi position biases",
     "mpt": "ALiBi position biases",
