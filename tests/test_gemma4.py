@@ -69,3 +69,13 @@ def test_other_engine_modes_generate_as_transformers(tmp_path, tokenizer, config
         assert engine.parts.runner.model.compiled_steps is None
     finally:
         engine.shutdown()
+
+
+def test_tensor_parallelism_is_refused_naming_why(tokenizer):
+    from forklm.runtime.distributed.sharding import check_shardable
+    from forklm.runtime.models.spec import spec_from_config
+    from tests.tiny_models import tiny_config
+
+    spec = spec_from_config(tiny_config("gemma4", tokenizer))
+    with pytest.raises(UnsupportedModelError, match="tp_size=2: gemma4_text has per-layer inputs"):
+        check_shardable(spec, 2)
