@@ -280,6 +280,10 @@ def _gemma4(config: Any) -> ModelSpec:
             k_eq_v=bool(config.attention_k_eq_v) and kind == "full_attention",
             kv_source=source[kind] if shared else None,
             intermediate_size=config.intermediate_size * wide))
+    kv_heads = {layer.num_kv_heads for layer in layers}
+    if any(max(kv_heads) % n for n in kv_heads):  # the pool repeats the fewer heads
+        _refuse(config, "num_global_key_value_heads", sorted(kv_heads),
+                "one layer type's KV heads must divide the other's")
     ple = config.hidden_size_per_layer_input
     sliding = config.per_layer_config[config.layer_types.index("sliding_attention")
                                       if "sliding_attention" in config.layer_types else 0]
