@@ -79,3 +79,25 @@ def test_tensor_parallelism_is_refused_naming_why(tokenizer):
     spec = spec_from_config(tiny_config("gemma4", tokenizer))
     with pytest.raises(UnsupportedModelError, match="tp_size=2: gemma4_text has per-layer inputs"):
         check_shardable(spec, 2)
+
+
+def test_a_q8_0_gguf_keeps_the_per_layer_table_quantized(tmp_path, tokenizer, monkeypatch):
+    """The per-layer embedding table and projections stay in their blocks (test_gguf_families
+    checks the logprobs of this path against the dequantized one)."""
+    from forklm.runtime.quant.linear import QuantizedLinear
+    from tests.test_gguf_families import write_gguf
+
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    model = build_tiny_model("gemma4", tmp_path / "hf", tokenizer)
+    write_gguf(tmp_path / "gemma4.gguf", model, "gemma4", q8_0=True)
+    engine = Engine(model_path=str(tmp_path / "gemma4.gguf"), quantization="gguf",
+                    max_total_tokens=256)
+    try:
+        lm = engine.parts.runner.model
+        assert isinstance(lm.model.embed_tokens_per_layer, QuantizedLinear)
+        assert isinstance(lm.model.per_layer_model_projection, QuantizedLinear)
+        assert isinstance(lm.model.layers[0].per_layer_input_gate, QuantizedLinear)
+        out = engine.generate(input_ids=tokenizer.encode(PROMPT), sampling_params=GREEDY)
+        assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+    finally:
+        engine.shutdown()

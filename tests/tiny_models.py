@@ -81,7 +81,8 @@ def _gemma3(c: dict) -> transformers.PretrainedConfig:
 def _gemma4(c: dict, **extra: Any) -> transformers.PretrainedConfig:
     # Five layers: 0-2 compute their own K/V, 3 (sliding) and 4 (full) read those of 2 and 1.
     # Full layers have wider heads (32) over one KV head whose keys are also its values, and
-    # rotate a quarter of each head's angles (proportional rope); per-layer inputs 8 wide.
+    # rotate a quarter of each head's angles (proportional rope); per-layer inputs 32 wide (the
+    # packed table, 5 * 32, holds whole Q8_0 blocks: test_gguf_families keeps it quantized).
     # Untied like _gemma2.
     rope = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                "rope_theta": 1e6},
@@ -90,7 +91,7 @@ def _gemma4(c: dict, **extra: Any) -> transformers.PretrainedConfig:
              "full_attention"]
     fields = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
                   attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
-                  hidden_size_per_layer_input=8, vocab_size_per_layer_input=c["vocab_size"],
+                  hidden_size_per_layer_input=32, vocab_size_per_layer_input=c["vocab_size"],
                   hidden_activation="gelu_pytorch_tanh", sliding_window=SLIDING_WINDOW,
                   layer_types=kinds, rope_parameters=rope, final_logit_softcapping=2.0,
                   tie_word_embeddings=False)
