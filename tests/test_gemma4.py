@@ -1,10 +1,8 @@
 """Gemma 4 beyond greedy equality (tests/test_architectures.py): the layers that read another
 layer's K/V take no KV pool layer of their own, checkpoints that still carry their k/v matrices
-load, and the mixture-of-experts variant is refused naming what it lacks."""
+load, and a GGUF of the mixture-of-experts variant is refused naming what it lacks."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -43,14 +41,22 @@ def test_shared_kv_layers_take_no_pool_layer_and_leftover_kv_weights_are_skipped
         engine.shutdown()
 
 
-def test_the_mixture_of_experts_variant_is_refused_naming_it(tmp_path, tokenizer):
-    build_tiny_model("gemma4", tmp_path, tokenizer)
-    config_file = tmp_path / "config.json"
-    config = json.loads(config_file.read_text())
-    config.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
-    config_file.write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="enable_moe_block=True.*mixture-of-experts"):
-        Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)
+def test_a_gguf_of_the_mixture_of_experts_variant_is_refused_naming_it(tmp_path, monkeypatch):
+    import gguf
+
+    from forklm.runtime.models.gguf_loader import GGUFModel
+
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    writer = gguf.GGUFWriter(tmp_path / "moe.gguf", "gemma4")
+    writer.add_block_count(1)
+    writer.add_expert_count(4)
+    writer.add_token_list(["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="'gemma4' with experts.*Gemma 4's experts"):
+        GGUFModel(tmp_path / "moe.gguf")
 
 
 @pytest.mark.parametrize("config", [{"enable_deterministic_inference": True},

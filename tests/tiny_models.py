@@ -226,6 +226,10 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "gemma4_plain": TinyArch(functools.partial(_gemma4, hidden_size_per_layer_input=0,
                                                num_kv_shared_layers=0, attention_k_eq_v=False),
                              transformers.Gemma4ForCausalLM, 4.0),
+    # Four experts (two per token) beside every layer's dense MLP.
+    "gemma4_moe": TinyArch(functools.partial(_gemma4, enable_moe_block=True, num_experts=4,
+                                             top_k_experts=2, moe_intermediate_size=32),
+                           transformers.Gemma4ForCausalLM, 4.0),
     # original context 4, below every test prompt: transformers always takes the long factors,
     # and so does forklm (its context length, 256, exceeds 4).
     "phi3": TinyArch(_phi3(4), transformers.Phi3ForCausalLM, 3.0),

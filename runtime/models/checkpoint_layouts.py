@@ -82,14 +82,25 @@ def _falcon_qkv_rows(config: Any) -> torch.Tensor | None:
 _GEMMA4_KV = re.compile(r"^model\.layers\.(?P<layer>\d+)\.self_attn\.[kv]_(proj|norm)\.")
 
 
+# Gemma 4's router and stacked experts onto forklm's Gemma4MoE (SparseMoE's parameter names).
+_GEMMA4_MOE = {"router.proj.weight": "moe.gate.weight", "router.scale": "moe.router_scale",
+               "router.per_expert_scale": "moe.per_expert_scale",
+               "experts.gate_up_proj": "moe.w13", "experts.down_proj": "moe.w2"}
+_GEMMA4_MOE_NAME = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(?P<part>" +
+                              "|".join(re.escape(k) for k in _GEMMA4_MOE) + ")$")
+
+
 def gemma4_weights(config: Any, weights: Weights) -> Weights:
     """Without the k/v projections and norms some checkpoints keep for the layers that read
-    another layer's K/V (transformers skips them too)."""
+    another layer's K/V (transformers skips them too); router and experts renamed."""
     first_shared = config.num_hidden_layers - config.num_kv_shared_layers
     for name, tensor in weights:
         m = _GEMMA4_KV.match(name)
-        if m is None or int(m["layer"]) < first_shared:
-            yield name, tensor
+        if m is not None and int(m["layer"]) >= first_shared:
+            continue
+        if moe := _GEMMA4_MOE_NAME.match(name):
+            name = f"{moe['layer']}.{_GEMMA4_MOE[moe['part']]}"
+        yield name, tensor
 
 
 LAYOUTS: dict[str, Callable[[Any, Weights], Weights]] = {"gpt2": gpt2_weights,

@@ -15,11 +15,12 @@ from torch import nn
 from forklm.runtime.attention.backends import AttentionBackend, AttentionLayerSpec
 from forklm.runtime.models.decoder import MLP, CausalLM, _rows
 from forklm.runtime.models.layers import ACTIVATIONS, RMSNorm, RotaryEmbedding
+from forklm.runtime.models.moe import SparseMoE
 from forklm.runtime.models.weights import FusedLinear
 
 if TYPE_CHECKING:
     from forklm.runtime.forward.batch import ForwardBatch
-    from forklm.runtime.models.spec import ModelSpec
+    from forklm.runtime.models.spec import ModelSpec, MoESpec
 
 # A layer's K/V as the pool holds them, by pool layer: [T, pool_kv_heads, pool_head_dim] each.
 SharedKV = dict[int, tuple[torch.Tensor, torch.Tensor]]
@@ -92,8 +93,25 @@ def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+class Gemma4MoE(SparseMoE):
+    """Gemma 4's experts, beside its dense MLP. The router reads the RMS-normed input times a
+    learned scale and 1/sqrt(hidden); the top-k weights, renormalised, are scaled per expert."""
+
+    def __init__(self, hidden: int, spec: MoESpec, act, eps: float):
+        super().__init__(hidden, spec, act, None)
+        self.eps, self.root = eps, hidden**-0.5
+        self.router_scale = nn.Parameter(torch.ones(hidden))
+        self.per_expert_scale = nn.Parameter(torch.ones(spec.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = super().route(_unit_rms(x, self.eps) * self.router_scale * self.root)
+        return weights * self.per_expert_scale[experts], experts
+
+
 class Gemma4DecoderLayer(nn.Module):
-    """Gemma's sandwich norms, then the per-layer input's gated residual, all times a scalar."""
+    """Gemma's sandwich norms, then the per-layer input's gated residual, all times a scalar.
+    With experts (enable_moe_block) the MLP's output and the experts' (routed by the layer's
+    input) are normed and summed before the post-MLP norm."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
@@ -102,6 +120,12 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = Gemma4Attention(spec, layer_id, rotary)
         self.mlp = MLP(spec, spec.layers[layer_id].intermediate_size or spec.intermediate_size)
+        self.moe: Gemma4MoE | None = None
+        if spec.moe is not None:
+            self.moe = Gemma4MoE(spec.hidden_size, spec.moe, ACTIVATIONS[spec.activation],
+                                 spec.norm_eps)
+            self.post_feedforward_layernorm_1, self.pre_feedforward_layernorm_2 = norm(), norm()
+            self.post_feedforward_layernorm_2 = norm()
         self.act = ACTIVATIONS[spec.activation]
         if spec.per_layer_input is not None:
             width = spec.per_layer_input[1]
@@ -122,11 +146,19 @@ class Gemma4DecoderLayer(nn.Module):
         elif attn_mod.shares_kv:
             shared_kv[attn_mod.pool_layer] = (k, v)
         x = x + self.post_attention_layernorm(attn_mod.attend(q, k, v, batch, attn))
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.post_feedforward_layernorm(self._feed_forward(x))
         if per_layer_input is not None:
             gated = self.act(self.per_layer_input_gate(x)) * per_layer_input
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return x * self.layer_scalar
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe is None:
+            return h
+        weights, experts = self.moe.route(x)
+        routed = self.moe.run_experts(self.pre_feedforward_layernorm_2(x), weights, experts)
+        return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
 
 
 class Gemma4CausalLM(CausalLM):

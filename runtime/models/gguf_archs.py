@@ -10,6 +10,8 @@ from typing import Any
 
 import transformers
 
+from forklm.runtime.errors import UnsupportedModelError
+
 Key = Callable[..., Any]  # key(name, default=None): the metadata value `{arch}.{name}`
 
 # GGUF layer tensor -> Hugging Face module, for the Llama layout every family starts from.
@@ -135,6 +137,11 @@ def _gemma4(key: Key, hidden: int, heads: int) -> dict[str, Any]:
     counts and MLP widths may be per-layer arrays (full layers' KV heads; the KV-sharing layers'
     double-wide MLPs). The full layers' proportional rope is in the rope_freqs tensor
     (gguf_loader.py); sliding layers rotate rope.dimension_count_swa of their dims."""
+    if key("expert_count"):
+        raise UnsupportedModelError(
+            "GGUF architecture 'gemma4' with experts is not supported: it needs llama.cpp's "
+            "layout of Gemma 4's experts (fused gate/up stacks, per-expert scales on the down "
+            "stack), which forklm does not read (the Hugging Face folder is served)")
     layer_types = _gemma3_layer_types(key)
     kv_heads, ff = key("attention.head_count_kv", heads), key("feed_forward_length")
     kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * len(layer_types)
@@ -153,10 +160,6 @@ def _gemma4(key: Key, hidden: int, heads: int) -> dict[str, Any]:
             "hidden_size_per_layer_input": key("embedding_length_per_layer_input", 0),
             "vocab_size_per_layer_input": key("vocab_size"),  # no key of its own: as llama.cpp
             "final_logit_softcapping": key("final_logit_softcapping"),
-            # the MoE variant (refused by ModelSpec, naming it)
-            "enable_moe_block": bool(key("expert_count")), "num_experts": key("expert_count"),
-            "top_k_experts": key("expert_used_count"),
-            "moe_intermediate_size": key("expert_feed_forward_length"),
             "sliding_rope": local}
 
 

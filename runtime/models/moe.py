@@ -43,10 +43,24 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
+        weights, experts = self.route(x)
+        out = self.run_experts(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> each token's expert weights (fp32) and experts, [T, top_k] each."""
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, experts]
         weights, experts = probs.topk(self.spec.top_k, dim=-1)  # [T, top_k]
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                    ) -> torch.Tensor:
+        """Sum over each token's experts of weight * expert(x): x [T, hidden] -> [T, hidden]."""
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)  # [T * top_k], token t's picks at t * top_k + j
@@ -62,9 +76,6 @@ class SparseMoE(nn.Module):
             gate, up = self._gate_up(e, x[tokens]).chunk(2, dim=-1)
             y = self._down(e, self.act(gate) * up)  # [n, hidden]
             out.index_add_(0, tokens, y * weights.reshape(-1)[picks, None])
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
 
     def _gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -257,9 +257,6 @@ def _gemma3(config: Any) -> ModelSpec:
 def _gemma4(config: Any) -> ModelSpec:
     # Gemma 3's sandwich layers with plain (not 1 + w) norm weights, unscaled attention (the q/k
     # norms do it), RMS-normed values, a learned scalar per layer and per-layer input embeddings.
-    if config.enable_moe_block:
-        _refuse(config, "enable_moe_block", True, "Gemma 4's mixture-of-experts block (a dense "
-                "MLP and routed experts side by side) is not implemented")
     if config.num_kv_shared_layers >= config.num_hidden_layers:
         _refuse(config, "num_kv_shared_layers", config.num_kv_shared_layers,
                 "some layer must compute the K/V that the others share")
@@ -275,7 +272,8 @@ def _gemma4(config: Any) -> ModelSpec:
         shared = modes[i] == "reuse"
         wide = 2 if shared and config.use_double_wide_mlp else 1
         layers.append(LayerSpec(
-            windows[i], kind, False, head_dim=config.per_layer_config[i].head_dim,
+            windows[i], kind, bool(config.enable_moe_block),
+            head_dim=config.per_layer_config[i].head_dim,
             num_kv_heads=config.per_layer_config[i].num_key_value_heads,
             k_eq_v=bool(config.attention_k_eq_v) and kind == "full_attention",
             kv_source=source[kind] if shared else None,
@@ -287,8 +285,11 @@ def _gemma4(config: Any) -> ModelSpec:
     ple = config.hidden_size_per_layer_input
     sliding = config.per_layer_config[config.layer_types.index("sliding_attention")
                                       if "sliding_attention" in config.layer_types else 0]
+    # Experts beside every layer's dense MLP (enable_moe_block)
+    moe = (MoESpec(config.num_experts, config.top_k_experts, config.moe_intermediate_size,
+                   renormalize=True) if config.enable_moe_block else None)
     return ModelSpec(**_common(
-        config, head_dim=sliding.head_dim, num_kv_heads=sliding.num_key_value_heads,
+        config, head_dim=sliding.head_dim, num_kv_heads=sliding.num_key_value_heads, moe=moe,
         embed_scale=config.hidden_size**0.5, qk_norm="head", norm_placement="sandwich",
         attn_scale=1.0, final_softcap=config.final_logit_softcapping, rope=rope,
         layers=tuple(layers),
