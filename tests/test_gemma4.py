@@ -107,3 +107,16 @@ def test_a_q8_0_gguf_keeps_the_per_layer_table_quantized(tmp_path, tokenizer, mo
         assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
     finally:
         engine.shutdown()
+
+
+def test_bidirectional_attention_over_all_tokens_is_refused(tmp_path, tokenizer):
+    """"vision" (text causal, images both ways) is served; "all" (an encoder) is not."""
+    import json
+
+    build_tiny_model("gemma4", tmp_path, tokenizer)
+    config_file = tmp_path / "config.json"
+    config = json.loads(config_file.read_text())
+    config["use_bidirectional_attention"] = "all"
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="use_bidirectional_attention='all'"):
+        Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256)

@@ -32,6 +32,7 @@ def test_gemma3_multimodal_checkpoint_generates_as_transformers(tokenizer, tmp_p
 
 def test_gemma4_multimodal_checkpoint_generates_as_transformers(tokenizer, tmp_path):
     text = tiny_config("gemma4", tokenizer, pad_token_id=0)  # its multimodal model needs one
+    text.use_bidirectional_attention = "vision"  # the larger models': text stays causal
     vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=1, num_attention_heads=2,
                                              num_key_value_heads=2, head_dim=16)

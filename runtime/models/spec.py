@@ -135,8 +135,11 @@ def spec_from_config(config: Any) -> ModelSpec:
             f"model_type {config.model_type!r} is not supported"
             f"{missing_mechanism(config.model_type)}; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if getattr(config, "use_bidirectional_attention", False):
-        _refuse(config, "use_bidirectional_attention", True, "only causal attention is implemented")
+    # "vision" (Gemma 4): only image tokens see each other both ways; text is causal.
+    bidirectional = getattr(config, "use_bidirectional_attention", False)
+    if bidirectional and bidirectional != "vision":
+        _refuse(config, "use_bidirectional_attention", bidirectional,
+                "only causal attention is implemented")
     return family(config)
 
 
