@@ -138,6 +138,8 @@ CASES = {
     "gemma2": ("gemma2", "gemma2", _gemma_defaults),
     "gemma3": ("gemma3", "gemma3", _gemma3_defaults),
     "gemma3_pattern": ("gemma3", "gemma3", _gemma3_pattern),
+    "gemma4": ("gemma4", "gemma4", None),
+    "gemma4_plain": ("gemma4_plain", "gemma4", None),
     "phi3": ("phi3_short", "phi3", None),
     "mixtral": ("mixtral", "llama", None),  # llama.cpp writes Mixtral as llama with experts
     "qwen2_moe": ("qwen2_moe", "qwen2moe", None),
@@ -163,8 +165,8 @@ LAYER_NORM_EPS = {"stablelm": "layer_norm_eps", "starcoder2": "norm_epsilon",
                   "mpt": "layer_norm_epsilon"}
 # GPT-2's Conv1D matrices, [in, out]: the converter transposes them.
 GPT2_CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
-# llama.cpp's converter stores these families' norm weights as 1 + w.
-NORM_PLUS_ONE = ("gemma", "nemotron")
+# llama.cpp's converter stores these families' norm weights as 1 + w (Gemma 4's as they are).
+NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3", "nemotron")
 # llama.cpp's converter interleaves each q/k head's rotary halves for these (LlamaModel's).
 PERMUTED_QK = {"llama", "smollm3", "granite"}
 
@@ -181,7 +183,10 @@ def write_gguf(path, model, arch: str, q8_0: bool = False,
     llama.cpp's converter writes them; `quantizer`: each tensor's blocks as it decides."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
-    _write_metadata(writer, config)
+    if arch == "gemma4":
+        _write_gemma4_metadata(writer, config)
+    else:
+        _write_metadata(writer, config)
     _copy_tokenizer(writer)
     def add(gguf_name: str, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array)
@@ -200,7 +205,7 @@ def write_gguf(path, model, arch: str, q8_0: bool = False,
         array = tensor.float().numpy()
         if arch == "bloom":  # the converter drops BLOOM's `transformer.` prefix
             name = name.removeprefix("transformer.")
-        if arch.startswith(NORM_PLUS_ONE) and name.endswith("norm.weight"):
+        if arch in NORM_PLUS_ONE and name.endswith("norm.weight"):
             array = array + 1
         if arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
@@ -231,9 +236,16 @@ def write_gguf(path, model, arch: str, q8_0: bool = False,
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None and name == "lm_head.weight":  # gguf-py's Gemma 2 map has it tied
             gguf_name = "output.weight"
+        if name.endswith(".layer_scalar"):  # the converter names Gemma 4's buffer a weight
+            gguf_name = f"{gguf_name}.weight"
         assert gguf_name is not None, name
         add(gguf_name, array)
     rope = getattr(config, "rope_parameters", None) or {}  # GPT-2 has none
+    if arch == "gemma4":  # the full layers' proportional rope, as freq factors
+        full, head_dim = rope["full_attention"], config.per_layer_config["full_attention"].head_dim
+        rotated = int(head_dim * full["partial_rotary_factor"] / 2)
+        writer.add_tensor("rope_freqs.weight", np.asarray(
+            [1.0] * rotated + [1e30] * (head_dim // 2 - rotated), np.float32))
     if rope.get("rope_type") == "longrope":
         writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         writer.add_tensor("rope_factors_short.weight",
@@ -320,6 +332,40 @@ def _write_metadata(writer, config) -> None:
         writer.add_expert_used_count(config.num_experts_per_tok)
         if config.model_type == "gpt_oss":  # llama.cpp's converter writes it for gpt-oss
             writer.add_expert_feed_forward_length(config.intermediate_size)
+
+
+def _write_gemma4_metadata(writer, config) -> None:
+    """As llama.cpp's Gemma 4 converter: key_length is the full layers' head width, *_swa the
+    sliding layers'; per-layer arrays for the sliding pattern, the KV heads (when the full
+    layers have their own count) and the MLP widths (when the KV-sharing layers' are double)."""
+    n, kinds = config.num_hidden_layers, config.layer_types
+    full, swa = config.per_layer_config["full_attention"], config.per_layer_config["sliding_attention"]
+    writer.add_block_count(n)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_key_length(full.head_dim)
+    writer.add_value_length(full.head_dim)
+    writer.add_key_length_swa(swa.head_dim)
+    writer.add_value_length_swa(swa.head_dim)
+    kv_heads = [swa.num_key_value_heads if kind == "sliding_attention"
+                else full.num_key_value_heads for kind in kinds]
+    writer.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else kv_heads[0])
+    first_shared, ff = n - config.num_kv_shared_layers, config.intermediate_size
+    writer.add_feed_forward_length([ff if i < first_shared else 2 * ff for i in range(n)]
+                                   if config.use_double_wide_mlp else ff)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
+    writer.add_shared_kv_layers(config.num_kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(full.head_dim)
+    writer.add_rope_dimension_count_swa(swa.head_dim)
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
 def _copy_tokenizer(writer) -> None:

@@ -1,4 +1,4 @@
-"""A multimodal checkpoint served for text (the Gemma 3 repositories most users download): forklm
+"""A multimodal checkpoint served for text (the Gemma 3 and 4 repositories most users download): forklm
 loads its language model alone, skipping the vision tower, and generates the greedy tokens
 transformers' multimodal model does on text."""
 
@@ -27,12 +27,32 @@ def test_gemma3_multimodal_checkpoint_generates_as_transformers(tokenizer, tmp_p
     torch.manual_seed(0)
     model = randomized(transformers.Gemma3ForConditionalGeneration(config),
                        ARCHITECTURES["gemma3"].weight_scale)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    _check_text_generation(model, tokenizer, tmp_path)
+
+
+def test_gemma4_multimodal_checkpoint_generates_as_transformers(tokenizer, tmp_path):
+    text = tiny_config("gemma4", tokenizer, pad_token_id=0)  # its multimodal model needs one
+    text.use_bidirectional_attention = "vision"  # the larger models': text stays causal
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       audio_config=None)
+    config._attn_implementation = "eager"
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = randomized(transformers.Gemma4ForConditionalGeneration(config),
+                       ARCHITECTURES["gemma4"].weight_scale)
+    _check_text_generation(model, tokenizer, tmp_path)
+
+
+def _check_text_generation(model, tokenizer, folder) -> None:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     prompts = [tokenizer.encode("Paris is the capital of"),
                tokenizer.encode("The quick brown fox jumps over the lazy dog near the river.")]
     expected = [hf_greedy(model, ids, NUM_NEW) for ids in prompts]
-    engine = Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=2048)
+    engine = Engine(model_path=str(folder), dtype="float32", max_total_tokens=2048)
     try:
         outs = engine.generate(input_ids=prompts, sampling_params={
             "temperature": 0, "max_new_tokens": NUM_NEW, "ignore_eos": True})

@@ -4,6 +4,7 @@ transformers. Every field that changes the computation is set to a non-default v
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -75,6 +76,26 @@ def _gemma3(c: dict) -> transformers.PretrainedConfig:
         hidden_activation="gelu_pytorch_tanh", sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters=rope, tie_word_embeddings=False)
+
+
+def _gemma4(c: dict, **extra: Any) -> transformers.PretrainedConfig:
+    # Five layers: 0-2 compute their own K/V, 3 (sliding) and 4 (full) read those of 2 and 1.
+    # Full layers have wider heads (32) over one KV head whose keys are also its values, and
+    # rotate a quarter of each head's angles (proportional rope); per-layer inputs 32 wide (the
+    # packed table, 5 * 32, holds whole Q8_0 blocks: test_gguf_families keeps it quantized).
+    # Untied like _gemma2.
+    rope = {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    kinds = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+             "full_attention"]
+    fields = dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                  attention_k_eq_v=True, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                  hidden_size_per_layer_input=32, vocab_size_per_layer_input=c["vocab_size"],
+                  hidden_activation="gelu_pytorch_tanh", sliding_window=SLIDING_WINDOW,
+                  layer_types=kinds, rope_parameters=rope, final_logit_softcapping=2.0,
+                  tie_word_embeddings=False)
+    return transformers.Gemma4TextConfig(**{**c, "num_hidden_layers": 5}, **{**fields, **extra})
 
 
 def _phi3(original_context: int) -> Callable[[dict], transformers.PretrainedConfig]:
@@ -229,6 +250,16 @@ ARCHITECTURES: dict[str, TinyArch] = {
     "qwen3": TinyArch(_qwen3, transformers.Qwen3ForCausalLM, 3.0),
     "gemma2": TinyArch(_gemma2, transformers.Gemma2ForCausalLM, 4.0),
     "gemma3": TinyArch(_gemma3, transformers.Gemma3ForCausalLM, 4.0),
+    "gemma4": TinyArch(_gemma4, transformers.Gemma4ForCausalLM, 4.0),
+    # Every layer its own K/V, its values from v_proj, no per-layer inputs; full layers still
+    # have wider heads and their own rope.
+    "gemma4_plain": TinyArch(functools.partial(_gemma4, hidden_size_per_layer_input=0,
+                                               num_kv_shared_layers=0, attention_k_eq_v=False),
+                             transformers.Gemma4ForCausalLM, 4.0),
+    # Four experts (two per token) beside every layer's dense MLP.
+    "gemma4_moe": TinyArch(functools.partial(_gemma4, enable_moe_block=True, num_experts=4,
+                                             top_k_experts=2, moe_intermediate_size=32),
+                           transformers.Gemma4ForCausalLM, 4.0),
     # original context 4, below every test prompt: transformers always takes the long factors,
     # and so does forklm (its context length, 256, exceeds 4).
     "phi3": TinyArch(_phi3(4), transformers.Phi3ForCausalLM, 3.0),
@@ -300,9 +331,17 @@ def randomized(model: transformers.PreTrainedModel, weight_scale: float
     near-uniform logits) and its norm weights jittered (they start as constants, which would hide
     a misread one)."""
     model = model.float().eval()
+    # Gemma 4 scales no attention score (its q/k norms set the scale): norm weights of ~4 would
+    # make scores of ~256, a softmax that fp32 and fp64 already disagree on by 1e-2.
+    unscaled_scores = model.config.model_type.startswith("gemma4")
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             p.mul_(weight_scale)
             if "norm" in param_name or ".ln_" in f".{param_name}":  # GPT-2, Falcon: ln_1, ln_f
                 p.add_(torch.randn_like(p) * 0.5)
+            if unscaled_scores and param_name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(1 / 8)  # scores of unit-RMS heads times ~16: a softmax fp32 resolves
+        for buffer_name, b in model.named_buffers():
+            if buffer_name.endswith("layer_scalar"):  # Gemma 4's, saved though a buffer
+                b.uniform_(0.5, 1.5)
     return model

@@ -46,9 +46,10 @@ def profile_forward(config: ProfileConfig) -> list[TimedStep]:
     spec = spec_from_config(loaded.config)
     dtype = getattr(torch, resolved_dtype_name(config.dtype))
     model = build_model(loaded, spec, dtype, "cpu", max_positions=4096)
-    pool = KVPool(spec.num_layers, POOL_SLOTS, spec.num_kv_heads, spec.head_dim, dtype)
-    attn = create_attention_backend("torch", pool, spec.num_heads, spec.num_kv_heads,
-                                    spec.head_dim, model.attention_layers)
+    num_layers, num_kv_heads, head_dim = spec.kv_pool_shape
+    pool = KVPool(num_layers, POOL_SLOTS, num_kv_heads, head_dim, dtype)
+    attn = create_attention_backend("torch", pool, spec.num_heads, num_kv_heads, head_dim,
+                                    model.attention_layers)
     previous = torch.get_num_threads()
     torch.set_num_threads(config.num_threads)
     try:

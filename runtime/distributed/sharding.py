@@ -26,6 +26,8 @@ def check_shardable(spec: ModelSpec, tp_size: int) -> None:
 
     if spec.moe is not None:
         refuse("has mixture-of-experts blocks, which are not split across ranks yet")
+    if spec.model_type == "gemma4_text":
+        refuse("has per-layer inputs and layers of different head widths, not split across ranks yet")
     if spec.qk_norm in ("proj", "each_head"):  # the norm spans all heads / has per-head rows
         refuse(f"has {spec.qk_norm!r} q/k norms, which are not split across ranks yet")
     if spec.num_kv_heads < tp_size and spec.num_heads % tp_size:

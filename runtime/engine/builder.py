@@ -142,6 +142,9 @@ def _compile_layers(config: EngineConfig, model: CausalLM) -> None:
     if config.enable_deterministic_inference:
         logger.info("torch.compile off: deterministic inference runs its own tiled matmuls")
         return
+    if not model.compiles_layer_steps:
+        logger.info("torch.compile off: %s runs its own layers eagerly", model.spec.model_type)
+        return
     from forklm.runtime.forward.torch_compile import enable_torch_compile
 
     enable_torch_compile(model, config.torch_compile_max_bs)

@@ -18,6 +18,7 @@ from forklm.runtime.kvcache import sizing as kv_sizing
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import CausalLM, ModelSpec, WeightLoader
 from forklm.runtime.models.batch_invariant import make_batch_invariant
+from forklm.runtime.models.decoder import causal_lm_class
 from forklm.runtime.models.fp16_linear import (
     fp16_tied_head,
     fp16_weights_available,
@@ -60,7 +61,7 @@ def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device
     with `int8_activations` quantized matrices multiply decode-sized calls with int8 dot
     products where the CPU has them (quant/linear.py)."""
     with torch.device("meta"):
-        model = CausalLM(spec, loaded.config, max_positions)
+        model = causal_lm_class(spec)(spec, loaded.config, max_positions)
     factory = None
     if keep_quantized:
         from forklm.runtime.quant.linear import QuantizedLinear
@@ -114,7 +115,7 @@ def kv_capacity(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, conte
     weights are loaded (a GPU's free memory then counts them)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
-    per_token = KVPool.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, dtype)
+    per_token = KVPool.bytes_per_token(*spec.kv_pool_shape, dtype)
     if config.device.startswith("cuda"):
         device = torch.device(config.device)
         torch.cuda.synchronize(device)
@@ -133,11 +134,11 @@ def build_kv_and_attention(config: EngineConfig, spec: ModelSpec, model: CausalL
                            capacity: int) -> tuple[KVPool, AttentionBackend]:
     """The KV pool of `capacity` slots for `spec`'s KV heads and the attention backend over it."""
     dtype = getattr(torch, config.torch_dtype_name)
-    pool = KVPool(spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim, dtype, config.device)
+    num_layers, num_kv_heads, head_dim = spec.kv_pool_shape
+    pool = KVPool(num_layers, capacity, num_kv_heads, head_dim, dtype, config.device)
     if config.enable_deterministic_inference:
         make_batch_invariant(model)
-        return pool, BatchInvariantAttention(pool, spec.num_heads, spec.num_kv_heads,
-                                             spec.head_dim, model.attention_layers)
+        return pool, BatchInvariantAttention(pool, spec.num_heads, num_kv_heads, head_dim,
+                                             model.attention_layers)
     return pool, create_attention_backend(config.resolved_attention_backend, pool, spec.num_heads,
-                                          spec.num_kv_heads, spec.head_dim,
-                                          model.attention_layers)
+                                          num_kv_heads, head_dim, model.attention_layers)

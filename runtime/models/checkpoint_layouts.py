@@ -1,9 +1,9 @@
-"""Checkpoints laid out otherwise than Llama's (GPT-2, Falcon, BLOOM, MPT), their tensors renamed onto
-forklm's modules and rearranged as they stream from a Hugging Face folder: GPT-2's Conv1D
-matrices are stored [in, out] and are transposed to a Linear's [out, in]; Falcon's and BLOOM's
-fused q/k/v rows are regrouped into all q heads, then all k heads, then all v heads; gpt-oss's
-stacked experts (gate and up interleaved; dense [in, out] per expert, or the hub's MXFP4 blocks)
-become one Llama-style matrix each."""
+"""Checkpoints laid out otherwise than Llama's (GPT-2, Falcon, BLOOM, MPT, gpt-oss, Gemma 4), their
+tensors renamed onto forklm's modules and rearranged as they stream from a Hugging Face folder:
+GPT-2's Conv1D matrices are stored [in, out] and are transposed to a Linear's [out, in]; Falcon's
+and BLOOM's fused q/k/v rows are regrouped into all q heads, then all k heads, then all v heads;
+gpt-oss's stacked experts (gate and up interleaved; dense [in, out] per expert, or the hub's MXFP4
+blocks) become one Llama-style matrix each; Gemma 4's shared layers' leftover k/v are skipped."""
 
 from __future__ import annotations
 
@@ -182,11 +182,36 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return out.flatten(1)
 
 
+_GEMMA4_KV = re.compile(r"^model\.layers\.(?P<layer>\d+)\.self_attn\.[kv]_(proj|norm)\.")
+
+
+# Gemma 4's router and stacked experts onto forklm's Gemma4MoE (SparseMoE's parameter names).
+_GEMMA4_MOE = {"router.proj.weight": "moe.gate.weight", "router.scale": "moe.router_scale",
+               "router.per_expert_scale": "moe.per_expert_scale",
+               "experts.gate_up_proj": "moe.w13", "experts.down_proj": "moe.w2"}
+_GEMMA4_MOE_NAME = re.compile(r"^(?P<layer>model\.layers\.\d+)\.(?P<part>" +
+                              "|".join(re.escape(k) for k in _GEMMA4_MOE) + ")$")
+
+
+def gemma4_weights(config: Any, weights: Weights) -> Weights:
+    """Without the k/v projections and norms some checkpoints keep for the layers that read
+    another layer's K/V (transformers skips them too); router and experts renamed."""
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    for name, tensor in weights:
+        m = _GEMMA4_KV.match(name)
+        if m is not None and int(m["layer"]) >= first_shared:
+            continue
+        if moe := _GEMMA4_MOE_NAME.match(name):
+            name = f"{moe['layer']}.{_GEMMA4_MOE[moe['part']]}"
+        yield name, tensor
+
+
 LAYOUTS: dict[str, Callable[[Any, Weights], Weights]] = {"gpt2": gpt2_weights,
                                                           "falcon": falcon_weights,
                                                           "bloom": bloom_weights,
                                                           "mpt": mpt_weights,
-                                                          "gpt_oss": gpt_oss_weights}
+                                                          "gpt_oss": gpt_oss_weights,
+                                                          "gemma4_text": gemma4_weights}
 
 
 def forklm_layout(config: Any, weights: Weights) -> Weights:

@@ -181,7 +181,8 @@ EAGER_STEPS = LayerSteps(DecoderLayer.before_attention, DecoderLayer.after_atten
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, config, max_positions: int):
+    def __init__(self, spec: ModelSpec, config, max_positions: int,
+                 layer_class: type[nn.Module] = DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         if spec.embed_norm:  # BLOOM's word_embeddings_layernorm
@@ -192,10 +193,13 @@ class DecoderModel(nn.Module):
                     f"context length {max_positions} exceeds the {spec.position_embeddings} "
                     f"learned positions of this {spec.model_type} model")
             self.embed_positions = nn.Embedding(spec.position_embeddings, spec.hidden_size)
-        rotaries = {key: RotaryEmbedding(config, rope, spec.head_dim, max_positions,
+        # A table is as wide as the heads of the layers it rotates (Gemma 4's differ by type).
+        head_dims = {layer.rope_key: spec.layer_head_dim(i) for i, layer in enumerate(spec.layers)}
+        rotaries = {key: RotaryEmbedding(config, rope, head_dims.get(key, spec.head_dim),
+                                         max_positions,
                                          layer_type=None if key == "default" else key)
                     for key, rope in spec.rope.items()}
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotaries[spec.layers[i].rope_key])
+        self.layers = nn.ModuleList(layer_class(spec, i, rotaries[spec.layers[i].rope_key])
                                     for i in range(spec.num_layers))
         self.norm = make_norm(spec, spec.hidden_size)
 
@@ -207,10 +211,13 @@ class CausalLM(nn.Module):
     with `embedding(ids)` serves as the embedding, anything callable on [T, hidden] as the head.
     """
 
+    layer_class: type[nn.Module] = DecoderLayer
+    compiles_layer_steps = True  # its layers run LayerSteps (torch_compile.py compiles them)
+
     def __init__(self, spec: ModelSpec, config, max_positions: int):
         super().__init__()
         self.spec, self.config = spec, config
-        self.model = DecoderModel(spec, config, max_positions)
+        self.model = DecoderModel(spec, config, max_positions, self.layer_class)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # A tied head's own copy of the table in a faster matmul layout (onednn_linear.py).
@@ -244,17 +251,22 @@ class CausalLM(nn.Module):
         x = self._embed(batch.input_ids)  # [T, hidden]
         if self.spec.position_embeddings:  # GPT-2's learned absolute positions
             x = x + _rows(self.model.embed_positions, batch.positions)
-        if self.fused_layers is not None and self.fused_layers.takes(batch, x):
-            x = self.fused_layers.run(x, batch)
-        else:
-            with self._layer_steps(batch) as steps:
-                for layer in self.model.layers:
-                    x = layer(x, batch, attn, steps)
+        x = self._run_layers(x, batch, attn)
         x = self.model.norm(x[batch.logits_indices])  # norm is per-row: only the rows we need
         logits = soft_cap(self._head(x), self.spec.final_softcap)  # [num_logits, vocab]
         if self.spec.logits_divisor != 1.0:
             logits = logits / self.spec.logits_divisor
         return logits.float()
+
+    def _run_layers(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
+                    ) -> torch.Tensor:
+        """The decoder layers: embeddings [T, hidden] -> last hidden states [T, hidden]."""
+        if self.fused_layers is not None and self.fused_layers.takes(batch, x):
+            return self.fused_layers.run(x, batch)
+        with self._layer_steps(batch) as steps:
+            for layer in self.model.layers:
+                x = layer(x, batch, attn, steps)
+        return x
 
     def _layer_steps(self, batch: ForwardBatch) -> contextlib.AbstractContextManager[LayerSteps]:
         if self.compiled_steps is None:
@@ -284,3 +296,12 @@ class CausalLM(nn.Module):
 def _rows(table: Any, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of an embedding table, an nn.Embedding or a quantized one (`embedding(ids)`)."""
     return table.embedding(ids) if hasattr(table, "embedding") else table(ids)
+
+
+def causal_lm_class(spec: ModelSpec) -> type[CausalLM]:
+    """The CausalLM that serves `spec`: Gemma 4 (per-layer inputs, shared K/V) has its own."""
+    if spec.model_type == "gemma4_text":
+        from forklm.runtime.models.gemma4 import Gemma4CausalLM
+
+        return Gemma4CausalLM
+    return CausalLM

@@ -10,6 +10,8 @@ from typing import Any
 
 import transformers
 
+from forklm.runtime.errors import UnsupportedModelError
+
 Key = Callable[..., Any]  # key(name, default=None): the metadata value `{arch}.{name}`
 
 # GGUF layer tensor -> Hugging Face module, for the Llama layout every family starts from.
@@ -28,7 +30,11 @@ LAYER_NAMES = {
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                 "output": "lm_head", "position_embd": "model.embed_positions",
-                "token_embd_norm": "model.embed_norm"}  # BLOOM's norm after the embedding
+                "token_embd_norm": "model.embed_norm",  # BLOOM's norm after the embedding
+                # Gemma 4's per-layer input embeddings
+                "per_layer_token_embd": "model.embed_tokens_per_layer",
+                "per_layer_model_proj": "model.per_layer_model_projection",
+                "per_layer_proj_norm": "model.per_layer_projection_norm"}
 # Stacked experts [experts, rows, cols]: one Hugging Face matrix per expert.
 EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
                 "ffn_down_exps": "down_proj"}
@@ -43,6 +49,10 @@ _MOE_NAMES = {
 _GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+# Gemma 4's per-layer input residual and its layer scalar (layer_output_scale.weight, [1]).
+_GEMMA4_NAMES = {**_GEMMA_NAMES, "inp_gate": "per_layer_input_gate",
+                 "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+                 "layer_output_scale": "layer_scalar"}
 # OLMo 2 has only the norms after attention and after the MLP.
 _POST_NORM_NAMES = {"post_attention_norm": "post_attention_layernorm",
                     "post_ffw_norm": "post_feedforward_layernorm"}
@@ -121,6 +131,54 @@ def _gemma3_layer_types(key: Key) -> list[str]:
     else:
         slides = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
     return ["sliding_attention" if slide else "full_attention" for slide in slides]
+
+
+def _gemma4(key: Key, hidden: int, heads: int) -> dict[str, Any]:
+    """key_length is the full layers' head width, key_length_swa the sliding ones'; KV head
+    counts and MLP widths may be per-layer arrays (full layers' KV heads; the KV-sharing layers'
+    double-wide MLPs). The full layers' proportional rope is in the rope_freqs tensor
+    (gguf_loader.py); sliding layers rotate rope.dimension_count_swa of their dims."""
+    if key("expert_count"):
+        raise UnsupportedModelError(
+            "GGUF architecture 'gemma4' with experts is not supported: it needs llama.cpp's "
+            "layout of Gemma 4's experts (fused gate/up stacks, per-expert scales on the down "
+            "stack), which forklm does not read (the Hugging Face folder is served)")
+    layer_types = _gemma3_layer_types(key)
+    kv_heads, ff = key("attention.head_count_kv", heads), key("feed_forward_length")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * len(layer_types)
+    ff = ff if isinstance(ff, list) else [ff] * len(layer_types)
+    swa = layer_types.index("sliding_attention") if "sliding_attention" in layer_types else 0
+    full = layer_types.index("full_attention")
+    head_dim = key("attention.key_length_swa") or key("attention.key_length")
+    local = {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa", 10000.0))}
+    if key("rope.dimension_count_swa", head_dim) != head_dim:
+        local["partial_rotary_factor"] = key("rope.dimension_count_swa") / head_dim
+    return {"head_dim": head_dim, "global_head_dim": key("attention.key_length"),
+            "num_key_value_heads": kv_heads[swa], "num_global_key_value_heads": kv_heads[full],
+            "intermediate_size": ff[0], "use_double_wide_mlp": ff[-1] == 2 * ff[0],
+            "layer_types": layer_types, "sliding_window": key("attention.sliding_window"),
+            "num_kv_shared_layers": key("attention.shared_kv_layers", 0),
+            "hidden_size_per_layer_input": key("embedding_length_per_layer_input", 0),
+            "vocab_size_per_layer_input": key("vocab_size"),  # no key of its own: as llama.cpp
+            "final_logit_softcapping": key("final_logit_softcapping"),
+            "sliding_rope": local}
+
+
+def gemma4_rope(full: dict[str, Any], sliding: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Gemma 4's rope per layer type. llama.cpp's converter writes the full layers' proportional
+    rope as freq factors (rope_freqs): 1 for each rotated angle, 1e30 (frequency 0) for the rest."""
+    factors = full.get("freq_factors")
+    rotated = sum(f == 1.0 for f in factors) if factors else head_dim // 2
+    return {"sliding_attention": sliding,
+            "full_attention": {"rope_type": "proportional", "rope_theta": full["rope_theta"],
+                               "partial_rotary_factor": 2 * rotated / head_dim}}
+
+
+def _gemma4_tensors(names: set[str]) -> dict[str, Any]:
+    # A layer with keys but no values takes its keys as values (attention_k_eq_v).
+    layers = {name.split(".")[1] for name in names if name.startswith("blk.")}
+    return {"attention_k_eq_v": any(f"blk.{i}.attn_k.weight" in names
+                                    and f"blk.{i}.attn_v.weight" not in names for i in layers)}
 
 
 def _partial_rotary(key: Key, hidden: int, heads: int) -> dict[str, Any]:
@@ -244,6 +302,9 @@ GGUF_ARCHS = {
                        norm_plus_one=True),
     "gemma3": GGUFArch(transformers.Gemma3TextConfig, _gemma3, {**LAYER_NAMES, **_GEMMA_NAMES},
                        norm_plus_one=True),
+    # Gemma 4's norms are stored as they are (w, not 1 + w).
+    "gemma4": GGUFArch(transformers.Gemma4TextConfig, _gemma4, {**LAYER_NAMES, **_GEMMA4_NAMES},
+                       tensor_config=_gemma4_tensors),
     "phi3": GGUFArch(transformers.Phi3Config, _partial_rotary, {**LAYER_NAMES, **_PHI3_NAMES}),
     "smollm3": GGUFArch(transformers.SmolLM3Config, _smollm3, permuted_qk=True),
     "granite": GGUFArch(transformers.GraniteConfig, _granite, permuted_qk=True),

@@ -29,6 +29,7 @@ from forklm.runtime.models.gguf_archs import (
     GLOBAL_NAMES,
     GGUFArch,
     arch_of,
+    gemma4_rope,
 )
 from forklm.runtime.models.gguf_file import GGUFFile
 from forklm.runtime.models.gguf_tokenizer import (
@@ -188,6 +189,9 @@ def _gguf_config(meta: dict, arch: str, spec: GGUFArch,
                     short_factor=_floats(tensors[_ROPE_FACTORS[1]]),
                     original_max_position_embeddings=original_context)
         extra["original_max_position_embeddings"] = original_context
+    if "sliding_rope" in extra:  # Gemma 4: a rope per layer type
+        extra["rope_parameters"] = gemma4_rope(rope, extra.pop("sliding_rope"),
+                                               extra["global_head_dim"])
     if hasattr(spec.config_class(), "attention_bias"):
         extra.setdefault("attention_bias", "blk.0.attn_q.bias" in tensor_names)
     # The GGUF stores eps as float32 (9.9999997e-06); its shortest repr is the intended 1e-05.

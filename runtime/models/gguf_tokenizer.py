@@ -38,11 +38,13 @@ def gguf_tokenizer(path: pathlib.Path, meta: dict[str, Any]) -> transformers.Pre
     add_bos = meta.get("tokenizer.ggml.add_bos_token",
                        model == "llama" or (model == "gpt2" and pre in _BOS_BY_DEFAULT))
     # AutoTokenizer first reads the file's config, which it refuses for architectures it has no
-    # GGUF config mapping for (SmolLM3, Granite, OLMo 2); the tokenizers backend builds the same
-    # tokenizer from the tokenizer.* keys alone.
+    # GGUF config mapping for (SmolLM3, Granite, OLMo 2) or whose per-layer arrays it cannot
+    # read (Gemma 4's MLP widths); the tokenizers backend builds the same tokenizer from the
+    # tokenizer.* keys alone.
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    auto = meta.get("general.architecture") in GGUF_SUPPORTED_ARCHITECTURES
+    arch = meta.get("general.architecture")
+    auto = arch in GGUF_SUPPORTED_ARCHITECTURES and arch != "gemma4"
     tokenizer_class = transformers.AutoTokenizer if auto else transformers.TokenizersBackend
     tokenizer = tokenizer_class.from_pretrained(
         path.parent, gguf_file=path.name, local_files_only=True, add_bos_token=bool(add_bos),

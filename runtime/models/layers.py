@@ -96,7 +96,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: Any, rope: dict[str, Any], head_dim: int, max_positions: int,
                  layer_type: str | None = None):
         super().__init__()
-        self.rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        # Gemma 4's "proportional" rope turns whole heads, its later frequencies zero.
+        partial = 1.0 if rope["rope_type"] == "proportional" else rope.get("partial_rotary_factor", 1.0)
+        self.rotary_dim = int(head_dim * partial)
         with torch.device("cpu"):  # real tables even while the model is built on "meta"
             if rope["rope_type"] == NO_ROPE:
                 # cos 1, sin 0: q * 1 + rotated(q) * 0 is q bit for bit, so a NoPE layer runs the

@@ -71,7 +71,7 @@ def load_model(model_path: str, revision: str | None = None,
 # Multimodal checkpoints whose language model forklm serves alone (text in, text out): their
 # config's text_config, and their weights under the language model's prefix (the Hub's names and
 # transformers 5's); the vision tower and projector are not loaded.
-_TEXT_OF_MULTIMODAL = frozenset({"gemma3"})
+_TEXT_OF_MULTIMODAL = frozenset({"gemma3", "gemma4"})
 ALIBI_CONTEXT = 2048  # BLOOM's training sequence length
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."))

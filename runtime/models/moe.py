@@ -47,9 +47,27 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        weights, experts = self._route(x)  # [T, top_k]
+        weights, experts = self.route(x)
+        out = self.run_experts(x, weights, experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            shared = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> each token's expert weights (fp32) and experts, [T, top_k] each."""
+        logits = self.gate(x).float()  # [T, experts]
+        if self.spec.routing == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
+            top, experts = logits.topk(self.spec.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+        weights, experts = torch.softmax(logits, dim=-1).topk(self.spec.top_k, dim=-1)
         if self.spec.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                    ) -> torch.Tensor:
+        """Sum over each token's experts of weight * expert(x): x [T, hidden] -> [T, hidden]."""
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
         flat = experts.reshape(-1)  # [T * top_k], token t's picks at t * top_k + j
@@ -65,18 +83,7 @@ class SparseMoE(nn.Module):
             gate, up = self._gate_up(e, x[tokens]).chunk(2, dim=-1)
             y = self._down(e, self._glu(gate, up))  # [n, hidden]
             out.index_add_(0, tokens, y * weights.reshape(-1)[picks, None])
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * shared
         return out
-
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> the chosen experts' weights (fp32) and indices, [T, top_k] each."""
-        logits = self.gate(x).float()  # [T, experts]
-        if self.spec.routing == "topk_softmax":  # gpt-oss: softmax over the chosen logits only
-            top, experts = logits.topk(self.spec.top_k, dim=-1)
-            return torch.softmax(top, dim=-1), experts
-        return torch.softmax(logits, dim=-1).topk(self.spec.top_k, dim=-1)
 
     def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         limit = self.spec.swiglu_limit

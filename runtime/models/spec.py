@@ -13,7 +13,7 @@ from forklm.runtime.models.layers import NO_ROPE, alibi_slopes, mpt_alibi_slopes
 from forklm.runtime.models.unsupported import missing_mechanism
 
 # rope_type values whose tables do not depend on the sequence being decoded ("dynamic" NTK does).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_new": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 
@@ -23,6 +23,14 @@ class LayerSpec:
     sliding_window: int | None  # a query sees itself and the window - 1 keys before it
     rope_key: str  # which rotary table: "default", or a Gemma 3 layer type
     moe: bool  # a sparse mixture-of-experts block instead of the dense MLP
+    # Gemma 4: full-attention layers have heads of their own width and KV head count (0: the
+    # model's), may take the keys as values (k_eq_v), and the last layers read the K/V an
+    # earlier layer stored (kv_source) instead of computing their own; they may have a wider MLP.
+    head_dim: int = 0
+    num_kv_heads: int = 0
+    k_eq_v: bool = False
+    kv_source: int | None = None
+    intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class ModelSpec:
     # rope_key -> rope parameters (rope_type, rope_theta, scaling fields)
     rope: dict[str, dict[str, Any]] = field(default_factory=dict)
     moe: MoESpec | None = None
+    # Gemma 4's per-layer input embeddings: (vocabulary, width per layer); None: none.
+    per_layer_input: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.attn_scale:
@@ -109,6 +119,31 @@ class ModelSpec:
     def has_sliding_window(self) -> bool:
         return any(layer.sliding_window for layer in self.layers)
 
+    def layer_head_dim(self, i: int) -> int:
+        return self.layers[i].head_dim or self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        return self.layers[i].num_kv_heads or self.num_kv_heads
+
+    @property
+    def kv_pool_layers(self) -> tuple[int, ...]:
+        """Each layer's layer of the KV pool: layers reading another layer's K/V (kv_source)
+        have none of their own and read their source's."""
+        own = [i for i, layer in enumerate(self.layers) if layer.kv_source is None]
+        index = {layer: n for n, layer in enumerate(own)}
+        return tuple(index[i if layer.kv_source is None else layer.kv_source]
+                     for i, layer in enumerate(self.layers))
+
+    @property
+    def kv_pool_shape(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim) of the KV pool. Where layers differ (Gemma 4) every pool
+        layer is as wide as the widest: narrower heads are zero-padded (scores and outputs are
+        unchanged) and fewer KV heads repeated (each query head still meets its own)."""
+        n = range(self.num_layers)
+        return (len(set(self.kv_pool_layers)) if self.layers else self.num_layers,
+                max((self.layer_kv_heads(i) for i in n), default=self.num_kv_heads),
+                max((self.layer_head_dim(i) for i in n), default=self.head_dim))
+
 
 def spec_from_config(config: Any) -> ModelSpec:
     """The ModelSpec of a transformers config; UnsupportedModelError for an unknown model_type or
@@ -119,8 +154,11 @@ def spec_from_config(config: Any) -> ModelSpec:
             f"model_type {config.model_type!r} is not supported"
             f"{missing_mechanism(config.model_type)}; supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if getattr(config, "use_bidirectional_attention", False):
-        _refuse(config, "use_bidirectional_attention", True, "only causal attention is implemented")
+    # "vision" (Gemma 4): only image tokens see each other both ways; text is causal.
+    bidirectional = getattr(config, "use_bidirectional_attention", False)
+    if bidirectional and bidirectional != "vision":
+        _refuse(config, "use_bidirectional_attention", bidirectional,
+                "only causal attention is implemented")
     return family(config)
 
 
@@ -129,7 +167,9 @@ def _refuse(config: Any, name: str, value: Any, why: str) -> None:
 
 
 def _common(config: Any, **overrides: Any) -> dict[str, Any]:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Gemma 4's head_dim and KV heads vary by layer: its family passes the sliding layers' own.
+    head_dim = overrides.get("head_dim") or getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads)
     # Gemma's MLP reads hidden_activation, GPT-2's activation_function, Falcon's activation, the
     # others hidden_act.
     act_field = next((name for name in ("hidden_activation", "hidden_act", "activation_function",
@@ -142,7 +182,8 @@ def _common(config: Any, **overrides: Any) -> dict[str, Any]:
         hidden_size=config.hidden_size,
         intermediate_size=getattr(config, "intermediate_size", None),
         num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        num_kv_heads=overrides.get("num_kv_heads") or getattr(config, "num_key_value_heads", None)
+        or config.num_attention_heads,
         head_dim=head_dim, norm_eps=getattr(config, "rms_norm_eps", None),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         activation=_ACTIVATIONS[act],
@@ -167,6 +208,8 @@ def _rope_parameters(config: Any, rope: dict | None) -> dict[str, Any]:
                 f"supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope["rope_type"] == "longrope" and config.model_type != "phi3":
         _refuse(config, "rope_type", "longrope", "implemented for phi3 only")
+    if rope["rope_type"] == "proportional" and config.model_type != "gemma4_text":
+        _refuse(config, "rope_type", "proportional", "implemented for gemma4 only")
     return rope
 
 
@@ -231,6 +274,48 @@ def _gemma3(config: Any) -> ModelSpec:
             for kind, params in config.rope_parameters.items() if params is not None}
     return ModelSpec(**_common(config, **_gemma(config, qk_norm="head"), rope=rope,
                                layers=_layers(config, _windows(config), list(config.layer_types))))
+
+
+def _gemma4(config: Any) -> ModelSpec:
+    # Gemma 3's sandwich layers with plain (not 1 + w) norm weights, unscaled attention (the q/k
+    # norms do it), RMS-normed values, a learned scalar per layer and per-layer input embeddings.
+    if config.num_kv_shared_layers >= config.num_hidden_layers:
+        _refuse(config, "num_kv_shared_layers", config.num_kv_shared_layers,
+                "some layer must compute the K/V that the others share")
+    rope = {kind: _rope_parameters(config, params)
+            for kind, params in config.rope_parameters.items() if params is not None}
+    windows, modes = _windows(config), config.kv_sharing_modes
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    # A sharing layer reads the last non-sharing layer of its own type.
+    source = {kind: max(i for i in range(first_shared) if config.layer_types[i] == kind)
+              for kind in set(config.layer_types)}
+    layers = []
+    for i, kind in enumerate(config.layer_types):
+        shared = modes[i] == "reuse"
+        wide = 2 if shared and config.use_double_wide_mlp else 1
+        layers.append(LayerSpec(
+            windows[i], kind, bool(config.enable_moe_block),
+            head_dim=config.per_layer_config[i].head_dim,
+            num_kv_heads=config.per_layer_config[i].num_key_value_heads,
+            k_eq_v=bool(config.attention_k_eq_v) and kind == "full_attention",
+            kv_source=source[kind] if shared else None,
+            intermediate_size=config.intermediate_size * wide))
+    kv_heads = {layer.num_kv_heads for layer in layers}
+    if any(max(kv_heads) % n for n in kv_heads):  # the pool repeats the fewer heads
+        _refuse(config, "num_global_key_value_heads", sorted(kv_heads),
+                "one layer type's KV heads must divide the other's")
+    ple = config.hidden_size_per_layer_input
+    sliding = config.per_layer_config[config.layer_types.index("sliding_attention")
+                                      if "sliding_attention" in config.layer_types else 0]
+    # Experts beside every layer's dense MLP (enable_moe_block)
+    moe = (MoESpec(config.num_experts, config.top_k_experts, config.moe_intermediate_size,
+                   renormalize=True) if config.enable_moe_block else None)
+    return ModelSpec(**_common(
+        config, head_dim=sliding.head_dim, num_kv_heads=sliding.num_key_value_heads, moe=moe,
+        embed_scale=config.hidden_size**0.5, qk_norm="head", norm_placement="sandwich",
+        attn_scale=1.0, final_softcap=config.final_logit_softcapping, rope=rope,
+        layers=tuple(layers),
+        per_layer_input=(config.vocab_size_per_layer_input, ple) if ple else None))
 
 
 def _moe_layers(config: Any) -> list[bool]:
@@ -396,6 +481,7 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "qwen3": _qwen3,
     "gemma2": _gemma2,
     "gemma3_text": _gemma3,
+    "gemma4_text": _gemma4,
     "phi3": _phi3,
     "mixtral": _mixtral,
     "qwen2_moe": _qwen_moe,

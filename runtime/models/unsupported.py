@@ -7,7 +7,6 @@ from __future__ import annotations
 _STATE_SPACE = "state-space (recurrent) layers"
 _ENCODER_DECODER = "an encoder-decoder (forklm serves decoder-only models)"
 MISSING_MECHANISMS = {
-    "gemma4": "per-layer input embeddings and layers that share another layer's KV",
     "gemma3n": "per-layer input embeddings, AltUp and layers that share another layer's KV",
     "mamba": _STATE_SPACE,
     "mamba2": _STATE_SPACE,

@@ -37,6 +37,7 @@ _PER_HEAD = re.compile(r"(?P<prefix>.*\.self_attn)\.(?P<part>q|k)_layernorm\.nor
                        r"(?P<kind>weight|bias)$")
 # Checkpoint module names forklm calls otherwise (StarCoder 2's plain MLP, Mixtral's experts).
 _RENAMED = ((".block_sparse_moe.", ".mlp."), (".mlp.c_fc.", ".mlp.up_proj."),
+            (".layer_scalar.weight", ".layer_scalar"),  # Gemma 4 from GGUF
             (".mlp.c_proj.", ".mlp.down_proj."))
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
