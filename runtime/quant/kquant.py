@@ -28,13 +28,15 @@ RECORD_BYTES = {GGMLQuantizationType.Q4_K: 320 + 8 * 256, GGMLQuantizationType.Q
                 GGMLQuantizationType.Q6_K: 320 + 8 * 384}
 KQUANT_TYPES = frozenset(RECORD_BYTES)
 # Calls of this many rows or more use a model's dense bf16 copy where it has one (small models,
-# onednn_linear.attach_dense_copies): measured in benchmarks/kquant_matmul.py, where the packed
-# bf16 GEMM overtakes the int8 records.
-DENSE_COPY_MIN_ROWS = 12
+# onednn_linear.attach_dense_copies): where the packed bf16 GEMM overtakes the int8 records
+# (benchmarks/kquant_matmul.py, session 16, 8192x2048 and 2048x8192 records / packed copy: 12
+# rows 0.75-0.92, 16 rows 0.96-1.12, 32 rows 0.90-1.17).
+DENSE_COPY_MIN_ROWS = 16
 # From this many rows (prefill chunks) a matrix is dequantized to bf16 for the call, into a
-# scratch buffer reused by every call of the thread, and multiplied by torch's GEMM (oneDNN):
-# exact bf16 activations, and faster than the int8 records from here (benchmarks/
-# kquant_matmul.py) ...
+# scratch buffer reused by every call of the thread, and multiplied by torch's GEMM (oneDNN): bf16
+# activations, and from here faster than the int8 records (same benchmark, Q4_K/Q5_K/Q6_K
+# 16.7M-weight matrices, records / dequantize + GEMM: 64 rows 0.6-0.8, 128 rows 0.84-1.32, 256
+# rows 1.3-1.6, 512 rows 1.9-2.4; the dequantize alone takes 2.5-5 ms) ...
 DEQUANTIZE_MIN_ROWS = 128
 # ... but not for matrices this large (a vocabulary-sized LM head, whose many-row calls are
 # prompt logprobs: its dequantized copy would be hundreds of MB).
