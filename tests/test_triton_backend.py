@@ -203,17 +203,24 @@ def test_engine_alibi_model_equals_transformers(tmp_path, tokenizer):
         config.hidden_size, config.n_head = 64, 4
 
     model = build_tiny_model("bloom", tmp_path, tokenizer, edit=four_heads)
-    texts = ["the quick brown fox jumps over the lazy dog", "the quick brown cat"]
+    _greedy_through_triton(model, tmp_path, tokenizer, 6,
+                           ["the quick brown fox jumps over the lazy dog", "the quick brown cat"])
+
+
+def _greedy_through_triton(model, folder, tokenizer, new_tokens: int, texts: list[str]) -> None:
+    """The model saved in `folder` through the Triton kernels, chunked prefill of 4 over a cached
+    prefix of the first prompt: greedy tokens equal transformers'."""
     prompts = [tokenizer.encode(t) for t in texts]
-    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256,
+    greedy = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    with Engine(model_path=str(folder), dtype="float32", max_total_tokens=256,
                 attention_backend="triton", chunked_prefill_size=4,
                 debug_check_invariants=True) as engine:
         engine.generate(input_ids=prompts[0][:5], sampling_params=greedy)  # cache a prefix
         results = engine.generate(input_ids=prompts, sampling_params=greedy)
         assert engine.last_error is None
     assert results[0]["meta_info"]["cached_tokens"] >= 4
-    assert [r["output_ids"] for r in results] == [hf_greedy(model, ids, 6) for ids in prompts]
+    expected = [hf_greedy(model, ids, new_tokens) for ids in prompts]
+    assert [r["output_ids"] for r in results] == expected
 
 
 def test_gpt_oss_through_the_triton_kernels(tmp_path, tokenizer):
@@ -221,14 +228,6 @@ def test_gpt_oss_through_the_triton_kernels(tmp_path, tokenizer):
     prompts past its window, chunked prefill and a cached prefix: greedy tokens equal
     transformers'."""
     model = build_tiny_model("gpt_oss", tmp_path, tokenizer)
-    texts = ["the quick brown fox jumps over the lazy dog near the river bank", "hello world"]
-    prompts = [tokenizer.encode(t) for t in texts]
-    greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=256,
-                attention_backend="triton", chunked_prefill_size=4,
-                debug_check_invariants=True) as engine:
-        engine.generate(input_ids=prompts[0][:5], sampling_params=greedy)  # cache a prefix
-        results = engine.generate(input_ids=prompts, sampling_params=greedy)
-        assert engine.last_error is None
-    assert results[0]["meta_info"]["cached_tokens"] >= 4
-    assert [r["output_ids"] for r in results] == [hf_greedy(model, ids, 8) for ids in prompts]
+    _greedy_through_triton(model, tmp_path, tokenizer, 8,
+                           ["the quick brown fox jumps over the lazy dog near the river bank",
+                            "hello world"])

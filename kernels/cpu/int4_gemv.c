@@ -27,6 +27,9 @@
 #include <string.h>
 
 #include "cpu_kernels.h"
+#if defined(__AVX512F__)
+#include "vnni_common.h"
+#endif
 
 #define GROUP 32
 #define MAX_ROWS 8      /* rows a block's accumulators hold; more rows go in chunks */
@@ -427,10 +430,7 @@ static void quantize_rows(const uint16_t *x, int64_t M, int64_t k, int8_t *xq, f
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *p = x + m * k + g * GROUP;
-            const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-            const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            const __m512 a = f32x16_from_bf16(p), b = f32x16_from_bf16(p + 16);
             const float amax = _mm512_reduce_max_ps(
                 _mm512_max_ps(_mm512_and_ps(a, abs_mask), _mm512_and_ps(b, abs_mask)));
             const int64_t i = m * groups + g;
@@ -443,13 +443,6 @@ static void quantize_rows(const uint16_t *x, int64_t M, int64_t k, int8_t *xq, f
             _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
             sq[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
         }
-}
-
-/* acc += codes (u8) . the 4 int8 at p, broadcast to every lane, as vpdpbusd's memory operand
- * (the intrinsic made GCC emit a separate broadcast: 7% slower). */
-static inline __m512i dot_broadcast(__m512i acc, __m512i codes, const int32_t *p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*p));
-    return acc;
 }
 
 /* 8-bit records for the split matrices of Q8_0 (Int4Matrix lo_bits 4, chunk 32: kernel codes

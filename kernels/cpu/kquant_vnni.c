@@ -36,6 +36,9 @@
 #endif
 
 #include "cpu_kernels.h"
+#if defined(__AVX512F__)
+#include "vnni_common.h"
+#endif
 
 /* GGML type ids (gguf-py's GGMLQuantizationType) */
 enum { KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 };
@@ -249,10 +252,7 @@ static void quantize_rows(const uint16_t *x, int64_t M, int64_t k, int8_t *xq, f
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *p = x + m * k + g * GROUP;
-            const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-            const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16))), 16));
+            const __m512 a = f32x16_from_bf16(p), b = f32x16_from_bf16(p + 16);
             const float amax_a = _mm512_reduce_max_ps(_mm512_and_ps(a, abs_mask));
             const float amax_b = _mm512_reduce_max_ps(_mm512_and_ps(b, abs_mask));
             const int64_t i = m * groups + g;
@@ -268,12 +268,6 @@ static void quantize_rows(const uint16_t *x, int64_t M, int64_t k, int8_t *xq, f
             sq[2 * i] = _mm512_reduce_add_epi32(qa);
             sq[2 * i + 1] = _mm512_reduce_add_epi32(qb);
         }
-}
-
-/* acc += codes (u8) . the 4 int8 at p, broadcast to every lane, as vpdpbusd's memory operand. */
-static inline __m512i dot_broadcast(__m512i acc, __m512i codes, const int32_t *p) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*p));
-    return acc;
 }
 
 /* sum over vectors t0 .. t1 - 1 of codes . x, in two chains below 3 rows (a lone row would
