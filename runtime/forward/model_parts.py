@@ -18,12 +18,12 @@ from forklm.runtime.kvcache import sizing as kv_sizing
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.models import CausalLM, ModelSpec, WeightLoader
 from forklm.runtime.models.batch_invariant import make_batch_invariant
-from forklm.runtime.models.decoder import causal_lm_class
 from forklm.runtime.models.fp16_linear import (
     fp16_tied_head,
     fp16_weights_available,
     pack_fp16_linears,
 )
+from forklm.runtime.models.gemma4 import Gemma4CausalLM
 from forklm.runtime.models.onednn_linear import (
     attach_dense_copies,
     can_pack,
@@ -48,6 +48,11 @@ def build_model_for(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec,
                        dense_copies=config.quantization is None,
                        fp16_weights=uses_fp16_weights(config, keep_quantized),
                        int8_activations=not config.disable_int8_activations)
+
+
+def causal_lm_class(spec: ModelSpec) -> type[CausalLM]:
+    """The CausalLM that serves `spec`: Gemma 4 (per-layer inputs, shared K/V) has its own."""
+    return Gemma4CausalLM if spec.model_type == "gemma4_text" else CausalLM
 
 
 def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device: str,

@@ -296,12 +296,3 @@ class CausalLM(nn.Module):
 def _rows(table: Any, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of an embedding table, an nn.Embedding or a quantized one (`embedding(ids)`)."""
     return table.embedding(ids) if hasattr(table, "embedding") else table(ids)
-
-
-def causal_lm_class(spec: ModelSpec) -> type[CausalLM]:
-    """The CausalLM that serves `spec`: Gemma 4 (per-layer inputs, shared K/V) has its own."""
-    if spec.model_type == "gemma4_text":
-        from forklm.runtime.models.gemma4 import Gemma4CausalLM
-
-        return Gemma4CausalLM
-    return CausalLM
