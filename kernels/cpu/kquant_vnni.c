@@ -323,6 +323,27 @@ static inline __attribute__((always_inline)) void group_codes(int type, const ui
     }
 }
 
+/* Group g's steps from record r's header: s[0] for k 0..15, s[1] for 16..31 (Q4_K/Q5_K one
+ * d sc for both; Q6_K d sc per sub-block of 16), *mn the min term dmin m (zero for Q6_K), and the
+ * code centre returned: w = s (c - mid) + (mid s - mn) for Q4_K/Q5_K, s (c - 32) for Q6_K. */
+static inline __attribute__((always_inline)) int group_steps(int type, const uint8_t *r,
+                                                             __m512 d, __m512 dmin, int g,
+                                                             __m512 *s, __m512 *mn) {
+    if (type == KQ_Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            const __m128i sc = _mm_loadu_si128((const __m128i *)(r + 64 + 16 * (2 * g + h)));
+            s[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+        }
+        *mn = _mm512_setzero_ps();
+        return 32;
+    }
+    s[0] = s[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                       _mm_loadu_si128((const __m128i *)(r + 64 + 16 * g)))));
+    *mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                  _mm_loadu_si128((const __m128i *)(r + 192 + 16 * g)))));
+    return type == KQ_Q5_K ? 16 : 8;
+}
+
 /* Block b (16 weight rows) for M (<= CHUNK) rows of x; M and type constants in each copy. */
 static inline __attribute__((always_inline)) void run_block(const job *j, int64_t b, int M,
                                                             int type) {
@@ -340,44 +361,22 @@ static inline __attribute__((always_inline)) void run_block(const job *j, int64_
             __m512i c[8];
             group_codes(type, body, c);
             const int64_t gi = s * 8 + g; /* the group's index along k */
-            if (type == KQ_Q6_K) {
-                const __m512 sa = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(r + 64 + 16 * (2 * g))))));
-                const __m512 sb = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)(r + 64 + 16 * (2 * g + 1))))));
-                for (int m = 0; m < M; m++) {
-                    const int64_t i = m * groups + gi;
-                    const int32_t *x4 = (const int32_t *)(j->xq + m * j->k + gi * GROUP);
-                    const __m512i a0 = dots(_mm512_set1_epi32(-32 * j->sq[2 * i]), c, x4, 0, 4, M);
-                    const __m512i a1 = dots(_mm512_set1_epi32(-32 * j->sq[2 * i + 1]), c, x4, 4, 8,
-                                            M);
-                    y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0),
-                                           _mm512_mul_ps(sa, _mm512_set1_ps(j->xd[2 * i])), y[m]);
-                    y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1),
-                                           _mm512_mul_ps(sb, _mm512_set1_ps(j->xd[2 * i + 1])),
-                                           y[m]);
-                }
-            } else {
-                const __m512 sc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(r + 64 + 16 * g)))));
-                const __m512 mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(r + 192 + 16 * g)))));
-                /* w = s (c - mid) + (mid s - mn): the int8 error of x meets centred codes */
-                const int mid = type == KQ_Q5_K ? 16 : 8;
-                const __m512 offset = _mm512_fmsub_ps(_mm512_set1_ps((float)mid), sc, mn);
-                for (int m = 0; m < M; m++) {
-                    const int64_t i = m * groups + gi;
-                    const int32_t *x4 = (const int32_t *)(j->xq + m * j->k + gi * GROUP);
-                    const __m512i a0 = dots(_mm512_set1_epi32(-mid * j->sq[2 * i]), c, x4, 0, 4, M);
-                    const __m512i a1 = dots(_mm512_set1_epi32(-mid * j->sq[2 * i + 1]), c, x4, 4, 8,
-                                            M);
-                    y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0),
-                                           _mm512_mul_ps(sc, _mm512_set1_ps(j->xd[2 * i])), y[m]);
-                    y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1),
-                                           _mm512_mul_ps(sc, _mm512_set1_ps(j->xd[2 * i + 1])),
-                                           y[m]);
-                    y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(j->xs[i]), y[m]);
-                }
+            __m512 step[2], mn;
+            const int mid = group_steps(type, r, d, dmin, g, step, &mn);
+            /* Q4_K/Q5_K: w = s (c - mid) + (mid s - mn), so x's int8 error meets centred codes
+             * and the rest is taken on the exact sum of x */
+            const __m512 offset = _mm512_fmsub_ps(_mm512_set1_ps((float)mid), step[0], mn);
+            for (int m = 0; m < M; m++) {
+                const int64_t i = m * groups + gi;
+                const int32_t *x4 = (const int32_t *)(j->xq + m * j->k + gi * GROUP);
+                const __m512i a0 = dots(_mm512_set1_epi32(-mid * j->sq[2 * i]), c, x4, 0, 4, M);
+                const __m512i a1 = dots(_mm512_set1_epi32(-mid * j->sq[2 * i + 1]), c, x4, 4, 8, M);
+                y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0),
+                                       _mm512_mul_ps(step[0], _mm512_set1_ps(j->xd[2 * i])), y[m]);
+                y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1),
+                                       _mm512_mul_ps(step[1], _mm512_set1_ps(j->xd[2 * i + 1])),
+                                       y[m]);
+                if (type != KQ_Q6_K) y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(j->xs[i]), y[m]);
             }
         }
     }
@@ -436,46 +435,34 @@ int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t
 }
 /* Super-block s of block b into wt (bf16 [k, n_out], k-major: rows k 256 s .. 256 s + 255 of
  * the transposed weight, columns 16 b .. 16 b + 15, the last block's cut to n_out). */
-static inline __attribute__((always_inline)) void dequantize_record(int type, const uint8_t *records,
-                                                                    int64_t b, int64_t s,
-                                                                    int64_t k, int64_t n_out,
-                                                                    uint16_t *wt) {
+static inline __attribute__((always_inline)) void
+dequantize_record(int type, const uint8_t *records, int64_t b, int64_t s, int64_t k, int64_t n_out,
+                  uint16_t *wt) {
     const int64_t sbs = k / QK, gb = group_bytes(type), rec = HEADER + 8 * gb, row0 = ROWS * b;
     const __mmask16 keep = row0 + ROWS <= n_out ? 0xffff
                            : (__mmask16)((1u << (n_out > row0 ? n_out - row0 : 0)) - 1);
     const __m512i byte = _mm512_set1_epi32(0xFF);
     const uint8_t *r = records + (b * sbs + s) * rec;
-    {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
-        for (int g = 0; g < 8; g++) {
-            __m512i c[8];
-            group_codes(type, r + HEADER + g * gb, c);
-            __m512 scale[2], offset[2];
-            if (type == KQ_Q6_K) {
-                for (int h = 0; h < 2; h++) {
-                    scale[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                        _mm_loadu_si128((const __m128i *)(r + 64 + 16 * (2 * g + h))))));
-                    offset[h] = _mm512_mul_ps(_mm512_set1_ps(-32.0f), scale[h]);
-                }
-            } else {
-                scale[0] = scale[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                    _mm_loadu_si128((const __m128i *)(r + 64 + 16 * g)))));
-                offset[0] = offset[1] = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(
-                    dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                              _mm_loadu_si128((const __m128i *)(r + 192 + 16 * g))))));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
+    for (int g = 0; g < 8; g++) {
+        __m512i c[8];
+        group_codes(type, r + HEADER + g * gb, c);
+        __m512 scale[2], mn, offset[2];
+        group_steps(type, r, d, dmin, g, scale, &mn);
+        for (int h = 0; h < 2; h++) /* w = s c - mn, or s c - 32 s */
+            offset[h] = type == KQ_Q6_K ? _mm512_mul_ps(_mm512_set1_ps(-32.0f), scale[h])
+                                        : _mm512_sub_ps(_mm512_setzero_ps(), mn);
+        const int64_t k0 = (s * 8 + g) * GROUP;
+        for (int q = 0; q < 8; q++)
+            for (int jj = 0; jj < 4; jj++) {
+                const int64_t kk = 8 * (q / 2) + 4 * (q % 2) + jj; /* 16 k per half */
+                const __m512 code = _mm512_cvtepi32_ps(
+                    _mm512_and_si512(_mm512_srli_epi32(c[q], (unsigned)(8 * jj)), byte));
+                const __m512 w = _mm512_fmadd_ps(code, scale[q / 4], offset[q / 4]);
+                _mm256_mask_storeu_epi16(wt + (k0 + kk) * n_out + row0, keep,
+                                         (__m256i)_mm512_cvtneps_pbh(w));
             }
-            const int64_t k0 = (s * 8 + g) * GROUP;
-            for (int q = 0; q < 8; q++)
-                for (int jj = 0; jj < 4; jj++) {
-                    const int64_t kk = 8 * (q / 2) + 4 * (q % 2) + jj; /* 16 k per half */
-                    const __m512 code = _mm512_cvtepi32_ps(
-                        _mm512_and_si512(_mm512_srli_epi32(c[q], (unsigned)(8 * jj)), byte));
-                    const __m512 w = _mm512_fmadd_ps(code, scale[q / 4], offset[q / 4]);
-                    _mm256_mask_storeu_epi16(wt + (k0 + kk) * n_out + row0, keep,
-                                             (__m256i)_mm512_cvtneps_pbh(w));
-                }
-        }
     }
 }
 

@@ -94,18 +94,18 @@ class SparseMoE(nn.Module):
         return (up + 1) * (gate * torch.sigmoid(gate * self.spec.swiglu_alpha))
 
     def _gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized_experts is not None:
-            y = self._quantized(e, 0)(x)
-        else:
-            y = self.expert_linear(x, self.w13[e])
-        return y + self.w13_bias[e] if self.spec.bias else y
+        return self._expert_matmul(e, 0, x)
 
     def _down(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self._expert_matmul(e, 1, x)
+
+    def _expert_matmul(self, e: int, which: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's gate+up (which 0) or down (1) matrix times x, plus its bias if any."""
         if self.quantized_experts is not None:
-            y = self._quantized(e, 1)(x)
+            y = self._quantized(e, which)(x)
         else:
-            y = self.expert_linear(x, self.w2[e])
-        return y + self.w2_bias[e] if self.spec.bias else y
+            y = self.expert_linear(x, (self.w13, self.w2)[which][e])
+        return y + (self.w13_bias, self.w2_bias)[which][e] if self.spec.bias else y
 
     def _quantized(self, e: int, which: int) -> nn.Module:
         assert self.quantized_experts is not None
