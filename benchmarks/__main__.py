@@ -59,6 +59,8 @@ FULL_SYSTEMS = "forklm,forklm-nocache,forklm-fcfs,forklm-http,hf8,llama-server-n
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens}
+    if args.model:
+        opts["model_path"] = args.model
     if args.num_threads:
         opts["num_threads"] = args.num_threads
     return opts
@@ -78,6 +80,8 @@ def _make_runner(system: str, args: argparse.Namespace, stack: contextlib.ExitSt
 
 
 def _hf_runner(system: str, args: argparse.Namespace) -> HFRunner:
+    if args.model:
+        raise SystemExit(f"--systems {system} runs the default model only, not --model")
     import torch
     import transformers
 
@@ -113,7 +117,7 @@ def _http_runner(system: str, args: argparse.Namespace, stack: contextlib.ExitSt
         # and its prefix reuse is not reported, so every prompt token counts as computed.
         return HTTPRunner(server.base_url, "llamacpp", server_pid=server.pid,
                           supports_json_schema=False, eos_bias_ids=(2,),
-                          count_tokens=_gguf_token_counter())
+                          count_tokens=_gguf_token_counter(args.model))
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in _engine_options(args).items()]
     server = stack.enter_context(forklm_server(flags))
     return HTTPRunner(server.base_url, "forklm-http", server_pid=server.pid)
@@ -128,17 +132,18 @@ def _llama_server_runner(system: str, args: argparse.Namespace,
         raise SystemExit(f"--llama-server {args.llama_server} does not exist; build it with "
                          "benchmarks/build_llama_server.sh [DEST] (about 10 minutes)")
     server = stack.enter_context(llama_server(args.llama_server, LLAMA_SERVER_SLOTS[system],
-                                              num_threads=args.num_threads or 2))
+                                              num_threads=args.num_threads or 2,
+                                              model=args.model))
     # It takes ignore_eos, streams usage (with prompt_tokens_details.cached_tokens) and
     # timings.cache_n in the last chunk, and constrains /v1/completions by a json_schema object.
     return HTTPRunner(server.base_url, system, server_pid=server.pid,
                       json_schema_as_string=False)
 
 
-def _gguf_token_counter() -> Any:
+def _gguf_token_counter(model: str | None) -> Any:
     from forklm.runtime.models.loader import load_model
 
-    tokenizer = load_model("SmolLM2-135M-Instruct").tokenizer
+    tokenizer = load_model(model or "SmolLM2-135M-Instruct").tokenizer
     return lambda text: len(tokenizer.encode(text))
 
 
@@ -216,6 +221,10 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto",
                    help="dtype of every in-process system (forklm and transformers alike); auto = "
                         "bfloat16 where the CPU has native bf16, else float32")
+    p.add_argument("--model", default=None,
+                   help="a GGUF file (or any model forklm loads) for the engine, forklm-http and "
+                        "llama-server systems, e.g. a synthetic file of benchmarks.gguf_sizes; "
+                        "default: the default model")
     p.add_argument("--max-total-tokens", type=int, default=65536)
     p.add_argument("--num-threads", type=int, default=None,
                    help="threads for every system (engine, transformers, llama.cpp; default 2 "
@@ -269,23 +278,41 @@ def main() -> None:
                 # and libgomp then cuts the engine's spin short (runtime/cpu_threads.py).
                 release_openmp_threads()
                 _run_once(system, runners[system], names, args, runs)
-        extra = _extras(runners, args)
+        extra = _extras(runners, runs, args)
     text = (f"`python -m benchmarks {' '.join(_quoted_argv())}` ({time.perf_counter() - t0:.0f} s)"
+            f" on {report.machine(args.num_threads)}"
             f"\n\n{report.table(runs)}\n\n{report.ratios(runs, extra)}\n")
     print(text)
     _write(runs, text)
 
 
-def _extras(runners: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """The KV-memory and step-split measurements; a failure there is reported, and the runs
-    measured before it (often an hour of them) are still written."""
-    if not args.kv_memory:
-        return {}
+def _extras(runners: dict[str, Any], runs: report.Runs,
+            args: argparse.Namespace) -> dict[str, Any]:
+    """The bandwidth floor, KV-memory and step-split measurements; a failure there is reported,
+    and the runs measured before it (often an hour of them) are still written."""
     try:
-        return _kv_memory(runners, args)
+        extra = _bandwidth_floor(runners, runs)
+        if args.kv_memory:
+            extra |= _kv_memory(runners, args)
+        return extra
     except Exception as e:
-        print(f"the KV memory measurement failed, runs kept: {e!r}", flush=True)
+        print(f"a measurement after the runs failed, runs kept: {e!r}", flush=True)
         return {}
+
+
+def _bandwidth_floor(runners: dict[str, Any], runs: report.Runs) -> dict[str, Any]:
+    """S1's ms/token over its memory-bandwidth floor (benchmarks/bandwidth.py), measured now."""
+    from benchmarks.bandwidth import read_bandwidth_gbs, weight_bytes_per_token
+
+    s1 = runs.get(("S1 single stream", "forklm"))
+    if "forklm" not in runners or not s1:
+        return {}
+    weight = weight_bytes_per_token(runners["forklm"].engine.parts.runner.model)
+    gbs = read_bandwidth_gbs()
+    floor_ms = weight / gbs / 1e6
+    ms = report.medians(s1)["median_tpot_ms"]
+    return {f"S1 ms/token, forklm / its bandwidth floor ({weight / 1e6:.0f} MB of weights a "
+            f"token / {gbs:.1f} GB/s read = {floor_ms:.1f} ms)": (ms / floor_ms, 1.25)}
 
 
 def _quoted_argv() -> list[str]:

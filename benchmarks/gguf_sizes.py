@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import pathlib
-import platform
 import statistics
 import subprocess
 import time
@@ -35,6 +34,7 @@ import httpx
 import numpy as np
 import psutil
 
+from benchmarks.report import machine
 from benchmarks.servers import ServerProcess, forklm_server, llama_server
 from forklm.runtime.models.source import default_model_gguf
 
@@ -236,9 +236,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    flags = pathlib.Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
-    isa = "AVX-512" + (" bf16" if "avx512_bf16" in flags else "") if "avx512f" in flags else "AVX2"
-    print(f"{platform.processor() or platform.machine()}, {isa}, {args.threads} threads, "
+    print(f"{machine(args.threads)}, "
           f"{CONTEXT} KV tokens, decode of {NEW_TOKENS} tokens at batch 1, median of {args.repeats}")
     print("| shape | mix | file MB | types | system | load s | peak RSS at load MB | "
           "(file + KV + 300) | peak RSS after decode MB | decode ms/token |")

@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import platform
 
 import torch
 from gguf import GGMLQuantizationType
 
 from benchmarks.int4_gemv import medians
+from benchmarks.report import machine
 from forklm.runtime.models.onednn_linear import OneDNNLinear
 from forklm.runtime.quant.kquant import KQuantMatrix, kquant_available
 from forklm.runtime.quant.linear import QuantizedLinear, use_int8_activations
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        flags = f.read()
-    isa = "AVX-512 VNNI" if "avx512_vnni" in flags else "AVX2" if "avx2" in flags else "?"
-    return f"{platform.processor() or platform.machine()} ({isa}), {torch.get_num_threads()} threads"
 
 
 def _dequantized_product(matrix: KQuantMatrix, wt: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     assert kquant_available(), "the K-quant kernel needs AVX512-VNNI/BW/BF16 and a C compiler"
-    print(f"# {cpu_name()}")
+    print(f"# {machine()}")
     print("| type | out x in | rows | records us | int4 us | dense us | dequantize + GEMM us "
           "(dequantize alone) | records / int4 | records / dense |")
     print("|---|---|---|---|---|---|---|---|---|")

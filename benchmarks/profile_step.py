@@ -1,5 +1,6 @@
 """Time and profile one model forward in isolation: a decode step at batch B over contexts of L
-tokens, or a prefill of B prompts of L tokens, on the default model over the paged KV pool.
+tokens, or a prefill of B prompts of L tokens, on the default model (or --model) over the paged
+KV pool.
 
   python -m benchmarks.profile_step --batch 16 --ctx 450 [--prefill] [--profile] [--repeats 20]
       [--quantized [--int4-only] | --fp16-weights] [--deterministic] [--torch-compile]
@@ -38,12 +39,13 @@ from forklm.sim.profile import prefill_step
 def build(dtype: torch.dtype, capacity: int, quantized: bool = False, dense_copies: bool = True,
           fp16_weights: bool = False, deterministic: bool = False,
           attention: str = "torch", fused: bool = False,
-          int8_activations: bool = True) -> tuple[CausalLM, KVPool, object]:
-    """The default model, a pool of `capacity` slots and its attention backend; fused: the
+          int8_activations: bool = True,
+          model_path: str = "SmolLM2-135M-Instruct") -> tuple[CausalLM, KVPool, object]:
+    """The model (default: the default model), a pool of `capacity` slots and its attention backend; fused: the
     fused decode layers attached as the engine attaches them (where the model and backend
     allow: runtime/models/fused_layers.py); int8_activations: as the engine's default
     (quantized decode matmuls with int8 dot products where the CPU has VNNI)."""
-    loaded = load_model("SmolLM2-135M-Instruct")
+    loaded = load_model(model_path)
     spec = spec_from_config(loaded.config)
     model = build_model(loaded, spec, dtype, "cpu", max_positions=4096, keep_quantized=quantized,
                         dense_copies=dense_copies, fp16_weights=fp16_weights,
@@ -148,6 +150,8 @@ def main() -> None:
                    help="no fused decode layers (the engine's --disable-fused-layers)")
     p.add_argument("--disable-int8-activations", action="store_true",
                    help="with --quantized: bf16 dot products (the engine's flag of that name)")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct",
+                   help="any model forklm loads, e.g. a synthetic GGUF of benchmarks.gguf_sizes")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
@@ -155,7 +159,8 @@ def main() -> None:
                                args.quantized, not args.int4_only, args.fp16_weights,
                                args.deterministic, attention_name(args.attention),
                                fused=not args.eager_layers and not args.torch_compile,
-                               int8_activations=not args.disable_int8_activations)
+                               int8_activations=not args.disable_int8_activations,
+                               model_path=args.model)
     if args.prefill:
         fb = prefill_batch(args.batch, args.ctx)
     else:

@@ -15,6 +15,23 @@ _MEDIANS = ("output_tokens_per_s", "requests_per_s", "median_latency_s", "p99_la
             "median_ttft_s", "median_tpot_ms", "peak_rss_mb", "wall_s")
 
 
+def machine(threads: int | None = None) -> str:
+    """This CPU in one line, for every result: its name, the vector ISA the kernels use
+    (machines of one kind differ: AVX-512 with VNNI and bf16 on some, AVX2 only on others), and
+    the threads (default: torch's)."""
+    import platform
+
+    import torch
+
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                 if line.startswith("model name")), platform.processor() or platform.machine())
+    flags = set(text.split("flags", 1)[1].split("\n", 1)[0].split()) if "flags" in text else set()
+    isa = ("AVX-512" + "".join(f" {f}" for f in ("VNNI", "bf16") if f"avx512_{f.lower()}" in flags)
+           if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
+    return f"{name}, {isa}, {threads or torch.get_num_threads()} threads"
+
+
 def medians(ms: list[Metrics]) -> dict[str, float]:
     return {k: statistics.median(getattr(m, k) for m in ms) for k in _MEDIANS}
 
@@ -114,7 +131,9 @@ _PEER_TARGETS = [
     ("W3 forklm over HTTP / llama-server", "W3", "forklm-http", _TPS, 3.0),
     ("S1 ms/token, forklm over HTTP / llama-server", "S1", "forklm-http", _TPOT, 1.0),
     ("S1 TTFT, forklm over HTTP / llama-server", "S1", "forklm-http", _TTFT, None),
-    ("S1 ms/token, forklm in process / llama-server", "S1", "forklm", _TPOT, None),
+    ("S1 ms/token, forklm in process / llama-server", "S1", "forklm", _TPOT, 0.8),
+    ("P1 TTFT of a 2000-token prompt, forklm in process / llama-server", "P1", "forklm", _TTFT,
+     0.7),
 ]
 
 

@@ -102,7 +102,21 @@ def single_stream(num_requests: int = 8) -> Workload:
     return wl
 
 
+# P1's prompt in words: 2,000 tokens with the default model's BPE vocabulary (a token a word),
+# short enough that prompt and answer fit one of llama-server's 2048-token slots.
+LONG_PROMPT_WORDS = 2000
+
+
+def long_prompt(num_requests: int = 4, seed: int = 3) -> Workload:
+    """P1: distinct ~2,000-token prompts one at a time, 8 new tokens each: the time to first token
+    of a long prompt, where all of it must be computed (issue 34's TTFT target)."""
+    rng = random.Random(seed)
+    reqs = [Request(_words(rng, LONG_PROMPT_WORDS), max_new_tokens=8) for _ in range(num_requests)]
+    return Workload("P1 2000-token prompt", reqs, max_in_flight=1)
+
+
 WORKLOADS = {
     "W1": shared_prefix, "W1-64": shared_prefix_64, "W2": no_sharing, "W3": multi_turn,
     "W4": json_people, "W4-free": lambda: json_people(constrained=False), "S1": single_stream,
+    "P1": long_prompt,
 }

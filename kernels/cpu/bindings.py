@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from forklm.kernels.cpu.huge_pages import streamed_empty
 from forklm.kernels.cpu.openmp import threads_spin
 
 logger = logging.getLogger(__name__)
@@ -454,8 +455,8 @@ def kquant_repack(ggml_type: int, row_addresses: torch.Tensor, out_features: int
     if lib is None:
         return None
     assert row_addresses.dtype == torch.int64 and row_addresses.numel() == out_features
-    records = torch.empty(padded_rows // 16 * (in_features // 256) * record_bytes,
-                          dtype=torch.uint8)
+    records = streamed_empty((padded_rows // 16 * (in_features // 256) * record_bytes,),
+                             torch.uint8)
     rc = lib.kquant_repack(ggml_type, row_addresses.data_ptr(), out_features, padded_rows,
                            in_features, records.data_ptr())
     assert rc == 0, f"kquant_repack rejected type {ggml_type}, {out_features}x{in_features}"

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from forklm.kernels.cpu import bindings as native_kernels
+from forklm.kernels.cpu.huge_pages import streamed_empty
 from forklm.runtime.quant import kquant
 from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
 from forklm.runtime.quant.kquant import KQuantMatrix
@@ -106,8 +107,8 @@ class Int4Matrix(nn.Module):
         lo_bits = _LO_BITS.get(ggml_type, 0)
         k_prime = in_features * (2 if lo_bits else 1)
         padded = out_features + -out_features % ROW_MULTIPLE
-        packed = torch.empty(padded, k_prime // 2, dtype=torch.uint8)
-        scale_zeros = torch.empty(k_prime // KERNEL_GROUP, padded, 2, dtype=kernel_dtype)
+        packed = streamed_empty((padded, k_prime // 2), torch.uint8)
+        scale_zeros = streamed_empty((k_prime // KERNEL_GROUP, padded, 2), kernel_dtype)
         chunk = 0
         for start in range(0, out_features, LOAD_CHUNK_ROWS):
             stop = min(start + LOAD_CHUNK_ROWS, out_features)
