@@ -58,7 +58,8 @@ class Shape:
         return self.hidden // self.heads
 
 
-SHAPES = {  # tied embeddings, as both checkpoints have
+SHAPES = {  # tied embeddings, as these checkpoints have
+    "qwen2.5-0.5b": Shape("qwen2", 151936, 896, 4864, 24, 14, 2, 1e6, qkv_bias=True),
     "llama-3.2-1b": Shape("llama", 128256, 2048, 8192, 16, 32, 8, 500000.0),
     "qwen2.5-1.5b": Shape("qwen2", 151936, 1536, 8960, 28, 12, 2, 1e6, qkv_bias=True),
     "qwen2.5-3b": Shape("qwen2", 151936, 2048, 11008, 36, 16, 2, 1e6, qkv_bias=True),

@@ -1,4 +1,5 @@
-"""quant/kquant.py's KQuantMatrix and kernels/cpu/kquant_vnni.c: the records hold the file's weight
+"""quant/kquant.py's KQuantMatrix and kernels/cpu/kquant_vnni.c (K-quants, and the legacy Q4_0, Q5_0
+and Q8_0 in records of 32 k): the records hold the file's weight
 exactly (rows equal gguf-py's dequantization), the matmul computes what it promises (x quantized
 per 16 to int8, exact integer sums, fp32 scaling, one bf16 rounding) for any number of
 rows, a row's result does not depend on the call it is in, and QuantizedLinear and a whole
@@ -11,10 +12,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.quant.gguf_formats import GGUFWeight
-from forklm.runtime.quant.kquant import RECORD_BYTES, KQuantMatrix, kquant_available
+from forklm.runtime.quant.kquant import RECORD_BYTES, RECORD_K, KQuantMatrix, kquant_available
 from forklm.runtime.quant.linear import Int4Matrix, QuantizedLinear
 from tests.kquant_blocks import quantize
 from tests.test_quant import make_weight
@@ -22,7 +24,8 @@ from tests.test_quant import make_weight
 pytestmark = pytest.mark.skipif(not kquant_available(),
                                 reason="K-quant kernel off (no AVX512-VNNI/BW/BF16 or no build)")
 
-TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]
+TYPES = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q4_0, T.Q5_0, T.Q8_0]
+LEGACY = (T.Q4_0, T.Q5_0, T.Q8_0)  # one fp16 step per 32 weights; gguf-py quantizes them
 
 
 def weight_of(ggml_type: T, out_features: int, in_features: int = 512, seed: int = 0,
@@ -32,7 +35,9 @@ def weight_of(ggml_type: T, out_features: int, in_features: int = 512, seed: int
     if not realistic:
         return make_weight(ggml_type, out_features, in_features, seed=seed)
     w = np.random.default_rng(seed).standard_normal((out_features, in_features)) * 0.02
-    return GGUFWeight(quantize(w, ggml_type), ggml_type, (out_features, in_features))
+    blocks = (gguf_quantize(w.astype(np.float32), ggml_type) if ggml_type in LEGACY
+              else quantize(w, ggml_type))
+    return GGUFWeight(blocks, ggml_type, (out_features, in_features))
 
 
 def reference_product(x: torch.Tensor, weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +46,7 @@ def reference_product(x: torch.Tensor, weight: GGUFWeight) -> tuple[torch.Tensor
     x instead; and the sum of the terms' magnitudes (the scale of fp32 rounding)."""
     w = torch.from_numpy(dequantize(weight.data, weight.ggml_type)).double()  # [N, K]
     x_int8 = quantized_x(x).double()  # what the integer dots see
-    if weight.ggml_type == T.Q6_K:
+    if weight.ggml_type not in (T.Q4_K, T.Q5_K):  # w = s (c - mid): all on int8 x
         terms = x_int8[:, None, :] * w[None]
         return terms.sum(-1), terms.abs().sum(-1)
     # w = s (c - mid) + (mid s - mn) per group: the first part on int8 x, the second on exact x
@@ -87,8 +92,9 @@ def test_records_hold_the_file_weight_exactly(ggml_type, realistic):
 def test_records_are_about_the_file_size(ggml_type):
     weight = weight_of(ggml_type, 64, in_features=1024)
     matrix = KQuantMatrix.from_gguf([weight])
-    assert matrix.nbytes == 64 // 16 * 1024 // 256 * RECORD_BYTES[ggml_type]
-    assert matrix.nbytes <= weight.nbytes * 1.03  # 4.63 / 5.63 / 6.63 bits against 4.5 / 5.5 / 6.56
+    assert matrix.nbytes == 64 // 16 * 1024 // RECORD_K[ggml_type] * RECORD_BYTES[ggml_type]
+    # 4.63 / 5.63 / 6.63 bits against 4.5 / 5.5 / 6.56; Q4_0, Q5_0, Q8_0: the file's 4.5 / 5.5 / 8.5
+    assert matrix.nbytes <= weight.nbytes * (1.0 if ggml_type in LEGACY else 1.03)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
@@ -131,19 +137,37 @@ def test_a_rows_result_does_not_depend_on_its_call(ggml_type):
     assert torch.equal(together[5:22], matrix.matmul(x[5:22]))
 
 
+@pytest.mark.parametrize("ggml_type", LEGACY, ids=lambda t: t.name)
+@pytest.mark.parametrize("in_features", [96, 896])
+def test_legacy_records_take_rows_of_any_multiple_of_32(ggml_type, in_features):
+    """Qwen2.5-0.5B's 896-long rows (why its Q4_K_M file holds Q5_0 and Q8_0 matrices): the
+    records hold the weight exactly, dequantize it exactly, and multiply as promised."""
+    weight = weight_of(ggml_type, 40, in_features, seed=in_features)
+    matrix = KQuantMatrix.from_gguf([weight])
+    exact = torch.from_numpy(dequantize(weight.data, ggml_type))
+    assert torch.equal(matrix.rows(torch.arange(40)), exact)
+    assert torch.equal(matrix.dense_t(), exact.T.bfloat16())
+    x = torch.randn(9, in_features).bfloat16()
+    expected, magnitude = reference_product(x, weight)
+    err = (matrix.matmul(x).double() - expected).abs()
+    assert (err <= 2.0**-8 * expected.abs() + 2.0**-20 * magnitude).all()
+
+
 def test_quantized_linear_keeps_k_quant_runs_as_records():
-    """q, k, v in Q4_K, Q4_K, Q6_K and an extra Q8_0 part: two record segments and an int4 one,
+    """q, k, v in Q4_K, Q4_K, Q6_K and an extra Q4_1 part: two record segments and an int4 one,
     whose forward, direct() and embedding rows match the parts' own."""
     parts = [weight_of(T.Q4_K, 64, seed=1), weight_of(T.Q4_K, 32, seed=2),
-             weight_of(T.Q6_K, 32, seed=3), make_weight(T.Q8_0, 16, 512, seed=4)]
+             weight_of(T.Q6_K, 32, seed=3), make_weight(T.Q4_1, 16, 512, seed=4)]
     linear = QuantizedLinear.from_gguf(parts, None, torch.bfloat16, kquant_records=True)
     kinds = [type(m) for m in linear.matrices]
     assert kinds == [KQuantMatrix, KQuantMatrix, Int4Matrix]
     assert [m.out_features for m in linear.matrices] == [96, 32, 16]
     exact = torch.cat([torch.from_numpy(dequantize(p.data, p.ggml_type)) for p in parts])
-    # the records exactly; the int4 segment holds Q8_0's steps in bf16
+    # the records exactly; the int4 segment holds Q4_1's steps and mins in bf16
     assert torch.equal(linear.dequantize()[:128], exact[:128])
-    torch.testing.assert_close(linear.dequantize()[128:], exact[128:], rtol=2**-8, atol=0)
+    # (bf16 steps and mins: the error is relative to the block's range, not to each weight)
+    torch.testing.assert_close(linear.dequantize()[128:], exact[128:], rtol=2**-8,
+                               atol=2**-8 * float(exact[128:].abs().max()))
     ids = torch.tensor([[0, 95], [96, 127]])
     assert torch.equal(linear.embedding(ids).float(), exact[ids].bfloat16().float())
     x = torch.randn(5, 512).bfloat16()
@@ -177,16 +201,30 @@ def _k_mix(name: str, array: np.ndarray):
     return quantize(rows, ggml_type).reshape(*array.shape[:-1], -1), ggml_type
 
 
+# The same model in the legacy types: Q8_0 embedding (tied head), Q5_0 attention, Q4_0 the rest
+def _legacy_mix(name: str, array: np.ndarray):
+    if array.ndim not in (2, 3) or array.shape[-1] % 32:
+        return None
+    ggml_type = (T.Q8_0 if name.startswith("token_embd") else T.Q5_0 if "attn" in name
+                 else T.Q4_0)
+    rows = array.reshape(-1, array.shape[-1]).astype(np.float32)
+    return gguf_quantize(rows, ggml_type).reshape(*array.shape[:-1], -1), ggml_type
+
+
 def _wider_moe(config) -> None:
     config.head_dim, config.moe_intermediate_size = 64, 256
 
 
-# tiny_models architecture, GGUF architecture, config edit, config fields: a plain Llama (tied
-# head), Phi-3's fused qkv and gate_up matrices (16 heads: the tiny model's rope factors are
-# for head_dim 16), Qwen3-MoE's expert stacks
-K_QUANT_CASES = {"llama": ("llama3", "llama", None, {}),
-                 "phi3": ("phi3_short", "phi3", None, {"num_attention_heads": 16}),
-                 "qwen3_moe": ("qwen3_moe", "qwen3moe", _wider_moe, {})}
+# tiny_models architecture, GGUF architecture, config edit, config fields, quantizer, types the
+# records must include: a plain Llama (tied head) in K-quants and in the legacy types, Phi-3's
+# fused qkv and gate_up matrices (16 heads: the tiny model's rope factors are for head_dim 16),
+# Qwen3-MoE's expert stacks
+K_QUANT_CASES = {"llama": ("llama3", "llama", None, {}, _k_mix, {T.Q4_K, T.Q6_K}),
+                 "llama-legacy": ("llama3", "llama", None, {}, _legacy_mix, set(LEGACY)),
+                 "phi3": ("phi3_short", "phi3", None, {"num_attention_heads": 16}, _k_mix,
+                          {T.Q4_K, T.Q6_K}),
+                 "qwen3_moe": ("qwen3_moe", "qwen3moe", _wider_moe, {}, _k_mix,
+                               {T.Q4_K, T.Q6_K})}
 
 
 @pytest.mark.parametrize("case", list(K_QUANT_CASES))
@@ -200,11 +238,11 @@ def test_an_engine_serves_a_k_quant_gguf_from_records(case, tokenizer, tmp_path,
     from tests.tiny_models import ARCHITECTURES, build_tiny_model
 
     monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
-    tiny, arch, edit, fields = K_QUANT_CASES[case]
+    tiny, arch, edit, fields, quantizer, kept_types = K_QUANT_CASES[case]
     model = build_tiny_model(tiny, tmp_path / "hf", tokenizer, edit=edit, hidden_size=256,
                              intermediate_size=512, **fields)
     path = str(tmp_path / "k.gguf")
-    write_gguf(path, model, arch, quantizer=_k_mix)
+    write_gguf(path, model, arch, quantizer=quantizer)
     prompts = [tokenizer.encode(text) for text in PROMPT_TEXTS]
     logprobs = {}
     for mode, dtype in (("gguf", "bfloat16"), ("none", "bfloat16"), ("none", "float32")):
@@ -215,7 +253,7 @@ def test_an_engine_serves_a_k_quant_gguf_from_records(case, tokenizer, tmp_path,
                 records = [m for m in engine.parts.runner.model.modules()
                            if isinstance(m, KQuantMatrix)]
                 # (Phi-3's fused attn_qkv has no attn_v of its own to be Q5_K)
-                assert {T.Q4_K, T.Q6_K} <= {m.ggml_type for m in records} <= set(TYPES)
+                assert kept_types <= {m.ggml_type for m in records} <= set(TYPES)
                 assert not any(isinstance(m, Int4Matrix)
                                for m in engine.parts.runner.model.modules())
                 params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}

@@ -1,8 +1,9 @@
-/* y[M, N] = x[M, K] @ W^T for W in llama.cpp's K-quant types (Q4_K, Q5_K, Q6_K), held in one
- * compact record format that every call reads, decode and prefill alike: no torch int4 packing
- * beside it, no second copy, about the file's own bytes per weight (Q4_K 4.63 bits against the
- * file's 4.5, Q5_K 5.63 against 5.5, Q6_K 6.63 against 6.56). runtime/quant/kquant.py's
- * KQuantMatrix holds the records (its RECORD_BYTES: the sizes below).
+/* y[M, N] = x[M, K] @ W^T for W in llama.cpp's K-quant types (Q4_K, Q5_K, Q6_K) and its legacy
+ * Q4_0, Q5_0 and Q8_0, held in one compact record format that every call reads, decode and
+ * prefill alike: no torch int4 packing beside it, no second copy, about the file's own bytes per
+ * weight (Q4_K 4.63 bits against the file's 4.5, Q5_K 5.63 against 5.5, Q6_K 6.63 against 6.56;
+ * the legacy types exactly the file's 4.5, 5.5 and 8.5). runtime/quant/kquant.py's KQuantMatrix
+ * holds the records (its RECORD_BYTES: the sizes below).
  *
  * Records: one per 16 weight rows x 256 k (a super-block of each row), those of a 16-row block
  * one after another along k, so a block's pass is one stream. A record is a 320-byte header then
@@ -15,6 +16,10 @@
  *           (vector h holds t = 2h, 2h+1: bits 4(t%2)..+1 for k 8t+j, 4(t%2)+2..+3 for 8t+4+j).
  * The weight is the file's, exactly: Q4_K/Q5_K w = d sc c - dmin m (c 0..15 / 0..31), Q6_K
  * w = d sc (c - 32) (c 0..63), the integer scales and fp16 steps as the file holds them.
+ * Legacy records: one per 16 rows x 32 k (so rows need only be a multiple of 32 long), a 32-byte
+ * header of the rows' fp16 steps d, then one group of codes as above (Q4_0 as Q4_K's, Q5_0 as
+ * Q5_K's) or, Q8_0, 8 vectors of whole bytes c + 128 (vector 2t: k 8t+j, 2t+1: k 8t+4+j);
+ * w = d (c - mid), mid 8, 16 or 128.
  *
  * Each row of x is quantized per 16 to int8 (step xd = max|x| / 127; llama.cpp takes one step
  * per 256): one vpdpbusd multiplies 16 weight rows x 4 k of unsigned codes by int8 x. The
@@ -41,24 +46,52 @@
 #endif
 
 /* GGML type ids (gguf-py's GGMLQuantizationType) */
-enum { KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 };
+enum { KQ_Q4_0 = 2, KQ_Q5_0 = 6, KQ_Q8_0 = 8, KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 };
 #define QK 256
 #define ROWS 16
 #define GROUP 32
-#define HEADER 320
 #define CHUNK 8 /* rows of x per pass over a block's records */
 /* Bytes ahead of the one in use that a pass asks the memory system for: a forward streams every
  * matrix from DRAM, and the hardware prefetcher alone leaves the dot products waiting. */
 #define PREFETCH_BYTES 3072
 
-/* Bytes of one group's codes in a record, and of a whole record; 0 for a type it lacks. */
+/* The legacy types (one fp16 step per block of 32 k, no integer scales) have a record per
+ * 16 rows x 32 k: their rows need only be a multiple of 32 long (Qwen2.5-0.5B's 896 is why
+ * llama-quantize gives a Q4_K_M file Q5_0 and Q8_0 matrices). */
+static int is_legacy(int type) { return type == KQ_Q4_0 || type == KQ_Q5_0 || type == KQ_Q8_0; }
+
+/* Bytes of one group's codes in a record; 0 for a type it lacks. */
 static int64_t group_bytes(int type) {
-    return type == KQ_Q4_K ? 256 : type == KQ_Q5_K ? 320 : type == KQ_Q6_K ? 384 : 0;
+    switch (type) {
+    case KQ_Q4_0: case KQ_Q4_K: return 256;
+    case KQ_Q5_0: case KQ_Q5_K: return 320;
+    case KQ_Q6_K: return 384;
+    case KQ_Q8_0: return 512;
+    default: return 0;
+    }
 }
+
+/* Groups of 32 k a record holds, and its header's bytes (K-quants: steps, scales, mins of a
+ * super-block; legacy types: the 16 rows' fp16 steps). */
+static int record_groups(int type) { return is_legacy(type) ? 1 : 8; }
+static int64_t header_bytes(int type) { return is_legacy(type) ? 32 : 320; }
 
 static int64_t record_bytes(int type) {
     const int64_t g = group_bytes(type);
-    return g ? HEADER + 8 * g : -1;
+    return g ? header_bytes(type) + record_groups(type) * g : -1;
+}
+
+/* k of one record: 256 for the K-quants, 32 for the legacy types. */
+static int64_t record_k(int type) { return GROUP * record_groups(type); }
+
+/* The record's code centre (the weight is step (c - mid), or, Q4_K/Q5_K, that plus an offset). */
+static int code_mid(int type) {
+    switch (type) {
+    case KQ_Q4_0: case KQ_Q4_K: return 8;
+    case KQ_Q5_0: case KQ_Q5_K: return 16;
+    case KQ_Q6_K: return 32;
+    default: return 128; /* Q8_0: int8 codes held as c + 128 */
+    }
 }
 
 /* An IEEE half as a float, exactly (subnormals included). */
@@ -79,9 +112,18 @@ static float f32_from_f16(uint16_t h) {
     return f;
 }
 
-/* File block sizes (ggml's block_q4_K, block_q5_K, block_q6_K). */
+/* File block sizes (ggml's block_q4_0, block_q5_0, block_q8_0, block_q4_K, block_q5_K,
+ * block_q6_K). */
 static int64_t block_bytes(int type) {
-    return type == KQ_Q4_K ? 144 : type == KQ_Q5_K ? 176 : type == KQ_Q6_K ? 210 : 0;
+    switch (type) {
+    case KQ_Q4_0: return 18;
+    case KQ_Q5_0: return 22;
+    case KQ_Q8_0: return 34;
+    case KQ_Q4_K: return 144;
+    case KQ_Q5_K: return 176;
+    case KQ_Q6_K: return 210;
+    default: return 0;
+    }
 }
 
 /* One file super-block unpacked: codes, integer scales (and mins), fp16 steps. */
@@ -134,14 +176,78 @@ static void unpack_block(int type, const uint8_t *b, unpacked *o) {
         }
 }
 
-/* records: n_rows / 16 blocks x k / 256 records. rows[r]: the file bytes of weight row r
- * (k / 256 blocks) for r < n_out; rows n_out .. n_rows - 1 are zero weights. Returns 0, or -1
- * for a shape or type it does not take. */
+/* A group's codes (q[i]: row i's 32 codes) into its record body (layout at the top). */
+static void pack_group(int type, const uint8_t *const q[ROWS], uint8_t *body) {
+    for (int t = 0; t < 4; t++)
+        for (int i = 0; i < ROWS; i++)
+            for (int j = 0; j < 4; j++) {
+                const uint8_t *c = q[i] + 8 * t + j;
+                const int byte = 4 * i + j;
+                if (type == KQ_Q8_0) { /* whole bytes: vector 2t k 8t+j, vector 2t+1 8t+4+j */
+                    body[64 * (2 * t) + byte] = c[0];
+                    body[64 * (2 * t + 1) + byte] = c[4];
+                    continue;
+                }
+                body[64 * t + byte] = (uint8_t)((c[0] & 0xF) | (c[4] & 0xF) << 4);
+                if (type == KQ_Q5_K || type == KQ_Q5_0)
+                    body[256 + byte] |= (uint8_t)(((c[0] >> 4) & 1) << t |
+                                                  ((c[4] >> 4) & 1) << (4 + t));
+                else if (type == KQ_Q6_K)
+                    body[256 + 64 * (t / 2) + byte] |=
+                        (uint8_t)(((c[0] >> 4) & 3) << (4 * (t % 2)) |
+                                  ((c[4] >> 4) & 3) << (4 * (t % 2) + 2));
+            }
+}
+
+/* A legacy block (32 k of one row): its fp16 step and codes (Q8_0: c + 128, so 0..255). */
+static void unpack_legacy(int type, const uint8_t *b, uint16_t *d, uint8_t *q) {
+    memcpy(d, b, 2);
+    if (type == KQ_Q8_0) {
+        for (int j = 0; j < GROUP; j++) q[j] = (uint8_t)((int8_t)b[2 + j] + 128);
+        return;
+    }
+    uint32_t qh = 0;
+    const uint8_t *qs = b + 2;
+    if (type == KQ_Q5_0) memcpy(&qh, b + 2, 4), qs = b + 6;
+    for (int j = 0; j < 16; j++) { /* ggml: k j from the low nibbles, j + 16 from the high */
+        q[j] = (uint8_t)((qs[j] & 0xF) | ((qh >> j) & 1) << 4);
+        q[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+    }
+}
+
+/* The legacy types' records: a header of the 16 rows' fp16 steps, then one group. */
+static void repack_legacy(int type, const int64_t *rows, int64_t n_out, int64_t n_rows, int64_t k,
+                          uint8_t *records) {
+    const int64_t rec = record_bytes(type), groups = k / GROUP;
+    for (int64_t b = 0; b < n_rows / ROWS; b++)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *r = records + (b * groups + g) * rec;
+            uint8_t codes[ROWS][GROUP];
+            const uint8_t *q[ROWS];
+            memset(codes, type == KQ_Q8_0 ? 128 : 0, sizeof codes); /* padding rows: zero */
+            for (int i = 0; i < ROWS; i++) {
+                q[i] = codes[i];
+                if (ROWS * b + i < n_out)
+                    unpack_legacy(type, (const uint8_t *)rows[ROWS * b + i] + g * block_bytes(type),
+                                  (uint16_t *)(void *)(r + 2 * i), codes[i]);
+            }
+            pack_group(type, q, r + header_bytes(type));
+        }
+}
+
+/* records: n_rows / 16 blocks x k / record_k records. rows[r]: the file bytes of weight row r
+ * (k / record_k blocks) for r < n_out; rows n_out .. n_rows - 1 are zero weights. Returns 0, or
+ * -1 for a shape or type it does not take. */
 int kquant_repack(int type, const int64_t *rows, int64_t n_out, int64_t n_rows, int64_t k,
                   uint8_t *records) {
     const int64_t gb = group_bytes(type), rec = record_bytes(type), sbs = k / QK;
-    if (!gb || k <= 0 || k % QK || n_rows % ROWS || n_out > n_rows || n_out < 0) return -1;
-    memset(records, 0, (size_t)(n_rows / ROWS * sbs * rec));
+    if (!gb || k <= 0 || k % record_k(type) || n_rows % ROWS || n_out > n_rows || n_out < 0)
+        return -1;
+    memset(records, 0, (size_t)(n_rows / ROWS * (k / record_k(type)) * rec));
+    if (is_legacy(type)) {
+        repack_legacy(type, rows, n_out, n_rows, k, records);
+        return 0;
+    }
     for (int64_t b = 0; b < n_rows / ROWS; b++)
         for (int64_t s = 0; s < sbs; s++) {
             uint8_t *r = records + (b * sbs + s) * rec;
@@ -163,45 +269,35 @@ int kquant_repack(int type, const int64_t *rows, int64_t n_out, int64_t n_rows, 
                 }
             }
             for (int g = 0; g < 8; g++) {
-                uint8_t *body = r + HEADER + g * gb;
-                for (int t = 0; t < 4; t++)
-                    for (int i = 0; i < ROWS; i++)
-                        for (int j = 0; j < 4; j++) {
-                            const uint8_t *q = u[i].q + GROUP * g + 8 * t + j;
-                            const int byte = 4 * i + j;
-                            body[64 * t + byte] = (uint8_t)((q[0] & 0xF) | (q[4] & 0xF) << 4);
-                            if (type == KQ_Q5_K)
-                                body[256 + byte] |= (uint8_t)(((q[0] >> 4) & 1) << t |
-                                                              ((q[4] >> 4) & 1) << (4 + t));
-                            else if (type == KQ_Q6_K)
-                                body[256 + 64 * (t / 2) + byte] |=
-                                    (uint8_t)(((q[0] >> 4) & 3) << (4 * (t % 2)) |
-                                              ((q[4] >> 4) & 3) << (4 * (t % 2) + 2));
-                        }
+                const uint8_t *q[ROWS];
+                for (int i = 0; i < ROWS; i++) q[i] = u[i].q + GROUP * g;
+                pack_group(type, q, r + header_bytes(type) + g * gb);
             }
         }
     return 0;
 }
 
-/* The code of row i (0..15 in its block) at k offset kk (0..255) of a record. */
+/* The code of row i (0..15 in its block) at k offset kk (0..record_k - 1) of a record. */
 static int code_at(int type, const uint8_t *r, int i, int kk) {
     const int64_t gb = group_bytes(type);
     const int g = kk / GROUP, w = kk % GROUP, t = w / 8, high = (w % 8) >= 4, j = w % 4;
-    const uint8_t *body = r + HEADER + g * gb;
+    const uint8_t *body = r + header_bytes(type) + g * gb;
     const int byte = 4 * i + j;
+    if (type == KQ_Q8_0) return body[64 * (2 * t + high) + byte];
     int c = high ? body[64 * t + byte] >> 4 : body[64 * t + byte] & 0xF;
-    if (type == KQ_Q5_K) c |= ((body[256 + byte] >> (t + 4 * high)) & 1) << 4;
+    if (type == KQ_Q5_K || type == KQ_Q5_0) c |= ((body[256 + byte] >> (t + 4 * high)) & 1) << 4;
     if (type == KQ_Q6_K) c |= ((body[256 + 64 * (t / 2) + byte] >> (4 * (t % 2) + 2 * high)) & 3)
                               << 4;
     return c;
 }
 
 /* out[i, :] = weight row ids[i] (fp32 [n, k]), in the order gguf-py's dequantization rounds:
- * (d sc) c - (dmin m), or (d sc) (c - 32). Returns 0, or -1 for an id out of range. */
+ * (d sc) c - (dmin m), (d sc) (c - 32), or d (c - mid). Returns 0, or -1 for an id out of
+ * range. */
 int kquant_rows_f32(int type, const uint8_t *records, int64_t n_out, int64_t k,
                     const int64_t *ids, int64_t n, float *out) {
-    const int64_t rec = record_bytes(type), sbs = k / QK;
-    if (rec < 0 || k <= 0 || k % QK) return -1;
+    const int64_t rec = record_bytes(type), rk = record_k(type), sbs = k / rk;
+    if (rec < 0 || k <= 0 || k % rk) return -1;
     for (int64_t x = 0; x < n; x++)
         if (ids[x] < 0 || ids[x] >= n_out) return -1;
     for (int64_t x = 0; x < n; x++) {
@@ -213,10 +309,12 @@ int kquant_rows_f32(int type, const uint8_t *records, int64_t n_out, int64_t k,
             memcpy(&dh, r + 2 * i, 2);
             memcpy(&mh, r + 32 + 2 * i, 2);
             const float d = f32_from_f16(dh);
-            float *o = out + x * k + s * QK;
-            for (int kk = 0; kk < QK; kk++) {
+            float *o = out + x * k + s * rk;
+            for (int kk = 0; kk < rk; kk++) {
                 const int c = code_at(type, r, i, kk);
-                if (type == KQ_Q6_K) {
+                if (is_legacy(type)) {
+                    o[kk] = d * (float)(c - code_mid(type));
+                } else if (type == KQ_Q6_K) {
                     const float step = d * (float)(int8_t)r[64 + 16 * (kk / 16) + i];
                     o[kk] = step * (float)(c - 32);
                 } else {
@@ -297,13 +395,17 @@ static inline __m512i bits_to_4(__m512i h, int from) {
 /* A group's codes, whole: c[2t] byte (i, j) is row i's code at k 8t+j, c[2t+1] at 8t+4+j. */
 static inline __attribute__((always_inline)) void group_codes(int type, const uint8_t *body,
                                                               __m512i *c) {
+    if (type == KQ_Q8_0) {
+        for (int q = 0; q < 8; q++) c[q] = _mm512_loadu_si512((const void *)(body + 64 * q));
+        return;
+    }
     const __m512i nib = _mm512_set1_epi8(0x0F);
     for (int t = 0; t < 4; t++) {
         const __m512i v = _mm512_loadu_si512((const void *)(body + 64 * t));
         c[2 * t] = _mm512_and_si512(v, nib);
         c[2 * t + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
     }
-    if (type == KQ_Q5_K) {
+    if (type == KQ_Q5_K || type == KQ_Q5_0) {
         const __m512i h = _mm512_loadu_si512((const void *)(body + 256));
         const __m512i bit4 = _mm512_set1_epi8(0x10);
         for (int t = 0; t < 4; t++) {
@@ -329,6 +431,11 @@ static inline __attribute__((always_inline)) void group_codes(int type, const ui
 static inline __attribute__((always_inline)) int group_steps(int type, const uint8_t *r,
                                                              __m512 d, __m512 dmin, int g,
                                                              __m512 *s, __m512 *mn) {
+    if (is_legacy(type)) { /* the record's one group: w = d (c - mid) */
+        s[0] = s[1] = d;
+        *mn = _mm512_setzero_ps();
+        return code_mid(type);
+    }
     if (type == KQ_Q6_K) {
         for (int h = 0; h < 2; h++) {
             const __m128i sc = _mm_loadu_si128((const __m128i *)(r + 64 + 16 * (2 * g + h)));
@@ -347,20 +454,22 @@ static inline __attribute__((always_inline)) int group_steps(int type, const uin
 /* Block b (16 weight rows) for M (<= CHUNK) rows of x; M and type constants in each copy. */
 static inline __attribute__((always_inline)) void run_block(const job *j, int64_t b, int M,
                                                             int type) {
-    const int64_t sbs = j->k / QK, gb = group_bytes(type), rec = HEADER + 8 * gb;
+    const int rg = record_groups(type);
+    const int64_t sbs = j->k / record_k(type), gb = group_bytes(type), rec = record_bytes(type);
     const int64_t groups = j->k / GROUP;
     const uint8_t *r = j->records + b * sbs * rec;
     __m512 y[CHUNK];
     for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
     for (int64_t s = 0; s < sbs; s++, r += rec) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
-        for (int g = 0; g < 8; g++) {
-            const uint8_t *body = r + HEADER + g * gb;
+        const __m512 dmin = is_legacy(type) ? _mm512_setzero_ps()
+                            : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
+        for (int g = 0; g < rg; g++) {
+            const uint8_t *body = r + header_bytes(type) + g * gb;
             for (int l = 0; l < gb; l += 64) __builtin_prefetch(body + PREFETCH_BYTES + l);
             __m512i c[8];
             group_codes(type, body, c);
-            const int64_t gi = s * 8 + g; /* the group's index along k */
+            const int64_t gi = s * rg + g; /* the group's index along k */
             __m512 step[2], mn;
             const int mid = group_steps(type, r, d, dmin, g, step, &mn);
             /* Q4_K/Q5_K: w = s (c - mid) + (mid s - mn), so x's int8 error meets centred codes
@@ -376,7 +485,8 @@ static inline __attribute__((always_inline)) void run_block(const job *j, int64_
                 y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1),
                                        _mm512_mul_ps(step[1], _mm512_set1_ps(j->xd[2 * i + 1])),
                                        y[m]);
-                if (type != KQ_Q6_K) y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(j->xs[i]), y[m]);
+                if (type == KQ_Q4_K || type == KQ_Q5_K)
+                    y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(j->xs[i]), y[m]);
             }
         }
     }
@@ -403,6 +513,23 @@ static inline __attribute__((always_inline)) void run_block(const job *j, int64_
 static void run_q4(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q4_K) }
 static void run_q5(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q5_K) }
 static void run_q6(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q6_K) }
+static void run_q4_0(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q4_0) }
+static void run_q5_0(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q5_0) }
+static void run_q8_0(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q8_0) }
+
+typedef void (*block_runner)(const job *, int64_t, int);
+
+static block_runner runner_of(int type) {
+    switch (type) {
+    case KQ_Q4_0: return run_q4_0;
+    case KQ_Q5_0: return run_q5_0;
+    case KQ_Q8_0: return run_q8_0;
+    case KQ_Q4_K: return run_q4;
+    case KQ_Q5_K: return run_q5;
+    case KQ_Q6_K: return run_q6;
+    default: return NULL;
+    }
+}
 
 /* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over `records` (n_rows / 16 blocks), any M >= 1.
  * Above parallel_work multiply-adds (n_rows k M) the blocks are split over OpenMP threads.
@@ -410,13 +537,13 @@ static void run_q6(const job *j, int64_t b, int M) { ROWS_CASES(KQ_Q6_K) }
 int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
                        int64_t k, int64_t parallel_work, const uint16_t *x, uint16_t *y,
                        int64_t M) {
-    void (*run)(const job *, int64_t, int) =
-        type == KQ_Q4_K ? run_q4 : type == KQ_Q5_K ? run_q5 : type == KQ_Q6_K ? run_q6 : NULL;
-    if (!run || M < 1 || k <= 0 || k % QK || n_rows % ROWS || n_out > n_rows) return -1;
+    const block_runner run = runner_of(type);
+    if (!run || M < 1 || k <= 0 || k % record_k(type) || n_rows % ROWS || n_out > n_rows)
+        return -1;
     const int64_t groups = k / GROUP;
     int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * 5 * (size_t)(M * groups));
     if (!xq) return -1;
-    /* the floats after the int8 rows: M k is a multiple of 256, so they are aligned */
+    /* the floats after the int8 rows: M k is a multiple of 32, so they are aligned */
     float *xd = (float *)(xq + M * k), *xs = xd + 2 * M * groups;
     int32_t *sq = (int32_t *)(xs + M * groups);
     const int parallel = n_rows * k * M > parallel_work;
@@ -438,22 +565,26 @@ int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t
 static inline __attribute__((always_inline)) void
 dequantize_record(int type, const uint8_t *records, int64_t b, int64_t s, int64_t k, int64_t n_out,
                   uint16_t *wt) {
-    const int64_t sbs = k / QK, gb = group_bytes(type), rec = HEADER + 8 * gb, row0 = ROWS * b;
+    const int rg = record_groups(type);
+    const int64_t sbs = k / record_k(type), gb = group_bytes(type), rec = record_bytes(type);
+    const int64_t row0 = ROWS * b;
     const __mmask16 keep = row0 + ROWS <= n_out ? 0xffff
                            : (__mmask16)((1u << (n_out > row0 ? n_out - row0 : 0)) - 1);
     const __m512i byte = _mm512_set1_epi32(0xFF);
     const uint8_t *r = records + (b * sbs + s) * rec;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
-    for (int g = 0; g < 8; g++) {
+    const __m512 dmin = is_legacy(type) ? _mm512_setzero_ps()
+                        : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
+    for (int g = 0; g < rg; g++) {
         __m512i c[8];
-        group_codes(type, r + HEADER + g * gb, c);
+        group_codes(type, r + header_bytes(type) + g * gb, c);
         __m512 scale[2], mn, offset[2];
-        group_steps(type, r, d, dmin, g, scale, &mn);
-        for (int h = 0; h < 2; h++) /* w = s c - mn, or s c - 32 s */
-            offset[h] = type == KQ_Q6_K ? _mm512_mul_ps(_mm512_set1_ps(-32.0f), scale[h])
-                                        : _mm512_sub_ps(_mm512_setzero_ps(), mn);
-        const int64_t k0 = (s * 8 + g) * GROUP;
+        const int mid = group_steps(type, r, d, dmin, g, scale, &mn);
+        for (int h = 0; h < 2; h++) /* w = s c - mn, or s c - mid s (exact: mid a power of 2) */
+            offset[h] = type == KQ_Q4_K || type == KQ_Q5_K
+                            ? _mm512_sub_ps(_mm512_setzero_ps(), mn)
+                            : _mm512_mul_ps(_mm512_set1_ps(-(float)mid), scale[h]);
+        const int64_t k0 = (s * rg + g) * GROUP;
         for (int q = 0; q < 8; q++)
             for (int jj = 0; jj < 4; jj++) {
                 const int64_t kk = 8 * (q / 2) + 4 * (q % 2) + jj; /* 16 k per half */
@@ -470,8 +601,9 @@ dequantize_record(int type, const uint8_t *records, int64_t b, int64_t s, int64_
  * or -1 for what it does not take. */
 int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
                              int64_t k, uint16_t *wt) {
-    if (!group_bytes(type) || k <= 0 || k % QK || n_rows % ROWS || n_out > n_rows) return -1;
-    const int64_t blocks = (n_out + ROWS - 1) / ROWS, sbs = k / QK;
+    if (!group_bytes(type) || k <= 0 || k % record_k(type) || n_rows % ROWS || n_out > n_rows)
+        return -1;
+    const int64_t blocks = (n_out + ROWS - 1) / ROWS, sbs = k / record_k(type);
     /* Each thread a range of blocks (columns), super-block by super-block: the rows of wt it
      * writes meanwhile (256 x its columns) stay in cache until whole lines are written. */
 #pragma omp parallel
@@ -479,11 +611,14 @@ int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, i
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
         for (int64_t s = 0; s < sbs; s++)
-            for (int64_t b = b0; b < b1; b++) {
-                if (type == KQ_Q4_K) dequantize_record(KQ_Q4_K, records, b, s, k, n_out, wt);
-                else if (type == KQ_Q5_K) dequantize_record(KQ_Q5_K, records, b, s, k, n_out, wt);
-                else dequantize_record(KQ_Q6_K, records, b, s, k, n_out, wt);
-            }
+            for (int64_t b = b0; b < b1; b++) switch (type) {
+                case KQ_Q4_0: dequantize_record(KQ_Q4_0, records, b, s, k, n_out, wt); break;
+                case KQ_Q5_0: dequantize_record(KQ_Q5_0, records, b, s, k, n_out, wt); break;
+                case KQ_Q8_0: dequantize_record(KQ_Q8_0, records, b, s, k, n_out, wt); break;
+                case KQ_Q4_K: dequantize_record(KQ_Q4_K, records, b, s, k, n_out, wt); break;
+                case KQ_Q5_K: dequantize_record(KQ_Q5_K, records, b, s, k, n_out, wt); break;
+                default: dequantize_record(KQ_Q6_K, records, b, s, k, n_out, wt); break;
+                }
     }
     return 0;
 }

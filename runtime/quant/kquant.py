@@ -1,12 +1,17 @@
-"""KQuantMatrix: a Q4_K, Q5_K or Q6_K GGUF matrix in kernels/cpu/kquant_vnni.c's compact records,
-the only copy of its weight, multiplied there with int8 activations for any number of rows.
+"""KQuantMatrix: a Q4_K, Q5_K or Q6_K GGUF matrix (or a legacy Q4_0, Q5_0 or Q8_0 one) in
+kernels/cpu/kquant_vnni.c's compact records, the only copy of its weight, multiplied there with
+int8 activations for any number of rows.
 
 The int4 path (quant/linear.py's Int4Matrix) holds these types in torch's int4 packing with bf16
 group scales: Q4_K at 5 bits a weight, Q5_K and Q6_K split along a doubled K at 10, a second
 record copy for the int8 kernel, and prefill calls either dequantizing whole matrices to bf16
 or running torch's int4 kernel, whose cost grows with every row. The records hold the file's own
 codes, integer scales and fp16 steps (4.6 / 5.6 / 6.6 bits a weight), so decode streams about the
-file's bytes and a prefill multiplies the blocks as llama.cpp does. Used where the CPU has
+file's bytes and a prefill multiplies the blocks as llama.cpp does. The legacy types' records
+are the file's own size (4.5 / 5.5 / 8.5 bits; the int4 path holds Q5_0 split at 9): Qwen2.5-0.5B's
+Q4_K_M file (44% Q5_0, 37% Q8_0 bytes) decodes at batch 1 in 18.6-19.1 ms against 23.5-24.3 (the
+int4 path), at batch 16 in 65-70 ms against 61 (Q5_0 at 16 rows: 1.1x the int4 path's time;
+benchmarks/kquant_matmul.py). Used where the CPU has
 AVX512-VNNI (kquant_available) and the model runs bf16 with int8 activations allowed."""
 
 from __future__ import annotations
@@ -23,9 +28,14 @@ from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.quant.gguf_formats import GGUFWeight
 
 ROWS = 16  # weight rows per record block
-# kquant_vnni.c's record bytes (16 rows x 256 k): a 320-byte header, 8 groups of codes
+_K_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+# kquant_vnni.c's records: K-quants 16 rows x 256 k (a 320-byte header, 8 groups of codes), the
+# legacy types 16 rows x 32 k (the rows' 16 fp16 steps, one group of codes)
+RECORD_K = {**dict.fromkeys(_K_TYPES, 256), GGMLQuantizationType.Q4_0: 32,
+            GGMLQuantizationType.Q5_0: 32, GGMLQuantizationType.Q8_0: 32}
 RECORD_BYTES = {GGMLQuantizationType.Q4_K: 320 + 8 * 256, GGMLQuantizationType.Q5_K: 320 + 8 * 320,
-                GGMLQuantizationType.Q6_K: 320 + 8 * 384}
+                GGMLQuantizationType.Q6_K: 320 + 8 * 384, GGMLQuantizationType.Q4_0: 32 + 256,
+                GGMLQuantizationType.Q5_0: 32 + 320, GGMLQuantizationType.Q8_0: 32 + 512}
 KQUANT_TYPES = frozenset(RECORD_BYTES)
 # Calls of this many rows or more use a model's dense bf16 copy where it has one (small models,
 # onednn_linear.attach_dense_copies): where the packed bf16 GEMM overtakes the int8 records
@@ -57,7 +67,7 @@ def holds(ggml_type: GGMLQuantizationType, kernel_dtype: torch.dtype) -> bool:
 class KQuantMatrix(nn.Module):
     """One weight matrix (a row-stack of same-typed GGUF parts) in kquant_vnni.c's records."""
 
-    records: torch.Tensor  # uint8, padded_rows / 16 blocks of in / 256 records each
+    records: torch.Tensor  # uint8, padded_rows / 16 blocks of in / RECORD_K records each
 
     def __init__(self, records: torch.Tensor, ggml_type: GGMLQuantizationType,
                  out_features: int, in_features: int) -> None:
@@ -85,7 +95,7 @@ class KQuantMatrix(nn.Module):
         padded = out_features + -out_features % ROWS
         records = native_kernels.kquant_repack(int(ggml_type), torch.from_numpy(addresses),
                                                out_features, padded, in_features,
-                                               RECORD_BYTES[ggml_type])
+                                               RECORD_BYTES[ggml_type], RECORD_K[ggml_type])
         assert records is not None, "KQuantMatrix needs the K-quant library (see holds())"
         for part in parts:
             if part.release is not None:
