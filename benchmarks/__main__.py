@@ -277,7 +277,11 @@ def main() -> None:
                 # batches) would give libgomp more threads than cores next to the engine's,
                 # and libgomp then cuts the engine's spin short (runtime/cpu_threads.py).
                 release_openmp_threads()
-                _run_once(system, runners[system], names, args, runs)
+                try:
+                    _run_once(system, runners[system], names, args, runs)
+                except Exception as e:  # one system failing (a server crash) keeps the others
+                    print(f"  {system} failed, its remaining workloads skipped: {e!r}",
+                          flush=True)
         extra = _extras(runners, runs, args)
     text = (f"`python -m benchmarks {' '.join(_quoted_argv())}` ({time.perf_counter() - t0:.0f} s)"
             f" on {report.machine(args.num_threads)}"

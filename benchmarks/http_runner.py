@@ -31,6 +31,10 @@ class Usage:
     saw_usage: bool = False
 
 
+# Sends of one request that the server closed unanswered before the run gives up on it
+UNANSWERED_ATTEMPTS = 4
+
+
 @dataclass
 class HTTPRunner:
     """OpenAI-compatible server at base_url (".../v1" or the server root). server_pid, when
@@ -118,15 +122,17 @@ class HTTPRunner:
     async def complete(self, client: httpx.AsyncClient, prompt: str,
                        req: Request) -> tuple[Usage, float | None]:
         """One streamed completion -> (usage, time of the first text chunk or None)."""
-        try:
-            return await self._complete_once(client, prompt, req)
-        except httpx.RemoteProtocolError as e:
-            if "without sending a response" not in str(e):
-                raise
-            # The server closed a pooled keep-alive connection as the request went out (seen
-            # with llama-server): it was never answered, so sending it again is safe.
-            logging.warning("%s: %s; sending the request again", self.completions_url, e)
-            return await self._complete_once(client, prompt, req)
+        for attempt in range(1, UNANSWERED_ATTEMPTS + 1):
+            try:
+                return await self._complete_once(client, prompt, req)
+            except httpx.RemoteProtocolError as e:
+                if "without sending a response" not in str(e) or attempt == UNANSWERED_ATTEMPTS:
+                    raise
+                # The server closed a pooled keep-alive connection as the request went out (seen
+                # with llama-server, the next pooled one may be as stale): it was never
+                # answered, so sending it again is safe.
+                logging.warning("%s: %s; sending the request again", self.completions_url, e)
+        raise AssertionError("unreachable")
 
     async def _complete_once(self, client: httpx.AsyncClient, prompt: str,
                              req: Request) -> tuple[Usage, float | None]:
