@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from forklm.kernels.cpu.huge_pages import HUGE_PAGE, streamed_empty
-from forklm.runtime.kvcache.pool import KVPool
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -48,9 +47,3 @@ def test_small_buffers_are_plain() -> None:
     t = streamed_empty((1000, 10), torch.float32)
     assert t.shape == (1000, 10) and t.untyped_storage().nbytes() == 40000
 
-
-def test_kv_pool_buffers_start_zeroed() -> None:
-    pool = KVPool(num_layers=2, capacity=20000, num_kv_heads=4, head_dim=64,
-                  dtype=torch.bfloat16)
-    assert pool.k_buffer.data_ptr() % HUGE_PAGE == 0
-    assert not pool.k_buffer.any() and not pool.v_buffer.any()
