@@ -23,10 +23,12 @@ def machine(threads: int | None = None) -> str:
 
     import torch
 
-    text = pathlib.Path("/proc/cpuinfo").read_text()
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+    from forklm.runtime.config import cpu_flags
+
+    flags = cpu_flags()
+    name = next((line.split(":", 1)[1].strip()
+                 for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines()
                  if line.startswith("model name")), platform.processor() or platform.machine())
-    flags = set(text.split("flags", 1)[1].split("\n", 1)[0].split()) if "flags" in text else set()
     isa = ("AVX-512" + "".join(f" {f}" for f in ("VNNI", "bf16") if f"avx512_{f.lower()}" in flags)
            if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
     return f"{name}, {isa}, {threads or torch.get_num_threads()} threads"

@@ -425,6 +425,13 @@ static inline __attribute__((always_inline)) void group_codes(int type, const ui
     }
 }
 
+/* Record r's 16 fp16 min steps dmin (Q4_K/Q5_K; zero for the types without mins). */
+static inline __m512 record_dmin(int type, const uint8_t *r) {
+    return type == KQ_Q4_K || type == KQ_Q5_K
+               ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)))
+               : _mm512_setzero_ps();
+}
+
 /* Group g's steps from record r's header: s[0] for k 0..15, s[1] for 16..31 (Q4_K/Q5_K one
  * d sc for both; Q6_K d sc per sub-block of 16), *mn the min term dmin m (zero for Q6_K), and the
  * code centre returned: w = s (c - mid) + (mid s - mn) for Q4_K/Q5_K, s (c - 32) for Q6_K. */
@@ -442,13 +449,13 @@ static inline __attribute__((always_inline)) int group_steps(int type, const uin
             s[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
         }
         *mn = _mm512_setzero_ps();
-        return 32;
+        return code_mid(type);
     }
     s[0] = s[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                        _mm_loadu_si128((const __m128i *)(r + 64 + 16 * g)))));
     *mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                   _mm_loadu_si128((const __m128i *)(r + 192 + 16 * g)))));
-    return type == KQ_Q5_K ? 16 : 8;
+    return code_mid(type);
 }
 
 /* Block b (16 weight rows) for M (<= CHUNK) rows of x; M and type constants in each copy. */
@@ -462,8 +469,7 @@ static inline __attribute__((always_inline)) void run_block(const job *j, int64_
     for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
     for (int64_t s = 0; s < sbs; s++, r += rec) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
-        const __m512 dmin = is_legacy(type) ? _mm512_setzero_ps()
-                            : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
+        const __m512 dmin = record_dmin(type, r);
         for (int g = 0; g < rg; g++) {
             const uint8_t *body = r + header_bytes(type) + g * gb;
             for (int l = 0; l < gb; l += 64) __builtin_prefetch(body + PREFETCH_BYTES + l);
@@ -583,8 +589,7 @@ dequantize_record(int type, const uint8_t *records, int64_t b, int64_t s, int64_
     const __m512i byte = _mm512_set1_epi32(0xFF);
     const uint8_t *r = records + (b * sbs + s) * rec;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
-    const __m512 dmin = is_legacy(type) ? _mm512_setzero_ps()
-                        : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32)));
+    const __m512 dmin = record_dmin(type, r);
     for (int g = 0; g < rg; g++) {
         __m512i c[8];
         group_codes(type, r + header_bytes(type) + g * gb, c);
