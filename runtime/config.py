@@ -54,6 +54,15 @@ class EngineConfig:
     # Scales the KV reserved for running requests' future tokens when admitting new ones (SGLang's
     # --schedule-conservativeness); lower admits more and relies on retraction.
     schedule_conservativeness: float = 1.0
+    # SGLang's priority scheduling: a request's `priority` orders the waiting queue (larger
+    # first, or smaller with schedule_low_priority_values_first), and a waiting request more
+    # urgent by priority_scheduling_preemption_threshold than a running one takes its place
+    # when the running set is full (that one is retracted and resumes later). Off: priorities
+    # are ignored, or refused with abort_on_priority_when_disabled.
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    abort_on_priority_when_disabled: bool = False
     num_threads: int | None = None
     max_total_tokens_fraction: float = 0.1
     # SGLang's --mem-fraction-static, on a GPU: weights + KV pool use at most this fraction of the
@@ -175,6 +184,9 @@ class EngineConfig:
                self.context_length, "must be >= 1")
         check_field(self.schedule_conservativeness > 0, "schedule_conservativeness",
                self.schedule_conservativeness, "must be > 0")
+        check_field(self.priority_scheduling_preemption_threshold >= 0,
+                    "priority_scheduling_preemption_threshold",
+                    self.priority_scheduling_preemption_threshold, "must be >= 0")
         check_field(self.num_threads is None or self.num_threads >= 1, "num_threads",
                self.num_threads, "must be >= 1")
         check_field(self.grammar_compile_timeout_s > 0, "grammar_compile_timeout_s",

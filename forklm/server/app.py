@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from typing import Any
@@ -15,6 +14,7 @@ from forklm.server import native_api, openai_api, responses_api
 from forklm.server.config import ServerConfig
 from forklm.server.errors import error_body, install_error_handlers
 from forklm.server.generation import GenerationService
+from forklm.server.tenants import Caller, Tenants, load_api_keys
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +29,24 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="forklm", version="0.1.0")
     app.state.engine = engine
     app.state.config = config
-    app.state.service = GenerationService(engine, config)
+    tenants = tenants_of(config)
+    app.state.service = GenerationService(engine, config, tenants=tenants)
     install_error_handlers(app)
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
     _include_programs(app)
-    app.add_middleware(GuardMiddleware, config=config, metrics=app.state.service.metrics)
+    app.add_middleware(GuardMiddleware, config=config, metrics=app.state.service.metrics,
+                       tenants=tenants)
     return app
+
+
+def tenants_of(config: ServerConfig) -> Tenants:
+    """The server's API keys (--api-key and --api-keys-file) and each key's share."""
+    entries = load_api_keys(config.api_keys_file) if config.api_keys_file else []
+    return Tenants(config.api_key, entries, config.cache_salt_by_key,
+                   config.max_running_requests_per_key, config.max_queued_requests_per_key,
+                   config.retry_after_s)
 
 
 def _include_programs(app: FastAPI) -> None:
@@ -69,21 +79,24 @@ class GuardMiddleware:
     """Pure ASGI (so streaming responses pass through untouched): the API key check, the body
     size limit (Content-Length, and counted while reading for chunked bodies), error counting."""
 
-    def __init__(self, app: ASGIApp, config: ServerConfig, metrics: Any):
+    def __init__(self, app: ASGIApp, config: ServerConfig, metrics: Any,
+                 tenants: Tenants | None = None):
         self.app, self.config, self.metrics = app, config, metrics
-        self.expected = config.api_key.encode() if config.api_key else None
+        self.tenants = tenants or tenants_of(config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in _OPEN_PATHS:
-            given = _bearer_token(headers.get(b"authorization", b""))
-            if not hmac.compare_digest(given, self.expected):
+        caller: Caller | None = Caller()
+        if self.tenants.needs_key and scope["path"] not in _OPEN_PATHS:
+            caller = self.tenants.authenticate(_bearer_token(headers.get(b"authorization", b"")))
+            if caller is None:
                 await self._reject(send, 401, "missing or wrong API key: send "
                                    "'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
                 return
+        scope.setdefault("state", {})["caller"] = caller
         limit = self.config.max_request_body_bytes
         length = headers.get(b"content-length", b"0")
         if not length.isdigit():

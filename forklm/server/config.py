@@ -12,6 +12,7 @@ from forklm.parsers.tool_calls import TOOL_CALL_PARSERS
 from forklm.runtime.config import check_field as _check
 from forklm.runtime.config import config_from_kwargs
 from forklm.server.chat_template import is_template_text
+from forklm.server.tenants import load_api_keys
 
 # --load-balance-method (SGLang's names): forklm/router/policies.py implements each one.
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "cache_aware")
@@ -25,6 +26,18 @@ class ServerConfig:
     port: int = 30000
     # When set, every endpoint but /health needs `Authorization: Bearer <api_key>`.
     api_key: str | None = None
+    # Named keys for a shared server: a JSON file {"keys": [{"name", "key", and optionally
+    # "cache_salt", "max_running_requests", "max_queued_requests"}]}, each accepted like
+    # --api-key (which may be given too, named "default"); the name shows in metrics and logs.
+    api_keys_file: str | None = None
+    # Every key without a cache_salt of its own is salted by its name: keys never share cached
+    # prefixes, so none learns from cache hits or timing what another sent.
+    cache_salt_by_key: bool = False
+    # Each key's share of the engine, in engine requests (prompts x n): at most this many run at
+    # once, and at most max_queued_requests_per_key more wait (then a 429); None = no bound
+    # beyond the server's own.
+    max_running_requests_per_key: int | None = None
+    max_queued_requests_per_key: int | None = None
     # The name /v1/models reports and requests must use; None = the engine's model_path.
     served_model_name: str | None = None
     # A Jinja chat template (a file, or the template itself) used instead of the tokenizer's.
@@ -55,6 +68,16 @@ class ServerConfig:
     # behind this server acting as a router (forklm/router/) with this policy.
     dp_size: int = 1
     load_balance_method: str = "cache_aware"
+    # Fleet faults, --dp-size and --ray alike (sgl-router's flag names). A request whose replica
+    # fails before the client got a byte is resent to another replica, at most this many times
+    # (nothing was returned, so resending repeats no answer).
+    retry_max_retries: int = 3
+    disable_retries: bool = False
+    # Each replica's /health is probed every interval; one that gives no answer within the
+    # timeout threshold times in a row is stuck: it is killed and restarted like a dead one.
+    health_check_timeout_secs: float = 5.0
+    health_check_interval_secs: float = 1.0
+    health_failure_threshold: int = 3
 
     def __post_init__(self) -> None:
         _check(1 <= self.port <= 65535, "port", self.port, "must be in [1, 65535]")
@@ -63,6 +86,14 @@ class ServerConfig:
         _check(self.chat_template is None or is_template_text(self.chat_template)
                or os.path.isfile(self.chat_template), "chat_template", self.chat_template,
                "must be a Jinja template or the path of a file holding one")
+        if self.api_keys_file is not None:
+            load_api_keys(self.api_keys_file)  # raises naming what is wrong with the file
+        _check(self.max_running_requests_per_key is None or self.max_running_requests_per_key
+               >= 1, "max_running_requests_per_key", self.max_running_requests_per_key,
+               "must be >= 1")
+        _check(self.max_queued_requests_per_key is None or self.max_queued_requests_per_key
+               >= 0, "max_queued_requests_per_key", self.max_queued_requests_per_key,
+               "must be >= 0")
         for name in ("max_queued_requests", "retry_after_s"):
             _check(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for name in ("max_request_body_bytes", "max_program_nodes", "max_fork_size",
@@ -78,6 +109,12 @@ class ServerConfig:
         _check(self.dp_size >= 1, "dp_size", self.dp_size, "must be >= 1")
         _check(self.load_balance_method in LOAD_BALANCE_METHODS, "load_balance_method",
                self.load_balance_method, "expected one of " + ", ".join(LOAD_BALANCE_METHODS))
+        _check(self.retry_max_retries >= 0, "retry_max_retries", self.retry_max_retries,
+               "must be >= 0")
+        for name in ("health_check_timeout_secs", "health_check_interval_secs"):
+            _check(getattr(self, name) > 0, name, getattr(self, name), "must be > 0")
+        _check(self.health_failure_threshold >= 1, "health_failure_threshold",
+               self.health_failure_threshold, "must be >= 1")
         _check(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
                "log_level", self.log_level, "expected critical, error, warning, info or debug")
 

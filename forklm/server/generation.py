@@ -22,6 +22,7 @@ from forklm.server.chat_template import ControlTokenGuard
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError
 from forklm.server.metrics import ServerMetrics
+from forklm.server.tenants import Caller, TenantGate, Tenants
 
 logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25  # how often a waiting non-streamed request checks for its client
@@ -72,6 +73,8 @@ class GenerationService:
     engine: Engine
     config: ServerConfig
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    # The API keys and each key's share of the engine (forklm/server/app.py's tenants_of).
+    tenants: Tenants = field(default_factory=lambda: Tenants(None, [], False, None, None, 1))
     admission: Admission = field(init=False)
     guard: ControlTokenGuard | None = field(init=False)  # None: control tokens in chats count
 
@@ -135,17 +138,24 @@ class GenerationService:
         the event loop even if the response never iterates it (client gone before the headers),
         which aborts the requests and releases the admission; an unstarted one would leak both."""
         num = len(group)
-        self.admission.acquire(num)
+        gate = self.tenants.gate_of(group.reqs[0].tenant)
+        await gate.acquire(num)  # waits while the caller's key has its share running
+        try:
+            self.admission.acquire(num)
+        except BaseException:
+            gate.release(num)
+            raise
         try:
             chunks = await self.engine.async_stream(group)
         except BaseException:
             self.admission.release(num)
+            gate.release(num)
             raise
-        timed = self._timed(endpoint, chunks, num)
+        timed = self._timed(endpoint, chunks, num, gate)
         return ChunkStream(await timed.__anext__(), timed)
 
     async def _timed(self, endpoint: str, chunks: AsyncGenerator[GenerateOutput, None],
-                     num: int) -> AsyncGenerator[GenerateOutput, None]:
+                     num: int, gate: TenantGate) -> AsyncGenerator[GenerateOutput, None]:
         """Pass chunks through, timing each result's first token and the rest. Closing this
         iterator early (client gone) closes the engine's, which aborts the requests."""
         start, first = time.perf_counter(), dict[int, float]()
@@ -155,13 +165,23 @@ class GenerationService:
                 if i not in first and (chunk.output_ids or chunk.finished):
                     first[i] = time.perf_counter()
                 if chunk.finished:
-                    self.metrics.record_output(endpoint, chunk)
+                    self.metrics.record_output(endpoint, chunk, gate.name)
                     self.metrics.record_timing(first[i] - start, time.perf_counter() - first[i],
                                                chunk.completion_tokens)
                 yield chunk
         finally:
             await chunks.aclose()
             self.admission.release(num)
+            gate.release(num)
+            logger.info("%s: %d request(s) of key %r done in %.3f s", endpoint, num, gate.name,
+                        time.perf_counter() - start)
+
+
+def tenancy(caller: Caller, body: Any) -> dict[str, Any]:
+    """EngineRequest's cache_salt, priority and tenant for a request `body` (its cache_salt and
+    priority fields, where it has them) sent by `caller`."""
+    return {"cache_salt": caller.cache_salt(getattr(body, "cache_salt", None)),
+            "priority": getattr(body, "priority", None), "tenant": caller.name or None}
 
 
 class ChunkStream:

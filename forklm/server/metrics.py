@@ -26,6 +26,9 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("forklm_requests", "Generation requests finished, by endpoint "
                                 "and finish reason", ["endpoint", "finish_reason"], registry=r)
+        self.key_requests = Counter("forklm_key_requests", "Generation requests finished, by "
+                                    "API key name ('' without keys) and finish reason",
+                                    ["key", "finish_reason"], registry=r)
         self.http_errors = Counter("forklm_http_errors", "Requests answered with an error status",
                                    ["status"], registry=r)
         self.prompt_tokens = Counter("forklm_prompt_tokens", "Prompt tokens", registry=r)
@@ -54,10 +57,11 @@ class ServerMetrics:
                               "Time per output token after the first", buckets=_TPOT_BUCKETS,
                               registry=r)
 
-    def record_output(self, endpoint: str, out: GenerateOutput) -> None:
-        """Count one finished request."""
+    def record_output(self, endpoint: str, out: GenerateOutput, key: str = "") -> None:
+        """Count one finished request of the API key named `key`."""
         reason = out.finish_reason.type if out.finish_reason else "unknown"
         self.requests.labels(endpoint=endpoint, finish_reason=reason).inc()
+        self.key_requests.labels(key=key, finish_reason=reason).inc()
         self.prompt_tokens.inc(out.prompt_tokens)
         self.generated_tokens.inc(out.completion_tokens)
         self.cached_tokens.inc(out.cached_tokens)

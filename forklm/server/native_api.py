@@ -26,7 +26,12 @@ from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
 from forklm.server.errors import ApiError, sse_frames
-from forklm.server.generation import ChunkStream, GenerationService, json_safe_logprobs
+from forklm.server.generation import (
+    ChunkStream,
+    GenerationService,
+    json_safe_logprobs,
+    tenancy,
+)
 from forklm.server.protocol import (
     AbortRequest,
     CloseSessionRequest,
@@ -34,6 +39,7 @@ from forklm.server.protocol import (
     OpenSessionRequest,
     SeparateReasoningRequest,
 )
+from forklm.server.tenants import Caller, caller_of
 
 router = APIRouter()
 _HEALTH_TIMEOUT_S = 30.0
@@ -50,7 +56,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     reasoning = _reasoning_of(service, body)
     for text in [body.text] if isinstance(body.text, str) else body.text or ():
         service.check_text_size("text", len(text))
-    group = await asyncio.to_thread(_prepare, service, body)  # tokenizing grows with the request
+    # tokenizing grows with the request
+    group = await asyncio.to_thread(_prepare, service, body, caller_of(request))
     tokenizer = service.engine.tokenizer
     if body.stream:
         chunks = await service.open_stream("generate", group)
@@ -120,7 +127,7 @@ def _check_supported(body: GenerateRequest) -> None:
             raise InvalidArgumentError(name, shown, f"is not supported: {why}")
 
 
-def _prepare(service: GenerationService, body: GenerateRequest) -> RequestGroup:
+def _prepare(service: GenerationService, body: GenerateRequest, caller: Caller) -> RequestGroup:
     _check_supported(body)
     params = body.sampling_params
     if isinstance(params, list):
@@ -132,6 +139,7 @@ def _prepare(service: GenerationService, body: GenerateRequest) -> RequestGroup:
         return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
         top_logprobs_num=body.top_logprobs_num, rid=body.rid,
         return_text_in_logprobs=body.return_text_in_logprobs, session_params=body.session_params)
+    request = dataclasses.replace(request, **tenancy(caller, body))
     return service.engine.prepare(request, stream=body.stream)
 
 
@@ -267,8 +275,9 @@ async def close_session(body: CloseSessionRequest, request: Request) -> dict[str
 
 @router.post("/abort_request")
 async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
-    """Abort a request by rid (a finished or unknown rid is a no-op, as aborts race finishing)."""
-    service_of(request).engine.abort(body.rid)
+    """Abort a request by rid (a finished or unknown rid is a no-op, as aborts race finishing;
+    so is another API key's request)."""
+    service_of(request).engine.abort(body.rid, tenant=caller_of(request).name)
     return {"success": True}
 
 

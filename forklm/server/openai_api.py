@@ -28,9 +28,10 @@ from forklm.server.chat_template import (
     template_kwargs,
 )
 from forklm.server.errors import sse_frames
-from forklm.server.generation import ChunkStream, GenerationService
+from forklm.server.generation import ChunkStream, GenerationService, tenancy
 from forklm.server.native_api import service_of
 from forklm.server.protocol import ChatCompletionRequest, CompletionRequest
+from forklm.server.tenants import Caller, caller_of
 from forklm.server.tools import ReplyDelta, ToolPlan, plan_tools, whole_calls
 
 router = APIRouter(prefix="/v1")
@@ -66,7 +67,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             service.check_text_size("prompt", len(text))
     # Tokenizing grows with the prompt: a worker thread, never the event loop.
     top = conv.completion_top_logprobs(body)
-    group = await asyncio.to_thread(_prepare, service, body, body.prompt,
+    group = await asyncio.to_thread(_prepare, service, body, caller_of(request), body.prompt,
                                     conv.sampling_dict(body, max_tokens), top,
                                     body.prompt_logprobs is not None)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
@@ -114,7 +115,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     conv.check_model(service, body)
     if body.top_logprobs and not body.logprobs:
         raise InvalidArgumentError("top_logprobs", body.top_logprobs, "needs logprobs=true")
-    group, plan = await prepare_chat(service, body, plan_tools(body, service))
+    group, plan = await prepare_chat(service, body, plan_tools(body, service),
+                                     caller_of(request))
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": body.model}
     if body.stream:
@@ -129,7 +131,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
 
 async def prepare_chat(service: GenerationService, body: ChatCompletionRequest,
-                       plan: ToolPlan) -> tuple[RequestGroup, ToolPlan]:
+                       plan: ToolPlan, caller: Caller) -> tuple[RequestGroup, ToolPlan]:
     """The engine call of a chat request (also the Responses API's) and the plan that reads its
     replies. Bounding, rendering and tokenizing the text run in a worker thread (all grow with
     the request)."""
@@ -140,7 +142,7 @@ async def prepare_chat(service: GenerationService, body: ChatCompletionRequest,
     _add_tool_constraint(params, plan)
     top = (body.top_logprobs or 0) if body.logprobs else None
     engine_prompt = prompt.text if prompt.input_ids is None else prompt.input_ids
-    group = await asyncio.to_thread(_prepare, service, body, engine_prompt, params, top)
+    group = await asyncio.to_thread(_prepare, service, body, caller, engine_prompt, params, top)
     return group, plan.with_prompt(prompt.text)
 
 
@@ -271,8 +273,9 @@ def _delta_fields(delta: ReplyDelta) -> dict[str, Any]:
 
 
 # -- shared ------------------------------------------------------------------------------------
-def _prepare(service: GenerationService, body: Any, prompt: Any, params: dict[str, Any],
-             top_logprobs: int | None, prompt_logprobs: bool = False) -> RequestGroup:
+def _prepare(service: GenerationService, body: Any, caller: Caller, prompt: Any,
+             params: dict[str, Any], top_logprobs: int | None,
+             prompt_logprobs: bool = False) -> RequestGroup:
     """The engine call of a request: its prompt(s), n samples each, logprobs when asked (the
     prompt's too with `prompt_logprobs`)."""
     logprobs = LogprobOptions(return_logprob=top_logprobs is not None,
@@ -280,7 +283,7 @@ def _prepare(service: GenerationService, body: Any, prompt: Any, params: dict[st
                               top_logprobs_num=top_logprobs or 0)
     return service.engine.prepare(EngineRequest(
         prompt, sampling_params=SamplingParams.from_dict({**params, "n": body.n}),
-        logprobs=logprobs, rid=body.rid))
+        logprobs=logprobs, rid=body.rid, **tenancy(caller, body)))
 
 
 def _in_order(finals: list[GenerateOutput], num: int) -> list[GenerateOutput]:

@@ -3,6 +3,7 @@ disconnect can abort exactly that request's engine calls) and the JSON shape of 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -35,8 +36,11 @@ class TrackedEngine:
     endpoint calls however the run ends, releases it. `on_result` sees every finished result."""
 
     def __init__(self, engine: Engine,
-                 on_result: Callable[[GenerateOutput], None] | None = None):
+                 on_result: Callable[[GenerateOutput], None] | None = None,
+                 tenancy: dict[str, Any] | None = None):
         self.engine, self.tokenizer, self.on_result = engine, engine.tokenizer, on_result
+        # cache_salt, priority and tenant every call of the run gets (generation.tenancy)
+        self.tenancy = tenancy or {}
         self._lock = threading.Lock()
         self._live: set[str] = set()
         self.cancelled = False
@@ -103,6 +107,8 @@ class TrackedEngine:
         session = self._session_id()
         if session is not None and request.session_id is None:
             request = request.with_session(session)
+        if self.tenancy:
+            request = dataclasses.replace(request, **self.tenancy)
         group = self.engine.prepare(request, stream=stream)
         with self._lock:
             if self.cancelled:

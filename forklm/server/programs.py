@@ -61,8 +61,10 @@ from forklm.runtime.engine.engine import Engine
 from forklm.runtime.engine.engine_request import LOGPROB_OPTIONS
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.server.errors import SSE_DONE, ApiError, sse_event
-from forklm.server.generation import Admission
+from forklm.server.generation import Admission, tenancy
 from forklm.server.program_runner import TrackedEngine, error_info, item_result, jsonable
+from forklm.server.protocol import CacheSalt, Priority
+from forklm.server.tenants import Caller, TenantGate, caller_of
 
 router = APIRouter()
 
@@ -77,29 +79,40 @@ class ProgramRunRequest(BaseModel):
     arguments: dict[str, Any] | list[dict[str, Any]] = Field(default_factory=dict)
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
+    # Every engine call of the run gets these (see GenerateRequest's)
+    cache_salt: CacheSalt = None
+    priority: Priority = None
 
 
 @router.post("/v1/programs/run")
 async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
     # Parsing and checking take time proportional to the request: off the event loop.
     plan = await asyncio.to_thread(_plan, body, request.app.state.config.program_limits)
-    engine = _tracked_engine(request)
+    caller = caller_of(request)
+    engine = _tracked_engine(request, tenancy(caller, body))
     backend = EngineBackend(engine)  # the EngineBackend logic over tracked calls
     admission = _admission(request)
     num = _admitted_requests(plan, admission)
-    admission.acquire(num)
+    gate = _gate(request, caller)
+    await gate.acquire(num)  # waits while the caller's key has its share running
+    try:
+        admission.acquire(num)
+    except BaseException:
+        gate.release(num)
+        raise
     if body.stream:
         try:
             state = plan.program.run(backend=backend, stream=True,
                                      **{**plan.defaults.to_kwargs(), **plan.items[0]})
         except BaseException:
             admission.release(num)  # no stream exists to release it
+            gate.release(num)
             _close_session(engine)
             raise
         # From its first step on, _released owns the slots and the session (released however
         # the stream ends).
-        return await _started_stream(_released(_sse(state, engine, request), admission, num,
-                                               engine))
+        return await _started_stream(_released(_sse(state, engine, request), admission, gate,
+                                               num, engine))
 
     def run_all() -> list[dict[str, Any]]:
         states = plan.program.run_batch(plan.items, backend=backend, **plan.defaults.to_kwargs())
@@ -109,6 +122,7 @@ async def run_programs(body: ProgramRunRequest, request: Request) -> Any:
         results = await _watch_disconnect(request, engine, _in_thread(run_all))
     finally:
         admission.release(num)
+        gate.release(num)
         _close_session(engine)
     return {"results": results, "program": plan.info}
 
@@ -204,12 +218,20 @@ def _run_defaults(sampling: dict[str, Any]) -> RunDefaults:
     return defaults.checked()
 
 
-def _tracked_engine(request: Request) -> TrackedEngine:
+def _tracked_engine(request: Request, fields: dict[str, Any]) -> TrackedEngine:
     service = getattr(request.app.state, "service", None)
     on_result = None
     if service is not None:
-        on_result = functools.partial(service.metrics.record_output, "programs")
-    return TrackedEngine(request.app.state.engine, on_result)
+        on_result = functools.partial(service.metrics.record_output, "programs",
+                                      key=fields["tenant"] or "")
+    return TrackedEngine(request.app.state.engine, on_result, fields)
+
+
+def _gate(request: Request, caller: Caller) -> TenantGate:
+    service = getattr(request.app.state, "service", None)
+    if service is None:  # an app without the generation service: no shares to keep
+        return TenantGate(caller.name, None, None)
+    return cast(TenantGate, service.tenants.gate_of(caller.name))
 
 
 def _admission(request: Request) -> Admission:
@@ -219,8 +241,8 @@ def _admission(request: Request) -> Admission:
     return cast(Admission, service.admission)
 
 
-async def _released(events: AsyncIterator[bytes], admission: Admission, num: int,
-                    engine: TrackedEngine) -> AsyncGenerator[bytes, None]:
+async def _released(events: AsyncIterator[bytes], admission: Admission, gate: TenantGate,
+                    num: int, engine: TrackedEngine) -> AsyncGenerator[bytes, None]:
     """The stream's events; its admission slots and pinned context are released when it ends,
     however it ends (once started: see _started_stream)."""
     try:
@@ -228,6 +250,7 @@ async def _released(events: AsyncIterator[bytes], admission: Admission, num: int
             yield event
     finally:
         admission.release(num)
+        gate.release(num)
         _close_session(engine)
 
 

@@ -47,6 +47,10 @@ MAX_TEMPLATE_KWARGS = 32
 MAX_TEMPLATE_KWARGS_CHARS = 64 * 1024  # of their JSON; they are template switches, not data
 _Count = Field(default=None, ge=0)
 _Id = Field(default=None, max_length=512)  # user, prompt_cache_key, safety_identifier
+# vLLM's cache_salt: cached prefixes are shared only among requests with the same salt.
+CacheSalt = Annotated[str | None, Field(min_length=1, max_length=1024)]
+# SGLang's priority (with --enable-priority-scheduling; larger first by default).
+Priority = Annotated[int | None, Field(ge=-(2**31 - 1), le=2**31 - 1)]
 
 
 # JSON's "\ud800" escape parses to a lone surrogate: a str with no UTF-8 form, on which the
@@ -161,6 +165,8 @@ class GenerateRequest(_Request):
     stream: bool = False
     # {"id": <an /open_session id>}: the requests' final sequences stay pinned for the session
     session_params: dict[str, Any] | None = None
+    cache_salt: CacheSalt = None
+    priority: Priority = None
     # SGLang fields forklm cannot honour: accepted at their defaults (null/false), a 400 naming
     # them otherwise (native_api.UNSUPPORTED_FIELDS).
     custom_logit_processor: str | list[str | None] | None = None
@@ -261,6 +267,8 @@ class _SamplingFields(_Request):
     custom_params: dict[str, Any] | None = None
     custom_logit_processor: str | None = None  # a 400 when set: forklm runs none
     rid: str | None = None
+    cache_salt: CacheSalt = None
+    priority: Priority = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -32,6 +32,7 @@ from forklm.server.responses_output import (
 )
 from forklm.server.responses_protocol import Item, ReasoningItem, ResponsesRequest
 from forklm.server.responses_store import ResponseStore, conversation_chars
+from forklm.server.tenants import caller_of
 from forklm.server.tools import plan_tools
 
 router = APIRouter(prefix="/v1")
@@ -41,7 +42,8 @@ router = APIRouter(prefix="/v1")
 async def create_response(body: ResponsesRequest, request: Request) -> Any:
     service, store = service_of(request), store_of(request.app)
     check_supported(body)
-    history = _history(store, body.previous_response_id)
+    caller = caller_of(request)
+    history = _history(store, body.previous_response_id, caller.name)
     if history is None:
         return _previous_not_found(body.previous_response_id)
     items = history + input_items(body)
@@ -52,13 +54,13 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
     if plan.reasoning is None and any(isinstance(i, ReasoningItem) for i in items):
         raise InvalidArgumentError("input", "reasoning", "reasoning items need a server "
                                    "started with --reasoning-parser")
-    group, plan = await prepare_chat(service, chat, plan)
+    group, plan = await prepare_chat(service, chat, plan, caller)
     head = ResponseHead.of(body, f"resp_{uuid.uuid4().hex}", int(time.time()))
     builder = OutputBuilder(plan.reader(), Sequencer())
 
     def remember(output: Output) -> None:
         if body.store:
-            store.put(head.id, items + _items_of(output))
+            store.put(head.id, items + _items_of(output), caller.name)
 
     if body.stream:
         chunks = await service.open_stream("responses", group)
@@ -98,11 +100,14 @@ def check_supported(body: ResponsesRequest) -> None:
                                    "/v1/chat/completions to steer a template's reasoning")
 
 
-def _history(store: ResponseStore, previous_id: str | None) -> tuple[Item, ...] | None:
+def _history(store: ResponseStore, previous_id: str | None,
+             owner: str) -> tuple[Item, ...] | None:
+    """The stored conversation `previous_id` continues; None when there is none, or when
+    another API key stored it (answered as not found: ids are not shared between keys)."""
     if previous_id is None:
         return ()
     entry = store.get(previous_id)
-    return None if entry is None else entry.conversation
+    return None if entry is None or entry.owner != owner else entry.conversation
 
 
 def _previous_not_found(previous_id: str | None) -> JSONResponse:

@@ -69,7 +69,7 @@ def to_chat_request(body: ResponsesRequest, items: tuple[Item, ...]) -> ChatComp
             tools=[_chat_tool(t) for t in body.tools] if body.tools else None,
             tool_choice=_chat_tool_choice(body), parallel_tool_calls=body.parallel_tool_calls,
             max_completion_tokens=body.max_output_tokens, temperature=body.temperature,
-            top_p=body.top_p,
+            top_p=body.top_p, cache_salt=body.cache_salt, priority=body.priority,
             # text.format shapes a text reply; a forced call is none (OpenAI takes both)
             response_format=None if _forces_call(body) else _response_format(body))
     except ValidationError as e:  # a check of the chat layer that the Responses one lacks

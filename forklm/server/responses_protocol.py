@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from forklm.server.protocol import JsonSchema, Metadata, UnicodeChecked
+from forklm.server.protocol import CacheSalt, JsonSchema, Metadata, Priority, UnicodeChecked
 
 # Bounds a client controls, checked before any work proportional to them.
 MAX_INPUT_ITEMS = 1024  # one request's input items
@@ -203,6 +203,8 @@ class ResponsesRequest(_Strict, UnicodeChecked):
     user: str | None = Field(default=None, max_length=512)
     safety_identifier: str | None = Field(default=None, max_length=512)
     prompt_cache_key: str | None = Field(default=None, max_length=512)
+    cache_salt: CacheSalt = None
+    priority: Priority = None
     prompt_cache_retention: str | None = Field(default=None, max_length=32)
     service_tier: str | None = Field(default=None, max_length=32)
     # Known but not served here: a 400 naming the field when set.

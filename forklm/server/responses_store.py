@@ -18,6 +18,7 @@ DEFAULT_MAX_CHARS = 256 * 1024 * 1024
 class StoredResponse:
     conversation: tuple[Item, ...]  # oldest first; instructions are not carried over (as OpenAI)
     num_chars: int
+    owner: str = ""  # the API key name that stored it: only that key continues it
 
 
 def conversation_chars(items: tuple[Item, ...]) -> int:
@@ -52,9 +53,9 @@ class ResponseStore:
             self._entries.move_to_end(response_id)
         return entry
 
-    def put(self, response_id: str, conversation: tuple[Item, ...]) -> None:
+    def put(self, response_id: str, conversation: tuple[Item, ...], owner: str = "") -> None:
         """Store a conversation; one too large for the whole budget is not stored at all."""
-        entry = StoredResponse(conversation, conversation_chars(conversation))
+        entry = StoredResponse(conversation, conversation_chars(conversation), owner)
         if entry.num_chars > self.max_chars:
             return
         self._drop(response_id)

@@ -113,8 +113,14 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
             jump_forward=config.enable_jump_forward,
             compile_timeout_s=config.grammar_compile_timeout_s),
         intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
-                             eos_token_ids, config.random_seed),
+                             eos_token_ids, config.random_seed, _priority_scheduling(config)),
     )
+
+
+def _priority_scheduling(config: EngineConfig) -> str:
+    if config.enable_priority_scheduling:
+        return "on"
+    return "refuse" if config.abort_on_priority_when_disabled else "ignore"
 
 
 def _fuse_layers(config: EngineConfig, model: CausalLM, attn: AttentionBackend) -> None:

@@ -146,9 +146,10 @@ class Engine:
         await self._compile_async(group)
         return self._stream_async(group)
 
-    def abort(self, rid: str) -> None:
-        """Abort a request by id: it finishes with finish_reason abort and frees its KV."""
-        self._loop.abort(rid, "aborted by the caller")
+    def abort(self, rid: str, tenant: str | None = None) -> None:
+        """Abort a request by id: it finishes with finish_reason abort and frees its KV.
+        With `tenant`, only a request of that tenant (EngineRequest.tenant; "" for none)."""
+        self._loop.abort(rid, "aborted by the caller", tenant)
 
     def open_session(self, session_id: str | None = None, wait: bool = True) -> str:
         """Open a session (SGLang's open_session): requests sent with session_params={"id": it}

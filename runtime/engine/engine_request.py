@@ -57,12 +57,19 @@ class EngineRequest:
     logprobs: LogprobOptions = field(default_factory=LogprobOptions)
     rid: str | Sequence[str] | None = None
     session_id: str | None = None
+    # vLLM's cache_salt: cached prefixes are shared only with requests of the same salt.
+    cache_salt: str | None = None
+    # SGLang's priority (used when EngineConfig.enable_priority_scheduling is on).
+    priority: int | None = None
+    # Who sent it (the server sets an API key's name): the scheduler interleaves tenants.
+    tenant: str | None = None
 
     @classmethod
     def from_call(cls, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                   return_logprob: bool = False, logprob_start_len: int | None = None,
                   top_logprobs_num: int | None = None, rid: Any = None,
-                  return_text_in_logprobs: bool = True, session_params: Any = None
+                  return_text_in_logprobs: bool = True, session_params: Any = None,
+                  priority: int | None = None, cache_salt: str | None = None
                   ) -> EngineRequest:
         """SGLang's generate() keywords as a request; `sampling_params` is a SamplingParams, a
         dict, None (defaults) or a list of those (one per prompt). Raises InvalidArgumentError
@@ -74,7 +81,8 @@ class EngineRequest:
             params = SamplingParams.coerce(sampling_params)
         logprobs = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num,
                                   return_text_in_logprobs)
-        return cls(prompt, input_ids, params, logprobs, rid, session_of(session_params))
+        return cls(prompt, input_ids, params, logprobs, rid, session_of(session_params),
+                   cache_salt, priority)
 
     def with_session(self, session_id: str | None) -> EngineRequest:
         return dataclasses.replace(self, session_id=session_id)
@@ -97,6 +105,9 @@ class EngineRequest:
             body["rid"] = _jsonable(self.rid)
         if self.session_id is not None:
             body["session_params"] = {"id": self.session_id}
+        for name in ("cache_salt", "priority"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
         return body
 
 

@@ -14,6 +14,7 @@ import torch
 from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
 from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.kvcache.namespaces import salt_namespace
 from forklm.runtime.sampling.params import SamplingParams
 from forklm.runtime.scheduling.request import Req
 
@@ -56,6 +57,9 @@ class RequestGroup:
 # Top logprobs per position: each costs a topk and a Python pair per generated token, so a large
 # one multiplies a request's memory (OpenAI's bound, and the HTTP server's: protocol.py).
 MAX_TOP_LOGPROBS_NUM = 20
+# Priorities and salts are the client's: bounded like every size a request controls.
+MAX_PRIORITY = 2**31 - 1
+MAX_TEXT_FIELD_CHARS = 1024
 # torch.Generator seeds are 64-bit: a seeded request's sample k draws from (seed + k) mod 2**64.
 _SEED_MODULUS = 2**64
 
@@ -74,8 +78,11 @@ class RequestIntake:
     A call's requests all exist, or (on a bad argument) none does."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, kv_capacity: int,
-                 eos_token_ids: frozenset[int], random_seed: int):
+                 eos_token_ids: frozenset[int], random_seed: int,
+                 priority_scheduling: str = "ignore"):
         self.tokenizer, self.vocab_size, self.context_len = tokenizer, vocab_size, context_len
+        # "on": priorities order the queue; "ignore" (off): dropped; "refuse": a 400
+        self.priority_scheduling = priority_scheduling
         self.kv_capacity, self.eos_token_ids = kv_capacity, eos_token_ids
         self._random_seed, self._seed_counter = random_seed, itertools.count()
         self.bos_token_id = prompt_bos(tokenizer)
@@ -93,14 +100,30 @@ class RequestIntake:
         logprobs = _logprob_options(request.logprobs)
         for ids, params in zip(prompts, params_list):
             self._check_prompt(ids, params, logprobs)
+        namespace = salt_namespace(_check_text("cache_salt", request.cache_salt))
+        tenant = _check_text("tenant", request.tenant) or ""
+        priority = self._priority(request.priority)
         reqs: list[Req] = []
         for ids, params in zip(prompts, params_list):
             for k in range(params.n):
-                reqs.append(self._req(ids, params, rids[len(reqs)], k, len(reqs), logprobs))
-                reqs[-1].session_id = request.session_id
+                req = self._req(ids, params, rids[len(reqs)], k, len(reqs), logprobs)
+                req.session_id, req.cache_namespace = request.session_id, namespace
+                req.tenant, req.priority = tenant, priority
+                reqs.append(req)
         return RequestGroup(reqs, single and params_list[0].n == 1, given,
                             [p.n for p in params_list], stream,
                             request.logprobs.with_text)
+
+    def _priority(self, priority: Any) -> int:
+        """The checked priority; 0 when unset or when priority scheduling is off (then a given
+        one is ignored, as SGLang does, or refused under abort_on_priority_when_disabled)."""
+        if priority is None:
+            return 0
+        value = _check_int("priority", priority, -MAX_PRIORITY, MAX_PRIORITY)
+        if self.priority_scheduling == "refuse":
+            raise InvalidArgumentError("priority", priority, "priority scheduling is off on "
+                                       "this engine (enable_priority_scheduling)")
+        return value if self.priority_scheduling == "on" else 0
 
     def new_rid(self) -> str:
         return uuid.uuid4().hex
@@ -227,6 +250,18 @@ def _logprob_options(options: LogprobOptions) -> _CheckedLogprobs:
     start_len = options.logprob_start_len
     start = -1 if start_len is None else _check_int("logprob_start_len", start_len, -1)
     return _CheckedLogprobs(bool(options.return_logprob), start, top)
+
+
+def _check_text(name: str, value: Any) -> str | None:
+    """A salt or tenant name: None, or a non-empty str of at most MAX_TEXT_FIELD_CHARS."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT_FIELD_CHARS:
+        raise InvalidArgumentError(name, value if isinstance(value, str) and len(value) < 80
+                                   else f"<{type(value).__name__}>",
+                                   f"expected a non-empty string of at most "
+                                   f"{MAX_TEXT_FIELD_CHARS} characters")
+    return value
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:

@@ -87,8 +87,8 @@ class EngineLoop:
         """Queue reqs (their sinks set) together: they join the same scheduling step."""
         self.post(lambda: self._add_all_now(reqs))
 
-    def abort(self, rid: str, message: str) -> None:
-        self.post(lambda: self._abort_now(rid, message))
+    def abort(self, rid: str, message: str, tenant: str | None = None) -> None:
+        self.post(lambda: self._abort_now(rid, message, tenant))
 
     def stop(self) -> None:
         """Finish every pending request with an abort, end the thread and wait for it: a loop
@@ -311,9 +311,9 @@ class EngineLoop:
             self.parts.kv.pins.touch(req.session_id)
         self.parts.scheduler.waiting.append(req)
 
-    def _abort_now(self, rid: str, message: str) -> None:
+    def _abort_now(self, rid: str, message: str, tenant: str | None = None) -> None:
         req = self._reqs.get(rid)
-        if req is None or req.finished:
+        if req is None or req.finished or (tenant is not None and req.tenant != tenant):
             return
         self.parts.scheduler.abort(req)
         finish(req, FinishReason("abort", message=message))

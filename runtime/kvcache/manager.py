@@ -39,14 +39,14 @@ class KVCacheManager:
         """Length of req's prefix found in the cache (no lock taken; may split a node)."""
         if self.cache is None:
             return 0
-        return len(self.cache.match_prefix(req.fill_ids[: req.max_prefix_len()]).slots)
+        return len(self.cache.match_prefix(req.cache_key(req.max_prefix_len())).slots)
 
     def admit(self, req: Req) -> None:
         """Give req a row and lock its longest cached prefix, which then counts as computed."""
         assert req.row is None, f"request {req.rid} admitted twice"
         req.row = self.free_rows.pop()
         if self.cache is not None:
-            match = self.cache.match_prefix(req.fill_ids[: req.max_prefix_len()])
+            match = self.cache.match_prefix(req.cache_key(req.max_prefix_len()))
             self.cache.lock(match.node)
             req.last_node, req.prefix_len = match.node, len(match.slots)
             self.req_to_token[req.row, : req.prefix_len] = match.slots
@@ -95,7 +95,7 @@ class KVCacheManager:
         running) and move its lock and row onto the cache's canonical slots."""
         if self.cache is None:
             return
-        ids = req.fill_ids[: req.num_computed]
+        ids = req.cache_key(req.num_computed)
         self._insert(req, ids)
         match = self.cache.match_prefix(ids, count=False)
         assert len(match.slots) == len(ids), "inserted sequence must match in full"
@@ -114,7 +114,7 @@ class KVCacheManager:
         if req.num_computed > req.fill_len:  # a verify step failed: its draft KV is not fill_ids'
             self.trim(req, max(req.fill_len - 1, req.prefix_len))
         if self.cache is not None:
-            ids = req.fill_ids[: req.num_computed]
+            ids = req.cache_key(req.num_computed)
             self._insert(req, ids)
             if pin and req.session_id is not None and self.pins is not None:
                 self.pins.pin(req.session_id, self.cache.match_prefix(ids, count=False).node)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from forklm.runtime.kvcache.namespaces import namespaced
+
 if TYPE_CHECKING:
     import xgrammar
 
@@ -67,6 +69,11 @@ class Req:
     max_total_len: int = 0  # the context length: generation stops (length) when reached
     index: int = 0  # position among the results of its generate() call (RequestGroup)
     session_id: str | None = None  # an open session whose pin this request's sequence becomes
+    # Prefixes are shared only between requests of one namespace (0: the unsalted one; see
+    # kvcache/namespaces.py): a client cannot learn from cache hits what another salt sent.
+    cache_namespace: int = 0
+    priority: int = 0  # larger runs first when priority scheduling is on (EngineConfig)
+    tenant: str = ""  # who sent it (an API key's name): waiting requests interleave by tenant
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     output_ids: list[int] = field(default_factory=list)
@@ -96,6 +103,10 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Tokens whose KV the request needs: the prompt plus what it generated (after a retraction)."""
         return self.origin_input_ids + self.output_ids if self.output_ids else self.origin_input_ids
+
+    def cache_key(self, end: int) -> list[int]:
+        """fill_ids[:end] as the radix cache keys them: in the request's namespace."""
+        return namespaced(self.fill_ids[:end], self.cache_namespace)
 
     @property
     def fill_len(self) -> int:

@@ -4,6 +4,7 @@ within the token budgets, or one decode step for every running request, retracti
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -95,6 +96,8 @@ class Scheduler:
 
     # -- prefill -------------------------------------------------------------------------------
     def _schedule_prefill(self) -> ScheduledBatch | None:
+        if self.config.enable_priority_scheduling and self.waiting:
+            self._preempt_for_priority()
         if (not self.waiting or len(self.running) >= self.config.max_running_requests) and self.chunked_req is None:
             return None
         reqs, lens = [], []
@@ -124,7 +127,7 @@ class Scheduler:
                 break
             reqs.append(req)
             lens.append(n)
-            in_batch.append(req.fill_ids)
+            in_batch.append(req.cache_key(req.fill_len))
             token_budget -= n
             if req.num_computed < req.fill_len:
                 self.chunked_req = req
@@ -139,7 +142,41 @@ class Scheduler:
         pairs = [(r, self.kv.match_len(r) if use_cache else 0) for r in queue]
         if self.config.schedule_policy == "lpm":
             pairs.sort(key=lambda p: -p[1])  # stable: fcfs among equals
-        return pairs
+        return self._fair_order(pairs)
+
+    def _fair_order(self, pairs: list[tuple[Req, int]]) -> list[tuple[Req, int]]:
+        """Priority first (when on), then tenants interleaved: a tenant's k-th waiting request
+        ranks k + its running count, so one tenant's flood of requests (queued or running) never
+        keeps another's first request waiting behind it. The policy's order holds within a
+        tenant and between equal ranks; with one tenant the order is the policy's."""
+        running = Counter(r.tenant for r in self.active_reqs())
+        seen: Counter[str] = Counter()
+        ranks = []
+        for req, _ in pairs:
+            ranks.append(running[req.tenant] + seen[req.tenant])
+            seen[req.tenant] += 1
+        order = sorted(range(len(pairs)),
+                       key=lambda i: (self._priority_rank(pairs[i][0]), ranks[i], i))
+        return [pairs[i] for i in order]
+
+    def _priority_rank(self, req: Req) -> int:
+        """Sorts first for the most urgent request: larger priority values (SGLang's default),
+        or smaller with schedule_low_priority_values_first; 0 for all when priorities are off."""
+        if not self.config.enable_priority_scheduling:
+            return 0
+        return req.priority if self.config.schedule_low_priority_values_first else -req.priority
+
+    def _preempt_for_priority(self) -> None:
+        """With the running set full, a waiting request more urgent than the least urgent running
+        one by priority_scheduling_preemption_threshold or more takes its place: that one is
+        retracted (its KV kept in the cache) and waits to resume where it was."""
+        threshold = self.config.priority_scheduling_preemption_threshold
+        while len(self.running) >= self.config.max_running_requests and self.running:
+            urgent = min(self.waiting, key=self._priority_rank)
+            victim = max(self.running, key=lambda r: (self._priority_rank(r), -r.arrival))
+            if self._priority_rank(victim) - self._priority_rank(urgent) < threshold:
+                return
+            self._retract(victim, f"preempted for {urgent.rid} (priority {urgent.priority})")
 
     def _shares_with_batch(self, req: Req, cached: int, in_batch: list[list[int]]) -> bool:
         """Whether req shares >= IN_BATCH_SHARE_THRESHOLD uncached tokens with a request admitted
@@ -147,8 +184,8 @@ class Scheduler:
         if self.kv.cache is None:
             return False
         n = cached + IN_BATCH_SHARE_THRESHOLD
-        ids = req.fill_ids
-        return len(ids) >= n and any(len(o) >= n and o[:n] == ids[:n] for o in in_batch)
+        ids = req.cache_key(n)
+        return len(ids) >= n and any(len(o) >= n and o[:n] == ids for o in in_batch)
 
     def _chunk_len(self, req: Req, token_budget: int) -> int:
         """Tokens of req to compute this step: all that remain, or with chunked prefill on, at most
@@ -267,6 +304,9 @@ class Scheduler:
         """Free the KV of the request with the fewest outputs (longest prompt on ties) and requeue it
         at the front; it re-prefills later (mostly from the cache) and continues where it was."""
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self._retract(victim, "KV short")
+
+    def _retract(self, victim: Req, why: str) -> None:
         self.running.remove(victim)
         self.kv.release(victim)
         victim.num_retractions += 1
@@ -275,7 +315,7 @@ class Scheduler:
         total_max = sum(r.sampling_params.max_new_tokens for r in self.running) or 1
         decoded = sum(len(r.output_ids) for r in self.running)
         self.new_token_ratio = min(1.0, (decoded + 20 * len(self.running)) / total_max)
-        logger.info("retracted %s (KV short); %d running", victim.rid, len(self.running))
+        logger.info("retracted %s (%s); %d running", victim.rid, why, len(self.running))
 
     # -- after the forward ---------------------------------------------------------------------
     def after_step(self, batch: ScheduledBatch) -> None:
