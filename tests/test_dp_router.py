@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from forklm.router.policies import (
 )
 from forklm.router.prefix_tree import PrefixTree
 from forklm.router.prompts import MAX_KEY_CHARS, prompt_text
-from forklm.router.replicas import Replica, ReplicaSet, replica_command
+from forklm.router.replicas import Replica, replica_command
 from forklm.router.routing import Router
 
 # ---------------------------------------------------------------- prefix tree (property tests)
@@ -124,27 +125,6 @@ def test_prompt_text_of_each_endpoint():
     assert len(prompt_text("/generate", {"text": "x" * 10**6})) == MAX_KEY_CHARS  # bounded
 
 
-def test_a_replica_that_stops_answering_is_declared_dead_after_three_probes():
-    killed: list[bool] = []
-    proc = SimpleNamespace(pid=7, poll=lambda: None, kill=lambda: killed.append(True))
-    replica = Replica(0, 1, proc)
-    replicas = ReplicaSet(flags={}, dp_size=1, replicas=[replica])
-
-    def refuse(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
-
-    async def probes() -> list[str | None]:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
-            return [await replicas.probe(client, replica) for _ in range(3)]
-
-    first, second, third = asyncio.run(probes())
-    assert first is None and second is None and "3 health checks" in third
-    assert replicas.mark_dead(replica, third) and killed and not replicas.alive()
-    assert not replicas.mark_dead(replica, third)  # once
-    exited = Replica(1, 2, SimpleNamespace(pid=8, poll=lambda: 3))
-    assert asyncio.run(replicas.probe(httpx.AsyncClient(), exited)) == "process exited with 3"
-
-
 def _fake_replicas(n: int) -> list[Replica]:
     return [Replica(i, 1000 + i, SimpleNamespace(pid=i, poll=lambda: None)) for i in range(n)]
 
@@ -187,6 +167,9 @@ def test_replica_flags_share_the_cores_and_drop_the_router_flags():
     cmd = replica_command(5, flags)
     assert cmd[cmd.index("--port") + 1] == "5" and "--no-disable-radix-cache" in cmd
     assert replica_flags({"num_threads": 3}, {}, 2)["num_threads"] == 3
+    fleet = {"retry_max_retries": 1, "disable_retries": True, "health_check_timeout_secs": 2.0,
+             "health_check_interval_secs": 0.5, "health_failure_threshold": 2}
+    assert replica_flags({}, fleet, 2) == {"num_threads": max(1, cores // 2)}  # the router's
 
 
 # ---------------------------------------------------------------- a real dp_size=2 server
@@ -199,11 +182,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def dp_server():
-    """`forklm serve --dp-size 2` (cache_aware) on the default model in fp32."""
+    """`forklm serve --dp-size 2` (cache_aware) on the default model in fp32; a replica that
+    misses 2 health checks of 3 s is stuck (not the default 3 of 5 s: the stuck test is faster)."""
     port = _free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="dp-router-", suffix=".log")  # noqa: SIM115
     cmd = [sys.executable, "-m", "forklm", "serve", "--dp-size", "2", "--port", str(port),
-           "--dtype", "float32", "--max-total-tokens", "4096", "--graceful-shutdown-s", "2"]
+           "--dtype", "float32", "--max-total-tokens", "4096", "--graceful-shutdown-s", "2",
+           "--health-check-timeout-secs", "3", "--health-failure-threshold", "2"]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     base = f"http://127.0.0.1:{port}"
@@ -384,42 +369,91 @@ def test_a_client_that_goes_away_frees_the_replica(dp_server):
 
 
 @pytest.mark.slow
-def test_a_killed_replica_fails_its_requests_clearly_and_the_other_serves(dp_server):
-    """Last in the module: it leaves one replica. Two requests share a prefix, so cache_aware
-    puts both on one replica: the plain one gets a 502, the stream an in-band error event."""
-    base, answers, events = dp_server.base, [], []
-    params = {"max_new_tokens": 3000, "ignore_eos": True}
-
-    def long_request() -> None:
-        body = {"text": "Tell a long story.", "rid": "doomed", "sampling_params": params}
-        answers.append(httpx.post(base + "/generate", json=body, timeout=60))
+def test_a_replica_killed_under_load_loses_no_unstarted_request_and_is_restarted(dp_server):
+    """SIGKILL the replica running a started stream and several plain requests: every plain
+    request is answered (resent to the other replica), the stream ends with an error event
+    naming the replica, and within a minute the fleet is back to two replicas serving."""
+    base, events, started = dp_server.base, [], threading.Event()
 
     def long_stream() -> None:
-        body = {"text": "Tell a long story. Another one.", "stream": True,
-                "sampling_params": params}
-        with httpx.stream("POST", base + "/generate", json=body, timeout=60) as r:
-            events.extend(line for line in r.iter_lines() if line)
+        body = {"text": "Tell a long story.", "stream": True,
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        with httpx.stream("POST", base + "/generate", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    started.set()
 
-    threads = [threading.Thread(target=long_request), threading.Thread(target=long_stream)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.3)  # in this order: the stream's prompt then matches the first one's
-    deadline = time.monotonic() + 20
-    while not (busy := [r for r in _replicas(base) if r["in_flight"] == 2]):
+    stream = threading.Thread(target=long_stream)
+    stream.start()
+    assert started.wait(30), "the stream did not start"
+    (victim,) = _wait_busy(base)
+    answers: list[httpx.Response] = []
+    load = threading.Thread(target=lambda: answers.extend(asyncio.run(_load(base, 10))))
+    load.start()
+    deadline = time.monotonic() + 30
+    while _replicas(base)[victim["index"]]["in_flight"] < 4:  # the stream and 3 plain ones
         assert time.monotonic() < deadline, _replicas(base)
         time.sleep(0.05)
-    os.kill(busy[0]["pid"], signal.SIGKILL)
-    for thread in threads:
-        thread.join(timeout=30)
-    (answer,) = answers
-    name = f"replica {busy[0]['index']}"
-    assert answer.status_code == 502 and name in answer.json()["error"]["message"], answer.text
+    killed_at = time.monotonic()
+    os.kill(victim["pid"], signal.SIGKILL)
+    for thread in (stream, load):
+        thread.join(timeout=120)
+    assert [a.status_code for a in answers] == [200] * 10, [a.text for a in answers]
+    name = f"replica {victim['index']} (pid {victim['pid']}"
     assert events[-1] == "data: [DONE]" and name in events[-2] and '"code": 502' in events[-2]
-    assert httpx.get(base + "/health").json()["replicas_alive"] == 1
-    for text in ("Hi", "Hello there"):
-        assert _generate(base, text)["meta_info"]["finish_reason"]["type"] == "length"
-    dead = next(r for r in _replicas(base) if r["index"] == busy[0]["index"])
-    assert not dead["alive"] and dead["failed"] >= 1 and dead["death"]
+    health = _wait_fleet(base, restarts=1, deadline_s=60 - (time.monotonic() - killed_at))
+    assert health["replicas_alive"] == 2 and health["replicas_starting"] == 0
+    back = _replicas(base)[victim["index"]]
+    assert back["alive"] and back["pid"] != victim["pid"] and back["restarts"] == 1
+    # the 4 requests in flight when it was killed failed there; the 3 plain ones were resent
+    assert back["failed"] >= 4 and "-9" in back["last_death"], back  # SIGKILL's exit code
+    before = _routed(base)
+    assert [a.status_code for a in asyncio.run(_load(base, 6, "again "))] == [200] * 6
+    assert all(n > 0 for n in (a - b for a, b in zip(_routed(base), before))), _routed(base)
+
+
+@pytest.mark.slow
+def test_a_stuck_replica_is_killed_and_replaced(dp_server):
+    """SIGSTOP a replica: the health probe (3 s deadline, 2 failures, the fixture's flags)
+    finds it stuck; it is killed and restarted, and a request sent to it meanwhile is resent."""
+    base = dp_server.base
+    before = _wait_fleet(base, restarts=0, deadline_s=60)
+    stuck = _replicas(base)[0]
+    os.kill(stuck["pid"], signal.SIGSTOP)
+    try:
+        answers = asyncio.run(_load(base, 2))  # round the tie: one of them goes to the stuck one
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        _wait_fleet(base, restarts=before["restarts"] + 1, deadline_s=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stuck["pid"], signal.SIGCONT)
+    replaced = _replicas(base)[0]
+    assert replaced["pid"] != stuck["pid"] and "stuck" in replaced["last_death"], replaced
+    assert not _running(stuck["pid"])
+
+
+async def _load(base: str, n: int, tag: str = "") -> list[httpx.Response]:
+    """n plain /generate requests at once, prompts with no common prefix (cache_aware spreads
+    them by load; a new tag: none with an earlier load's), long enough to be running when the
+    test acts."""
+    topics = ["rivers", "bread", "stars", "trains", "owls", "salt", "glass", "tides", "moss",
+              "kites", "bells", "maps"]
+    async with httpx.AsyncClient(timeout=120) as client:
+        return list(await asyncio.gather(*(client.post(base + "/generate", json={
+            "text": f"{tag}{i} {topics[i % len(topics)]}: write about them.",
+            "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}) for i in range(n))))
+
+
+def _wait_fleet(base: str, restarts: int, deadline_s: float) -> dict:
+    """/health once every replica is alive after at least `restarts` restarts."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        health = httpx.get(base + "/health", timeout=5).json()
+        if health["replicas_alive"] == health["dp_size"] and health["restarts"] >= restarts:
+            return health
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
 
 
 def test_dp_flags_are_validated():
@@ -431,6 +465,10 @@ def test_dp_flags_are_validated():
         ServerConfig(dp_size=0)
     with pytest.raises(InvalidArgumentError, match="round_robin, shortest_queue, cache_aware"):
         ServerConfig(load_balance_method="random")
+    for bad in ({"retry_max_retries": -1}, {"health_check_timeout_secs": 0},
+                {"health_check_interval_secs": -1.0}, {"health_failure_threshold": 0}):
+        with pytest.raises(InvalidArgumentError, match=next(iter(bad))):
+            ServerConfig(**bad)
 
 
 def test_every_load_balance_method_has_a_policy():

@@ -9,8 +9,11 @@ import asyncio
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
@@ -59,6 +62,17 @@ def test_serve_run_builds_the_app_from_serve_flags():
     assert isinstance(app, Application)
     with pytest.raises(ValueError, match="no-such-flag"):
         application_from_flags({"no-such-flag": 1})
+
+
+def test_ray_health_checks_follow_the_health_check_flags():
+    """Ray Serve restarts a dead or stuck replica itself: on the period and deadline given."""
+    from forklm.ray_serve.app import ReplicaPlan
+    from forklm.runtime.config import EngineConfig
+    from forklm.server.config import ServerConfig
+
+    plan = ReplicaPlan.of(EngineConfig(), ServerConfig(health_check_interval_secs=2,
+                                                       health_check_timeout_secs=7))
+    assert (plan.health_check_period_s, plan.health_check_timeout_s) == (2, 7)
 
 
 def test_replica_slots_reuse_a_removed_replicas_index():
@@ -200,3 +214,70 @@ def test_server_info_metrics_and_flush_reach_every_replica(ray_app):
     r = httpx.post(ray_app + "/flush_cache", timeout=60)
     assert r.status_code == 200 and r.json()["success"], r.text
     assert all(s["kv_cached"] == 0 for s in _replica_stats(ray_app).values())
+
+
+@pytest.mark.slow
+def test_a_replica_killed_under_load_loses_no_unstarted_request(ray_app):
+    """Last in the module: SIGKILL the engine replica running a started stream and plain
+    requests. The plain ones are resent (Ray routes them to the live replica) and answered, the
+    stream ends with an error event naming its replica, and Ray Serve has two replicas running
+    again within a minute."""
+    from ray import serve
+
+    events, replica, started = [], [], threading.Event()
+
+    def long_stream() -> None:
+        body = {"text": "Tell a long story.", "stream": True,
+                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        with httpx.stream("POST", ray_app + "/generate", json=body, timeout=180) as r:
+            replica.append(r.headers[REPLICA_HEADER])
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    started.set()
+
+    stream = threading.Thread(target=long_stream)
+    stream.start()
+    assert started.wait(60), "the stream did not start"
+    (victim,) = replica
+    answers: list[httpx.Response] = []
+    load = threading.Thread(target=lambda: answers.extend(asyncio.run(_plain_load(ray_app, 8))))
+    load.start()
+    deadline = time.monotonic() + 60
+    while (state := _replica_stats(ray_app)[victim])["running"] + state["waiting"] < 3:
+        assert time.monotonic() < deadline, state  # the stream and 2 plain requests
+        time.sleep(0.1)
+    killed_at = time.monotonic()
+    os.kill(_replica_pid(victim), signal.SIGKILL)
+    for thread in (stream, load):
+        thread.join(timeout=180)
+    assert [a.status_code for a in answers] == [200] * 8, [a.text for a in answers]
+    assert {a.headers[REPLICA_HEADER] for a in answers} - {victim}  # the other one answered
+    assert events[-1] == "data: [DONE]" and victim in events[-2] and '"code": 502' in events[-2]
+    while (running := _running_replicas(serve)) < 2:
+        assert time.monotonic() - killed_at < 60, f"{running} replicas running"
+        time.sleep(0.5)
+    stats = _replica_stats(ray_app)
+    assert len(stats) == 2 and victim not in stats, stats
+
+
+async def _plain_load(base: str, n: int) -> list[httpx.Response]:
+    """n plain /generate requests at once, no common prefix (the policy spreads them)."""
+    async with httpx.AsyncClient(timeout=180) as client:
+        return list(await asyncio.gather(*(client.post(base + "/generate", json={
+            "text": f"{i} is a number; write about it.",
+            "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}) for i in range(n))))
+
+
+def _replica_pid(replica_id: str) -> int:
+    """The process of the Ray Serve replica actor with this id (its name ends in #id)."""
+    from ray._private import state  # the actor table: a debugging API, fine in a test
+
+    (pid,) = [actor["Pid"] for actor in state.actors(actor_state_name="ALIVE").values()
+              if actor["Name"].endswith("#" + replica_id)]
+    return pid
+
+
+def _running_replicas(serve) -> int:
+    deployments = serve.status().applications["forklm"].deployments
+    return deployments["forklm_engine"].replica_states.get("RUNNING", 0)

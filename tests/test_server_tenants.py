@@ -280,3 +280,18 @@ def test_a_flood_from_one_key_keeps_another_keys_request_within_twice_its_idle_t
     assert busy <= 2 * idle, (idle, busy)
     assert flood_answers and set(flood_answers) == {200}
     assert_idle_and_clean(server.engine)
+
+
+def test_the_router_matches_prompts_within_their_salt():
+    """--dp-size's cache-aware routing keys a salted request inside its salt (the request's
+    within its key's, as the replicas combine them): another salt's prompts never attract it."""
+    from forklm.router.prompts import prompt_text
+
+    body = {"text": "a shared prompt"}
+    plain = prompt_text("/generate", body)
+    salted = {prompt_text("/generate", {**body, "cache_salt": "s"}),
+              prompt_text("/generate", body, key_salt="k"),
+              prompt_text("/generate", {**body, "cache_salt": "s"}, key_salt="k"),
+              prompt_text("/generate", {**body, "cache_salt": "t"})}
+    assert plain == "a shared prompt" and len(salted) == 4
+    assert all(not key.startswith(plain) and key.endswith(plain) for key in salted)

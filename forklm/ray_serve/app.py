@@ -29,6 +29,10 @@ class ReplicaPlan:
     # Requests Ray Serve lets a replica hold; beyond it the router spills to another replica.
     # The engine batches them (Ray's default of 5 would cap batches at 5).
     max_ongoing_requests: int = 320
+    # Ray Serve restarts a replica whose check_health fails (or exceeds the timeout) on
+    # consecutive periodic checks: a dead or stuck replica is replaced, as by the --dp-size router.
+    health_check_period_s: float = 1.0
+    health_check_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         _check(self.num_replicas >= 1, "dp_size", self.num_replicas, "must be >= 1")
@@ -41,7 +45,9 @@ class ReplicaPlan:
         return cls(num_replicas=server.dp_size, load_balance_method=server.load_balance_method,
                    num_cpus=float(engine.num_threads or 1),
                    num_gpus=1.0 if engine.device.startswith("cuda") else 0.0,
-                   max_ongoing_requests=engine.max_running_requests + server.max_queued_requests)
+                   max_ongoing_requests=engine.max_running_requests + server.max_queued_requests,
+                   health_check_period_s=server.health_check_interval_secs,
+                   health_check_timeout_s=server.health_check_timeout_secs)
 
 
 def build_application(engine_kwargs: dict[str, Any], server_config: ServerConfig) -> Any:
@@ -64,6 +70,8 @@ def build_application(engine_kwargs: dict[str, Any], server_config: ServerConfig
         name=ENGINE_DEPLOYMENT, num_replicas=plan.num_replicas,
         max_ongoing_requests=plan.max_ongoing_requests,
         ray_actor_options={"num_cpus": plan.num_cpus, "num_gpus": plan.num_gpus},
+        health_check_period_s=plan.health_check_period_s,
+        health_check_timeout_s=plan.health_check_timeout_s,
         request_router_config=router_config)(EngineReplica)
     # The ingress only parses and relays: no CPU reserved, so the replicas get them all.
     ingress = serve.deployment(

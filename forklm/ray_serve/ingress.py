@@ -18,9 +18,11 @@ from forklm.ray_serve.messages import ReplicaRequest
 from forklm.ray_serve.relay import Relay
 from forklm.router.endpoints import parse_body
 from forklm.router.prompts import prompt_text
+from forklm.router.proxy import max_retries
 from forklm.server.app import GuardMiddleware
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError, install_error_handlers
+from forklm.server.tenants import caller_of
 
 routes = APIRouter()
 
@@ -30,7 +32,8 @@ def create_ingress_app(engine: DeploymentHandle, config: ServerConfig,
     """The app; app.state.relay sends to the replicas. The single server's GuardMiddleware
     checks the API key and bounds the body before anything is relayed."""
     app = FastAPI(title="forklm on Ray Serve", version="0.1.0")
-    app.state.relay, app.state.config = Relay(engine, num_replicas), config
+    app.state.relay = Relay(engine, num_replicas, max_retries(config))
+    app.state.config = config
     app.state.metrics, app.state.affinity = IngressMetrics(), Affinity()
     install_error_handlers(app)
     app.include_router(routes)
@@ -115,7 +118,8 @@ async def relay(request: Request) -> Response:
     body, path = await request.body(), request.url.path
     parsed = await parse_body(body) if body else None
     affinity: Affinity = request.app.state.affinity
-    forward = _replica_request(request, body, prompt_text(path, parsed),
+    forward = _replica_request(request, body,
+                               prompt_text(path, parsed, caller_of(request).key_salt),
                                affinity.replica_for(path, parsed))
     return await _relay(request).answer(
         forward, lambda head, first: affinity.answered(path, parsed, head, first))

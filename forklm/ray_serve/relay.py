@@ -1,10 +1,11 @@
 """Relay: sends a ReplicaRequest over the engine deployment's handle (the request router picks
 the replica) and turns the replica's answer into the ingress's HTTP response, streaming SSE
-answers event by event. A replica that dies mid-request fails that request with a 502."""
+answers event by event. A replica that dies before the client got a byte: the request is resent
+(Ray routes it to a live replica); a stream already started ends with an error event."""
 
 from __future__ import annotations
 
-import functools
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -24,12 +25,19 @@ REPLICA_HEADER = "x-forklm-replica"  # which replica answered (its Ray replica i
 _RECOMPUTED = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
 
+class ReplicaFailed(ApiError):
+    """The engine replica failed (its actor died) before the client got a byte: resendable."""
+
+    def __init__(self, message: str):
+        super().__init__(502, message)
+
+
 class Relay:
     """The ingress's side of the engine deployment: one handle, streaming calls to `handle`."""
 
-    def __init__(self, engine: DeploymentHandle, num_replicas: int):
+    def __init__(self, engine: DeploymentHandle, num_replicas: int, max_retries: int = 0):
         self.engine = engine.options(stream=True, method_name="handle")
-        self.num_replicas = num_replicas
+        self.num_replicas, self.max_retries = num_replicas, max_retries
 
     async def open(self, request: ReplicaRequest) -> tuple[ResponseHead, AsyncIterator[bytes]]:
         """Send the request; its head, and the body chunks still to come."""
@@ -38,25 +46,44 @@ class Relay:
         try:
             head = await stream.__anext__()
         except (RayError, StopAsyncIteration) as e:
-            raise ApiError(502, f"the engine replica failed before answering ({e!r})") from e
+            raise ReplicaFailed(f"the engine replica failed before answering ({e!r})") from e
         assert isinstance(head, ResponseHead), type(head)
         return head, _chunks(stream)
 
     async def answer(self, request: ReplicaRequest, on_answer: OnAnswer | None = None) -> Response:
         """The replica's answer as the ingress's response (SSE streams stay streams);
-        on_answer(head, body or a stream's first chunk) sees it first."""
-        head, chunks = await self.open(request)
-        headers = {**_passed(head), REPLICA_HEADER: head.replica}
-        if head.is_stream:
-            return StreamingResponse(_in_band_errors(chunks, head, on_answer),
-                                     status_code=head.status, headers=headers)
-        try:
-            body = b"".join([chunk async for chunk in chunks])
-        except RayError as e:
-            raise ApiError(502, f"replica {head.replica} failed during the request ({e!r})") from e
+        on_answer(head, body or a stream's first chunk) sees it first. A replica that fails
+        before the client got a byte is retried: Ray has seen its actor die, so it routes the
+        request to another replica (at most max_retries more times)."""
+        for retry in itertools.count(1):
+            try:
+                head, first, rest = await self._first_bytes(request)
+                break
+            except ReplicaFailed as e:
+                if retry > self.max_retries:
+                    raise
+                logger.warning("%s %s: %s; resending it (retry %d of %d)", request.method,
+                               request.path, e.message, retry, self.max_retries)
         if on_answer is not None:
-            on_answer(head, body)
-        return Response(body, status_code=head.status, headers=headers)
+            on_answer(head, first)
+        headers = {**_passed(head), REPLICA_HEADER: head.replica}
+        if rest is None:
+            return Response(first, status_code=head.status, headers=headers)
+        return StreamingResponse(_in_band_errors(first, rest, head), status_code=head.status,
+                                 headers=headers)
+
+    async def _first_bytes(self, request: ReplicaRequest
+                           ) -> tuple[ResponseHead, bytes, AsyncIterator[bytes] | None]:
+        """The head with the whole body (rest None), or with a stream's first chunk and the
+        chunks after it; ReplicaFailed when the replica fails before that."""
+        head, chunks = await self.open(request)
+        try:
+            if head.is_stream:
+                return head, await anext(chunks, b""), chunks
+            return head, b"".join([chunk async for chunk in chunks]), None
+        except RayError as e:
+            raise ReplicaFailed(f"replica {head.replica} failed during the request "
+                                f"({e!r})") from e
 
     async def fan_out(self, request: ReplicaRequest) -> list[tuple[ResponseHead, bytes]]:
         """The request to every replica (one per target index; a replica answering twice, as
@@ -86,14 +113,13 @@ async def _chunks(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
         yield chunk
 
 
-def _in_band_errors(chunks: AsyncIterator[bytes], head: ResponseHead,
-                    on_answer: OnAnswer | None) -> AsyncIterator[bytes]:
+def _in_band_errors(first: bytes, rest: AsyncIterator[bytes],
+                    head: ResponseHead) -> AsyncIterator[bytes]:
     """Relay an SSE stream; once headers are sent, a replica failure travels as an error event."""
     async def failure(e: Exception) -> ApiError:
-        return ApiError(502, f"the engine replica failed ({e!r})")
+        return ApiError(502, f"replica {head.replica} failed during the request ({e!r})")
 
-    on_first = None if on_answer is None else functools.partial(on_answer, head)
-    return relay_sse(chunks, on_first, RayError, failure)
+    return relay_sse(first, rest, RayError, failure)
 
 
 def _passed(head: ResponseHead) -> dict[str, Any]:

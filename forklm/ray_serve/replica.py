@@ -34,6 +34,12 @@ class EngineReplica:
         async for item in call_app(self.app, request, self.replica_id):
             yield item
 
+    def check_health(self) -> None:
+        """Ray Serve's periodic health check: raising (or not answering within the timeout,
+        when the replica is stuck) gets the replica replaced."""
+        if self.engine.closed:
+            raise RuntimeError(f"replica {self.replica_id}: the engine has shut down")
+
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
         if engine is not None:

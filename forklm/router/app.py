@@ -7,7 +7,7 @@ from fastapi import FastAPI
 
 from forklm.router import endpoints
 from forklm.router.metrics import RouterMetrics
-from forklm.router.proxy import Proxy
+from forklm.router.proxy import Proxy, max_retries
 from forklm.router.replicas import ReplicaSet
 from forklm.router.routing import NoReplicaError, Router
 from forklm.server.app import GuardMiddleware
@@ -21,7 +21,7 @@ def create_router_app(replica_set: ReplicaSet, router: Router, client: httpx.Asy
     GuardMiddleware of the single server checks the API key and bounds the body it reads."""
     app = FastAPI(title="forklm router", version="0.1.0")
     app.state.router, app.state.config = router, config
-    app.state.proxy = Proxy(router, replica_set, client)
+    app.state.proxy = Proxy(router, replica_set, client, max_retries(config))
     app.state.metrics = RouterMetrics()
     install_error_handlers(app)
     app.add_exception_handler(NoReplicaError, endpoints.no_replica)

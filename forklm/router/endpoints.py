@@ -9,16 +9,16 @@ import functools
 import json
 from typing import Any
 
-import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from forklm.router.metrics import RouterMetrics
-from forklm.router.proxy import Proxy, ReplicaFailed
+from forklm.router.proxy import Proxy
 from forklm.router.replicas import Replica
 from forklm.router.routing import NoReplicaError, Router, request_rids
 from forklm.server.config import ServerConfig
 from forklm.server.errors import ApiError, error_body
+from forklm.server.tenants import caller_of
 
 router = APIRouter()
 # Bodies above this are parsed off the event loop (routing reads only a few fields).
@@ -31,14 +31,18 @@ def parts_of(request: Request) -> tuple[Router, Proxy]:
 
 @router.api_route("/health", methods=["GET", "HEAD"], response_model=None)
 async def health(request: Request) -> Response:
-    """200 while one replica is alive (HEAD: the status alone)."""
+    """200 while one replica is alive (HEAD: the status alone); the body counts the replicas
+    alive and starting (restarting: not routed to yet) and the restarts since start."""
     routing, _ = parts_of(request)
     alive = len(routing.alive())
     status = 200 if alive else 503
     if request.method == "HEAD":
         return Response(status_code=status)
     return JSONResponse({"status": "ok" if alive else "unavailable", "replicas_alive": alive,
-                         "dp_size": len(routing.replicas)}, status_code=status)
+                         "replicas_starting": sum(r.starting for r in routing.replicas),
+                         "dp_size": len(routing.replicas),
+                         "restarts": sum(r.restarts for r in routing.replicas)},
+                        status_code=status)
 
 
 @router.get("/get_server_info")
@@ -107,12 +111,12 @@ async def _forward_to_all(request: Request, proxy: Proxy, targets: list[Replica]
 @router.post("/open_session")
 async def open_session(request: Request) -> Response:
     routing, proxy = parts_of(request)
-    body = await request.body()
-    replica = routing.pick("/open_session", None)
-    answer = await proxy.forward(request, replica, body)
-    if answer.status_code == 200:
-        routing.remember_session(json.loads(bytes(answer.body)), replica)
-    return answer
+
+    def remember(answer: bytes, replica: Replica) -> None:
+        routing.remember_session(json.loads(answer), replica)
+
+    pick = functools.partial(routing.pick, "/open_session", None)
+    return await proxy.send(request, await request.body(), pick, on_answer=remember)
 
 
 @router.post("/close_session")
@@ -120,7 +124,7 @@ async def close_session(request: Request) -> Response:
     routing, proxy = parts_of(request)
     body, sid = await _body_and_field(request, "session_id")
     if sid is None:
-        return await proxy.forward(request, routing.pick_idle(), body)  # the replica's 400
+        return await proxy.send(request, body, routing.pick_idle)  # the replica's 400
     replica = routing.sessions.get(sid)
     if replica is None:
         raise ApiError(404, f"no open session {sid!r}")
@@ -134,23 +138,16 @@ async def close_session(request: Request) -> Response:
                   response_model=None)
 async def relay(request: Request) -> Response:
     """Reads go to the least loaded replica; the rest are routed (affinity, then the policy).
-    A replica that refused the connection is out: the request goes to another (it never ran)."""
+    A replica that fails before the client got a byte: the request goes to another."""
     routing, proxy = parts_of(request)
     if request.method in ("GET", "OPTIONS"):
-        return await proxy.forward(request, routing.pick_idle(), b"")
+        return await proxy.send(request, b"", routing.pick_idle)
     body = await request.body()
     parsed = await parse_body(body)
-    for _ in range(len(routing.replicas)):
-        replica = routing.pick(request.url.path, parsed)
-        remember = None
-        if request.url.path == "/v1/responses":
-            remember = functools.partial(routing.remember_response, replica=replica)
-        try:
-            return await proxy.forward(request, replica, body, request_rids(parsed), remember)
-        except ReplicaFailed as e:
-            if replica.alive or not isinstance(e.__cause__, httpx.ConnectError):
-                raise  # it may have run: only a refused connection is safe to resend
-    raise NoReplicaError("no replica is alive")
+    remember = routing.remember_response if request.url.path == "/v1/responses" else None
+    pick = functools.partial(routing.pick, request.url.path, parsed,
+                             key_salt=caller_of(request).key_salt)
+    return await proxy.send(request, body, pick, request_rids(parsed), remember)
 
 
 async def no_replica(request: Request, exc: Exception) -> JSONResponse:

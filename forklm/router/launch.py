@@ -1,9 +1,11 @@
 """serve_dp(): `forklm serve --dp-size N`: start N replicas, wait until each is healthy, serve
-the router until SIGTERM/SIGINT (watching the replicas meanwhile), then stop the replicas."""
+the router until SIGTERM/SIGINT (supervising the replicas meanwhile: stuck or dead ones are
+restarted), then stop the replicas."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from types import FrameType
@@ -16,13 +18,16 @@ from forklm.router.app import create_router_app
 from forklm.router.policies import make_policy
 from forklm.router.replicas import ReplicaSet, replica_threads
 from forklm.router.routing import Router
+from forklm.router.supervisor import HealthCheck, Supervisor
 from forklm.server.config import ServerConfig
+from forklm.server.tenants import load_api_keys
 
 logger = logging.getLogger(__name__)
 _STARTUP_TIMEOUT_S = 900.0  # a replica loads (and may first convert) the model
-_WATCH_INTERVAL_S = 1.0
 # ServerConfig fields the router keeps for itself; the replicas get every other flag given.
-_ROUTER_ONLY = ("host", "port", "dp_size", "load_balance_method")
+_ROUTER_ONLY = ("host", "port", "dp_size", "load_balance_method", "retry_max_retries",
+                "disable_retries", "health_check_timeout_secs", "health_check_interval_secs",
+                "health_failure_threshold")
 
 
 class _Stopped(Exception):
@@ -38,11 +43,20 @@ def replica_flags(engine_kwargs: dict[str, Any], server_kwargs: dict[str, Any],
     return flags
 
 
+def _own_credentials(config: ServerConfig) -> dict[str, str]:
+    """The Authorization the router sends on its own calls to the replicas (server info,
+    cache flushes): --api-key's, else the keys file's first key; none without keys."""
+    key = config.api_key
+    if key is None and config.api_keys_file is not None:
+        key = load_api_keys(config.api_keys_file)[0].key
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def serve_dp(engine_kwargs: dict[str, Any], config: ServerConfig,
              server_kwargs: dict[str, Any]) -> int:
     """Run the router and its replicas; the exit status (0 after a requested stop)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health probe
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    headers = _own_credentials(config)
     replica_set = ReplicaSet(replica_flags(engine_kwargs, server_kwargs, config.dp_size),
                              config.dp_size, headers)
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -74,21 +88,15 @@ async def _serve(replica_set: ReplicaSet, config: ServerConfig) -> None:
             timeout_graceful_shutdown=int(config.graceful_shutdown_s) + 5))
         logger.info("routing %s over %d replicas on http://%s:%d", config.load_balance_method,
                     config.dp_size, config.host, config.port)
-        watcher = asyncio.create_task(_watch(replica_set, app.state.proxy))
+        supervisor = Supervisor(replica_set, app.state.proxy, HealthCheck.of(config),
+                                _STARTUP_TIMEOUT_S)
+        watcher = asyncio.create_task(supervisor.run())
         try:
             await server.serve()
         finally:
             watcher.cancel()
-
-
-async def _watch(replica_set: ReplicaSet, proxy: Any) -> None:
-    """Probe every replica each second; a dead one leaves routing."""
-    while True:
-        await asyncio.sleep(_WATCH_INTERVAL_S)
-        for replica in replica_set.alive():
-            reason = await replica_set.probe(proxy.client, replica)
-            if reason is not None:
-                proxy.remove(replica, reason)
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher  # its restarts are cancelled before the replicas are stopped
 
 
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:

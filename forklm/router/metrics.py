@@ -17,6 +17,8 @@ class RouterMetrics:
                                    "error status by the router", ["status"], registry=r)
         label = ["replica"]
         self.alive = Gauge("forklm_router_replica_alive", "1 while routed to", label, registry=r)
+        self.restarts = Gauge("forklm_router_replica_restarts", "Processes started for the "
+                              "replica after the first, since start", label, registry=r)
         self.in_flight = Gauge("forklm_router_replica_in_flight", "Requests in flight", label,
                                registry=r)
         self.routed = Gauge("forklm_router_replica_routed", "Requests routed, since start",
@@ -32,6 +34,7 @@ class RouterMetrics:
         for replica, stat in zip(replicas, stats):
             name = str(replica.index)
             self.alive.labels(name).set(int(replica.alive))
+            self.restarts.labels(name).set(replica.restarts)
             self.in_flight.labels(name).set(replica.in_flight)
             self.routed.labels(name).set(replica.routed)
             self.cache_hits.labels(name).set(replica.cache_hits)

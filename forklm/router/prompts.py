@@ -6,14 +6,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from forklm.server.tenants import Caller
+
 # The key is the prompt's first 32k characters (~8k tokens): enough to tell prefixes apart, and
 # it bounds the tree walks the router does on its event loop whatever the prompt's size.
 MAX_KEY_CHARS = 32768
 
 
-def prompt_text(path: str, body: Any) -> str:
-    """The start of the text a replica's radix cache would see for this request ("" if none)."""
-    return _full_text(path, body)[:MAX_KEY_CHARS]
+def prompt_text(path: str, body: Any, key_salt: str | None = None) -> str:
+    """The start of the text a replica's radix cache would see for this request ("" if none).
+    A salted request (its cache_salt within its API key's salt, as the replica combines them)
+    is keyed inside its salt: its prefix is cached only there, and it must not be routed by
+    another salt's prompts."""
+    text = _full_text(path, body)
+    requested = body.get("cache_salt") if isinstance(body, dict) else None
+    salt = Caller(key_salt=key_salt).cache_salt(requested if isinstance(requested, str) else None)
+    if salt is not None:
+        text = f"\x00salt:{salt}\x00{text}"
+    return text[:MAX_KEY_CHARS]
 
 
 def _full_text(path: str, body: Any) -> str:

@@ -1,9 +1,11 @@
 """Replica processes: each a `forklm serve` child on a loopback port with its own engine, radix
-cache and share of the CPU threads; started together, watched, and stopped with the router."""
+cache and share of the CPU threads; started together, replaced one by one when removed (see
+supervisor.py), and stopped with the router."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -17,24 +19,28 @@ from forklm.runtime.child_process import forklm_command, free_port
 from forklm.runtime.cpu_threads import sleeping_threads_env
 
 logger = logging.getLogger(__name__)
-# Consecutive failed health probes (no answer at all; a 503 "busy" is an answer) before a replica
-# that still runs is declared dead and killed, so its in-flight requests fail instead of hanging.
-_MAX_PROBE_FAILURES = 3
 
 
 @dataclass(eq=False)
 class Replica:
+    """One replica process. Starting (not routed to) until its /health answers 200, then alive
+    until removed (death says why); its replacement is a new Replica for the same index."""
+
     index: int
     port: int
     proc: subprocess.Popen
     alive: bool = True
+    starting: bool = False
     death: str | None = None  # why it was removed
     in_flight: int = 0  # requests the router sent and has not finished relaying
+    probe_failures: int = 0  # health probes in a row that got no answer
+    # Since the router started, over this index's processes (a replacement carries them on):
     routed: int = 0
     cache_hits: int = 0  # cache_aware chose it for its prefix match
     fallbacks: int = 0  # cache_aware chose it for its load
     failed: int = 0  # requests that failed because it died
-    probe_failures: int = 0
+    restarts: int = 0  # processes started for this index after the first
+    last_death: str | None = None  # why the process before this one was removed
 
     @property
     def url(self) -> str:
@@ -44,10 +50,19 @@ class Replica:
     def name(self) -> str:
         return f"replica {self.index} (pid {self.proc.pid}, 127.0.0.1:{self.port})"
 
+    def successor(self, port: int, proc: subprocess.Popen) -> Replica:
+        """The replacement process for this index: starting, with the counters carried on."""
+        return dataclasses.replace(self, port=port, proc=proc, alive=False, starting=True,
+                                   death=None, in_flight=0, probe_failures=0,
+                                   restarts=self.restarts + 1,
+                                   last_death=self.death or self.last_death)
+
     def counters(self) -> dict[str, Any]:
         return {"index": self.index, "pid": self.proc.pid, "port": self.port, "alive": self.alive,
-                "death": self.death, "in_flight": self.in_flight, "routed": self.routed,
-                "cache_hits": self.cache_hits, "fallbacks": self.fallbacks, "failed": self.failed}
+                "starting": self.starting, "death": self.death, "in_flight": self.in_flight,
+                "routed": self.routed, "cache_hits": self.cache_hits,
+                "fallbacks": self.fallbacks, "failed": self.failed, "restarts": self.restarts,
+                "last_death": self.last_death}
 
 
 def replica_threads(dp_size: int, num_threads: int | None) -> int:
@@ -82,8 +97,9 @@ def _die_with_parent() -> None:
 
 @dataclass
 class ReplicaSet:
-    """The replicas; `start` spawns them, `wait_ready` waits for every /health, `watch` marks
-    dead ones (calling on_death), `stop` ends them all."""
+    """The replicas, replicas[i] the current process of index i (a list the Router shares).
+    `start` spawns them, `wait_ready` waits for every /health, `respawn` replaces a removed
+    one, `mark_dead` removes one, `stop` ends them all."""
 
     flags: dict[str, Any]
     dp_size: int
@@ -91,23 +107,34 @@ class ReplicaSet:
     replicas: list[Replica] = field(default_factory=list)
 
     def start(self) -> None:
-        env = sleeping_threads_env()  # replicas share cores: no spinning
         for index in range(self.dp_size):
-            port = free_port()
-            proc = subprocess.Popen(replica_command(port, self.flags), env=env,
-                                    preexec_fn=_die_with_parent)
+            port, proc = self._spawn(index)
             self.replicas.append(Replica(index, port, proc))
-            logger.info("started replica %d: pid %d, port %d", index, proc.pid, port)
+
+    def respawn(self, replica: Replica) -> Replica:
+        """Start the successor of a removed replica, in its place (starting: not routed)."""
+        assert replica.death is not None and self.replicas[replica.index] is replica, replica
+        successor = replica.successor(*self._spawn(replica.index))
+        self.replicas[replica.index] = successor
+        return successor
+
+    def _spawn(self, index: int) -> tuple[int, subprocess.Popen]:
+        port = free_port()
+        proc = subprocess.Popen(replica_command(port, self.flags), env=sleeping_threads_env(),
+                                preexec_fn=_die_with_parent)  # replicas share cores: no spinning
+        logger.info("started replica %d: pid %d, port %d", index, proc.pid, port)
+        return port, proc
 
     def alive(self) -> list[Replica]:
         return [r for r in self.replicas if r.alive]
 
     async def wait_ready(self, client: httpx.AsyncClient, timeout_s: float) -> None:
         """Return when every replica answers /health 200; RuntimeError if one exits first."""
-        await asyncio.wait_for(asyncio.gather(*(self._ready(client, r) for r in self.replicas)),
-                               timeout_s)
+        await asyncio.wait_for(asyncio.gather(*(self.wait_healthy(client, r)
+                                                for r in self.replicas)), timeout_s)
 
-    async def _ready(self, client: httpx.AsyncClient, replica: Replica) -> None:
+    async def wait_healthy(self, client: httpx.AsyncClient, replica: Replica) -> None:
+        """Return once `replica` answers /health 200; RuntimeError if it exits first."""
         while True:
             if replica.proc.poll() is not None:
                 raise RuntimeError(f"{replica.name} exited with {replica.proc.returncode} "
@@ -121,28 +148,15 @@ class ReplicaSet:
             await asyncio.sleep(0.5)
 
     def mark_dead(self, replica: Replica, reason: str) -> bool:
-        """Remove a replica from routing (and kill it if it still runs); False if already out."""
-        if not replica.alive:
+        """Remove a replica (alive or starting) from routing, killing it if it still runs;
+        False if it was already removed."""
+        if replica.death is not None:
             return False
-        replica.alive, replica.death = False, reason
+        replica.alive, replica.starting, replica.death = False, False, reason
         logger.error("%s removed from routing: %s", replica.name, reason)
         if replica.proc.poll() is None:
-            replica.proc.kill()
+            replica.proc.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
         return True
-
-    async def probe(self, client: httpx.AsyncClient, replica: Replica) -> str | None:
-        """One liveness check; the reason it is dead, or None."""
-        code = replica.proc.poll()
-        if code is not None:
-            return f"process exited with {code}"
-        try:
-            await client.get(replica.url + "/health", headers=self.headers, timeout=5)
-            replica.probe_failures = 0
-        except httpx.HTTPError as e:
-            replica.probe_failures += 1
-            if replica.probe_failures >= _MAX_PROBE_FAILURES:
-                return f"no answer to {_MAX_PROBE_FAILURES} health checks ({e!r})"
-        return None
 
     def stop(self, grace_s: float) -> None:
         """SIGTERM every replica (each finishes or aborts its requests), SIGKILL after grace_s."""

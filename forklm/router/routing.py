@@ -5,6 +5,7 @@ is stored, an abort where its rid runs), then the policy."""
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from typing import Any, TypeVar
 
 from forklm.router.policies import CacheAware, Policy, least_loaded
@@ -31,26 +32,30 @@ class Router:
         # Responses API: a stored response lives in its replica's memory (previous_response_id)
         self.responses: dict[str, Replica] = {}
 
-    def alive(self) -> list[Replica]:
-        return [r for r in self.replicas if r.alive]
+    def alive(self, exclude: Collection[Replica] = ()) -> list[Replica]:
+        return [r for r in self.replicas if r.alive and r not in exclude]
 
-    def pick(self, path: str, body: Any) -> Replica:
-        """The replica for a request to `path` with JSON `body` (None when not JSON); counts it."""
+    def pick(self, path: str, body: Any, exclude: Collection[Replica] = (),
+             key_salt: str | None = None) -> Replica:
+        """The replica for a request to `path` with JSON `body` (None when not JSON), not one of
+        `exclude` (they failed it); counts it. A pinned replica that is gone: the policy.
+        key_salt: the sender's API key's cache salt (prompts are matched within it)."""
         for key, table in ((session_id(body), self.sessions),
                            (previous_response_id(body), self.responses)):
             pinned = table.get(key) if key is not None else None
-            if pinned is not None and pinned.alive:
+            if pinned is not None and pinned.alive and pinned not in exclude:
                 return self._count(pinned, None)
-        alive = self.alive()
+        alive = self.alive(exclude)
         if not alive:
             raise NoReplicaError("no replica is alive")
         loads = [r.in_flight for r in self.replicas]
-        choice = self.policy.choose(prompt_text(path, body), [r.index for r in alive], loads)
+        choice = self.policy.choose(prompt_text(path, body, key_salt), [r.index for r in alive],
+                                    loads)
         return self._count(self.replicas[choice.replica], choice.cache_hit)
 
-    def pick_idle(self) -> Replica:
+    def pick_idle(self, exclude: Collection[Replica] = ()) -> Replica:
         """For reads (model info, tokenizer): the least loaded, not counted as routed."""
-        alive = self.alive()
+        alive = self.alive(exclude)
         if not alive:
             raise NoReplicaError("no replica is alive")
         loads = [r.in_flight for r in self.replicas]
