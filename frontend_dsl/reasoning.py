@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forklm.parsers.reasoning import get_reasoning_parser, prompt_opens_think
+from forklm.parsers.reasoning import get_reasoning_parser
 
 
 class ReasoningSplit:
@@ -12,7 +12,7 @@ class ReasoningSplit:
 
     def __init__(self, parser_name: str, prompt: str):
         self.parser = get_reasoning_parser(parser_name, "model_type")
-        self.opened = prompt_opens_think(prompt)  # the template opened <think> for the model
+        self.opened = self.parser.opens_in(prompt)  # the template opened the reasoning
         self.stream = self.parser.stream(self.opened)
 
     def feed(self, text: str) -> str:

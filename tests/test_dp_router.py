@@ -120,6 +120,8 @@ def test_prompt_text_of_each_endpoint():
     chat = {"messages": [{"role": "system", "content": "s"},
                          {"role": "user", "content": [{"type": "text", "text": "u"}]}]}
     assert prompt_text("/v1/chat/completions", chat) == "system:s\nuser:u\n"
+    anthropic = {"system": "s", "messages": chat["messages"][1:]}
+    assert prompt_text("/v1/messages", anthropic) == "system:s\nuser:u\n"  # the same turns
     assert prompt_text("/v1/programs/run", {"program_text": "t"}) == "t"
     assert prompt_text("/generate", None) == prompt_text("/generate", {"text": 3}) == ""
     assert len(prompt_text("/generate", {"text": "x" * 10**6})) == MAX_KEY_CHARS  # bounded

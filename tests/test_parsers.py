@@ -107,7 +107,7 @@ def test_llama3_bare_call_and_keys_in_any_order():
 def test_registry_and_detection():
     with pytest.raises(InvalidArgumentError, match="hermes, llama3, mistral, json"):
         get_tool_call_parser("qwen25")
-    with pytest.raises(InvalidArgumentError, match="qwen3, deepseek-r1"):
+    with pytest.raises(InvalidArgumentError, match="qwen3, deepseek-r1, glm45, kimi, gpt-oss"):
         get_reasoning_parser("o1")
     assert detect_tool_call_parser("{{ '<tool_call>' }}{{ tools | tojson }}") == "hermes"
     assert detect_tool_call_parser("{{- '<|python_tag|>' }}") == "llama3"
@@ -131,6 +131,11 @@ THINKING = "<think>\nFirst, the city.\nThen the unit.\n</think>\n\nIt is 20 C."
     ("deepseek-r1", "Hmm.\n</think>\n\nIt is.", False, ("Hmm.", "It is.")),
     ("deepseek-r1", THINKING, False, ("First, the city.\nThen the unit.", "It is 20 C.")),
     ("deepseek-r1", "Hmm, still thinking", False, ("Hmm, still thinking", "")),
+    ("glm45", THINKING, False, ("First, the city.\nThen the unit.", "It is 20 C.")),
+    ("glm45", "\n<think></think>\nIt is.", False, ("", "It is.")),
+    ("kimi", THINKING.replace("<think>", "◁think▷").replace("</think>", "◁/think▷"), False,
+     ("First, the city.\nThen the unit.", "It is 20 C.")),
+    ("kimi", "It is 20 C.", False, ("", "It is 20 C.")),
 ])
 def test_reasoning_split_at_every_position(name, text, opened, expected):
     parser = get_reasoning_parser(name)
@@ -140,7 +145,8 @@ def test_reasoning_split_at_every_position(name, text, opened, expected):
         parts = [stream.feed(text[:cut]), stream.feed(text[cut:]), stream.finish()]
         got = ("".join(p.reasoning for p in parts), "".join(p.content for p in parts))
         assert got == expected, cut
-        assert all("<" not in p.reasoning for p in parts)  # no tag, not even part of one
+        # no tag, not even part of one
+        assert all("<" not in p.reasoning and "◁" not in p.reasoning for p in parts)
 
 
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
@@ -205,10 +211,10 @@ def test_structural_tag_accepts_each_call_form_and_only_valid_arguments(name):
         "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}]
     p = plan(_Service(name), tools=tools)
     grammar = xgrammar.Grammar.from_structural_tag(json.dumps(p.structural_tag()))
-    for s in p.parser.structures("get_time", {}):
-        text = s["begin"] + '{"tz": "UTC"}' + s["end"]
+    for t in p.parser.tags("get_time", {}):
+        text = t["begin"] + '{"tz": "UTC"}' + t["end"]
         assert _is_grammar_accept_string(grammar, text), text
-        assert not _is_grammar_accept_string(grammar, s["begin"] + '{"tz": 5}' + s["end"])
+        assert not _is_grammar_accept_string(grammar, t["begin"] + '{"tz": 5}' + t["end"])
         assert calls_of(p.parser.parse(text)) == [("get_time", '{"tz": "UTC"}')]
 
 

@@ -259,13 +259,16 @@ def test_a_replica_killed_under_load_loses_no_unstarted_request(ray_app):
         time.sleep(0.5)
     stats = _replica_stats(ray_app)
     assert len(stats) == 2 and victim not in stats, stats
+    health = httpx.get(ray_app + "/health", timeout=60)
+    assert health.status_code == 200 and health.json()["replicas_alive"] == 2, health.text
 
 
 async def _plain_load(base: str, n: int) -> list[httpx.Response]:
-    """n plain /generate requests at once, no common prefix (the policy spreads them)."""
+    """n plain /generate requests at once that share most of the long stream's prompt, so the
+    cache-aware policy sends them where it runs (spread by load, they could all miss it)."""
     async with httpx.AsyncClient(timeout=180) as client:
         return list(await asyncio.gather(*(client.post(base + "/generate", json={
-            "text": f"{i} is a number; write about it.",
+            "text": f"Tell a long story. {i}",
             "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}}) for i in range(n))))
 
 

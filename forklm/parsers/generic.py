@@ -1,33 +1,17 @@
 """Call streams for forklm's own formats, used where no model format applies: a forced named
 tool (the whole reply is its arguments), "auto" with the generic JSON tool prompt (held until the
 reply ends, since only the whole text tells whether it is a call) and no tools at all. Each
-fulfils CallStream, as tool_calls.ToolCallStream does."""
+fulfils calls.CallStream, as each model format's stream does."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+from typing import Any
 
-from forklm.parsers.tool_calls import (
-    JsonParser,
-    StreamDelta,
-    ToolCallDelta,
-    ToolCallStream,
-    new_call_id,
-)
+from forklm.parsers.calls import StreamDelta, ToolCallDelta, new_call_id
+from forklm.parsers.tool_calls import JsonParser, ToolCallStream
 
 _HEAD = '{"name": "'  # how a "required" call starts (its schema compiles compact JSON)
-
-
-class CallStream(Protocol):
-    """Reads one reply's calls: feed(text_delta) and finish() return what can be emitted;
-    complete[i] (final after finish) says whether call i was closed before the text ended."""
-
-    complete: list[bool]
-
-    def feed(self, text: str) -> StreamDelta: ...
-
-    def finish(self) -> StreamDelta: ...
 
 
 class PlainStream:

@@ -1,18 +1,18 @@
-"""Tool-call parsers: the calls a model writes in its own format, found in its text.
+"""Tool-call formats whose calls are JSON objects, the registry of every format and its
+detection from a chat template.
 
 Formats (SGLang's names): `hermes` `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
 (Qwen2.5, Qwen3, Hermes, SmolLM3), `llama3` `{"name": ..., "parameters": ...}` with an optional
 `<|python_tag|>`, `;` between calls, `mistral` `[TOOL_CALLS] [{"name": ..., "arguments": ...}]`,
 and `json`: bare `{"name": ..., "arguments": ...}` objects from the first character (forklm's own,
 for tool_choice "required"). Content is the text before the first call; text between and after
-calls is dropped.
+calls is dropped. The other formats live beside this module: tagged_json.py (deepseekv3,
+deepseekv31, kimi_k2), harmony.py (gpt-oss), xml_calls.py (qwen3_coder, glm45), pythonic.py.
 
-Every parser reads text incrementally: `parser.stream()` gives a ToolCallStream whose
-`feed(text_delta)` returns what can be emitted so far (content, then ToolCallDelta pieces: a
-call's first piece has its id and name, later pieces append to its arguments) and whose
-`finish()` flushes the rest. Text that may be the start of a tag is held back, never emitted as
-content. `parser.parse(text)` is exactly one feed plus finish, so a streamed reply reassembles
-(`assemble`) to the non-streamed result. Arguments are the JSON text the model wrote for them; a
+A ToolCallStream reads text incrementally: `feed(text_delta)` returns what can be emitted so far
+(content, then ToolCallDelta pieces: a call's first piece has its id and name, later pieces
+append to its arguments) and `finish()` flushes the rest. Text that may be the start of a tag is
+held back, never emitted as content. Arguments are the JSON text the model wrote for them; a
 call cut off before its end comes back with `complete=False` and its partial arguments.
 """
 
@@ -20,11 +20,30 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import Any
 
+from forklm.parsers.calls import (
+    JsonNesting,
+    ParsedReply,
+    Schemas,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallParser,
+    assemble,
+    held_prefix_len,
+    merged,
+    new_call_id,
+    tag,
+)
+from forklm.parsers.harmony import GptOssParser
+from forklm.parsers.pythonic import PythonicParser
+from forklm.parsers.tagged_json import DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser
+from forklm.parsers.xml_calls import Glm45Parser, Qwen3CoderParser
 from forklm.runtime.errors import InvalidArgumentError
+
+__all__ = ["ParsedReply", "StreamDelta", "ToolCall", "ToolCallDelta", "ToolCallParser",
+           "assemble", "held_prefix_len", "new_call_id"]
 
 # `{"name": "<name>", "arguments": ` (or "parameters") as a prefix of a call object.
 _NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"'
@@ -32,88 +51,35 @@ _NAME_FIRST = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:argum
 _NAME_SCAN_LIMIT = 512  # a call whose name prefix is not seen by then is parsed whole at its end
 
 
-@dataclass(frozen=True)
-class ToolCallDelta:
-    index: int  # the call's position in the reply: 0, 1, ...
-    id: str | None  # set on the call's first piece only
-    name: str | None  # set on the call's first piece only
-    arguments: str  # the next piece of the arguments' JSON text (may be "")
+class JsonObjectParser(ToolCallParser):
+    """A format of JSON call objects: `opener` starts the calls (None: no tag), `bare_start`
+    lets a reply that starts with `{` be calls. `forms` are the ways a call is written, as
+    (trigger, text before the call object, text after its arguments)."""
 
-
-class StreamDelta(NamedTuple):
-    content: str
-    calls: list[ToolCallDelta]
-
-
-class ToolCall(NamedTuple):
-    id: str
-    name: str
-    arguments: str
-    complete: bool  # False: the text ended inside the call (max_tokens)
-
-
-class ParsedReply(NamedTuple):
-    content: str
-    calls: list[ToolCall]
-
-
-def assemble(deltas: list[StreamDelta], complete: list[bool]) -> ParsedReply:
-    """The reply that a sequence of stream deltas spells (`complete`: ToolCallStream.complete)."""
-    content, heads, args = "", dict[int, ToolCallDelta](), dict[int, str]()
-    for delta in deltas:
-        content += delta.content
-        for piece in delta.calls:
-            heads.setdefault(piece.index, piece)
-            args[piece.index] = args.get(piece.index, "") + piece.arguments
-    calls = [ToolCall(heads[i].id or "", heads[i].name or "", args[i], complete[i])
-             for i in sorted(heads)]
-    return ParsedReply(content, calls)
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-class ToolCallParser:
-    """A format: `opener` starts the calls (None: no tag), `bare_start` lets a reply that starts
-    with `{` be calls, `special_tokens_in_text` says the opener is a special token that the text
-    must keep (skip_special_tokens=False). `forms` are the ways a call is written, as (trigger,
-    text before the call object, text after its arguments): `triggers` and `structures` give
-    the structural-tag constraint of a tool's call once the model writes a trigger."""
-
-    name = ""
     opener: str | None = None
     bare_start = False
-    special_tokens_in_text = False
     args_key = "arguments"
     forms: tuple[tuple[str, str, str], ...] = (('{"name": ', "", "}"),)
 
-    @property
-    def triggers(self) -> list[str]:
-        return [trigger for trigger, _, _ in self.forms]
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.triggers = tuple(trigger for trigger, _, _ in cls.forms)
 
-    def structures(self, tool_name: str, schema: dict[str, Any]) -> list[dict[str, Any]]:
-        """One {begin, schema, end} per form: the call's text up to its arguments, and after."""
+    def tags(self, tool_name: str, args: dict[str, Any]) -> list[dict[str, Any]]:
         head = f'{{"name": {json.dumps(tool_name)}, "{self.args_key}": '
-        return [{"begin": before + head, "schema": schema, "end": end}
-                for _, before, end in self.forms]
+        return [tag(before + head, args, end) for _, before, end in self.forms]
 
-    def stream(self) -> ToolCallStream:
+    def stream(self, schemas: Schemas | None = None) -> ToolCallStream:
         return ToolCallStream(self)
 
-    def parse(self, text: str) -> ParsedReply:
-        stream = self.stream()
-        deltas = [stream.feed(text), stream.finish()]
-        return assemble(deltas, stream.complete)
 
-
-class HermesParser(ToolCallParser):
+class HermesParser(JsonObjectParser):
     name = "hermes"
     opener = "<tool_call>"
     forms = (("<tool_call>", "<tool_call>\n", "}\n</tool_call>"),)
 
 
-class Llama3Parser(ToolCallParser):
+class Llama3Parser(JsonObjectParser):
     name = "llama3"
     opener = "<|python_tag|>"
     bare_start = True
@@ -123,20 +89,37 @@ class Llama3Parser(ToolCallParser):
     forms = (("<|python_tag|>", "<|python_tag|>", "}"), ('{"name": ', "", "}"))
 
 
-class MistralParser(ToolCallParser):
+class MistralParser(JsonObjectParser):
     name = "mistral"
     opener = "[TOOL_CALLS]"
     special_tokens_in_text = True
     forms = (("[TOOL_CALLS]", "[TOOL_CALLS] [", "}]"),)
 
 
-class JsonParser(ToolCallParser):
+class JsonParser(JsonObjectParser):
     name = "json"
     bare_start = True
 
 
-TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
-    p.name: p for p in (HermesParser, Llama3Parser, MistralParser, JsonParser)}
+TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (
+    HermesParser, Llama3Parser, MistralParser, JsonParser, Qwen3CoderParser, PythonicParser,
+    GptOssParser, DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser, Glm45Parser)}
+
+# (what a chat template's source holds, the format it teaches), first match wins: the
+# formats that also write <tool_call> (Qwen3-Coder, GLM) come before hermes.
+_TEMPLATE_MARKERS = (
+    (re.compile(r"<function=.*<parameter=", re.DOTALL), "qwen3_coder"),
+    (re.compile(re.escape("<arg_key>")), "glm45"),
+    (re.compile(r"<｜tool▁calls▁begin｜>.*```json", re.DOTALL), "deepseekv3"),
+    (re.compile("<｜tool▁calls▁begin｜>"), "deepseekv31"),
+    (re.compile(re.escape("<|tool_calls_section_begin|>")), "kimi_k2"),
+    (re.compile(re.escape("<|channel|>")), "gpt-oss"),
+    (re.compile(r"\[func_name\d*\("), "pythonic"),  # the instruction Llama 3.2/4 templates give
+    (re.compile(re.escape("<tool_call>")), "hermes"),
+    (re.compile(re.escape("[TOOL_CALLS]")), "mistral"),
+    (re.compile(re.escape("<|python_tag|>")), "llama3"),
+    (re.compile('"parameters"'), "llama3"),
+)
 
 
 def get_tool_call_parser(name: str, field: str = "tool_call_parser") -> ToolCallParser:
@@ -149,27 +132,14 @@ def detect_tool_call_parser(template: str | None) -> str | None:
     """The format a chat template's source teaches the model, or None when it names none."""
     if not template:
         return None
-    for marker, name in (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"),
-                         ("<|python_tag|>", "llama3"), ('"parameters"', "llama3")):
-        if marker in template:
-            return name
-    return None
-
-
-def held_prefix_len(text: str, tag: str) -> int:
-    """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+    return next((name for marker, name in _TEMPLATE_MARKERS if marker.search(template)), None)
 
 
 class _Call:
     """One call object being read: its text from `{`, JSON nesting state, the arguments span."""
 
     def __init__(self) -> None:
-        self.text, self.depth = "", 0
-        self.in_string = self.escaped = False
+        self.text, self.json = "", JsonNesting()
         self.name: str | None = None
         self.args_started = self.args_done = False
         self.held_ws = ""  # whitespace inside the arguments, emitted once more follows
@@ -177,8 +147,8 @@ class _Call:
     def push(self, ch: str) -> str:
         """Add one character; returns the part of the arguments it completes."""
         in_value = self.name is not None and not self.args_done
-        top_level_delim = not self.in_string and self.depth == 1 and ch in ",}"
-        self._track(ch)
+        top_level_delim = not self.json.in_string and self.json.depth == 1 and ch in ",}"
+        self.json.push(ch)
         self.text += ch
         if self.name is None:
             if len(self.text) <= _NAME_SCAN_LIMIT and (m := _NAME_FIRST.fullmatch(self.text)):
@@ -189,7 +159,8 @@ class _Call:
         if top_level_delim:
             self.args_done = True
             return ""
-        if ch.isspace() and not self.in_string and (self.depth == 1 or not self.args_started):
+        if ch.isspace() and not self.json.in_string and (self.json.depth == 1
+                                                      or not self.args_started):
             if self.args_started:
                 self.held_ws += ch
             return ""
@@ -199,29 +170,14 @@ class _Call:
 
     @property
     def closed(self) -> bool:
-        return self.depth == 0 and bool(self.text)
-
-    def _track(self, ch: str) -> None:
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == '"':
-                self.in_string = False
-        elif ch == '"':
-            self.in_string = True
-        elif ch in "{[":
-            self.depth += 1
-        elif ch in "}]":
-            self.depth -= 1
+        return self.json.depth == 0 and bool(self.text)
 
 
 class ToolCallStream:
     """Incremental reading of one reply in `parser`'s format (see the module docstring).
     `complete[i]` tells whether call i was closed; it is final after finish()."""
 
-    def __init__(self, parser: ToolCallParser):
+    def __init__(self, parser: JsonObjectParser):
         self.parser = parser
         self.pending = ""  # content not yet emitted (held back: a possible tag or whitespace)
         self.in_calls = False
@@ -247,7 +203,7 @@ class ToolCallStream:
             if rest is None:
                 break
             self._read_calls(rest, calls)
-        return StreamDelta(content, _merged(calls))
+        return StreamDelta(content, merged(calls))
 
     def finish(self) -> StreamDelta:
         if self.in_calls and self.tentative:  # a bare reply that never named a tool: content
@@ -324,14 +280,3 @@ class ToolCallStream:
         self._open(obj["name"], json.dumps(args, ensure_ascii=False), out)
         self.complete[-1] = True
         return True
-
-
-def _merged(pieces: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Consecutive argument pieces of one call joined into one."""
-    out: list[ToolCallDelta] = []
-    for p in pieces:
-        if out and out[-1].index == p.index and p.id is None:
-            out[-1] = replace(out[-1], arguments=out[-1].arguments + p.arguments)
-        else:
-            out.append(p)
-    return out

@@ -62,6 +62,20 @@ def _relay(request: Request) -> Relay:
     return request.app.state.relay
 
 
+@routes.api_route("/health", methods=["GET", "HEAD"], response_model=None)
+async def health(request: Request) -> Response:
+    """The fleet's health, as the --dp-size router's: 200 while one engine replica answers its
+    own /health 200; the body says how many do (Ray Serve restarts the others)."""
+    ask = ReplicaRequest("GET", "/health", b"", list(request.scope["headers"]), b"")
+    answers = await _relay(request).fan_out(ask)
+    alive = sum(head.status == 200 for head, _ in answers)
+    status = 200 if alive else 503
+    if request.method == "HEAD":
+        return Response(status_code=status)
+    return JSONResponse({"status": "ok" if alive else "unavailable", "replicas_alive": alive,
+                         "dp_size": _relay(request).num_replicas}, status_code=status)
+
+
 @routes.get("/get_server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
     """A replica's server info, plus every replica's engine stats (internal_states)."""

@@ -35,6 +35,10 @@ def _full_text(path: str, body: Any) -> str:
         return _first_text(body.get("prompt"))
     if path == "/v1/chat/completions":
         return _messages_text(body.get("messages"))
+    if path == "/v1/messages":  # Anthropic's: the system prompt, then the turns
+        system = body.get("system")
+        head = _messages_text([{"role": "system", "content": system}]) if system else ""
+        return head + _messages_text(body.get("messages"))
     if path == "/v1/responses":
         value = body.get("input")
         return value if isinstance(value, str) else _messages_text(value)

@@ -10,9 +10,9 @@ from fastapi import FastAPI, HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from forklm.runtime.engine.engine import Engine
-from forklm.server import native_api, openai_api, responses_api
+from forklm.server import anthropic_api, native_api, openai_api, responses_api, tokenize_api
 from forklm.server.config import ServerConfig
-from forklm.server.errors import error_body, install_error_handlers
+from forklm.server.errors import error_body_at, install_error_handlers
 from forklm.server.generation import GenerationService
 from forklm.server.tenants import Caller, Tenants, load_api_keys
 
@@ -35,6 +35,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
+    app.include_router(tokenize_api.router)
+    app.include_router(anthropic_api.router)
     _include_programs(app)
     app.add_middleware(GuardMiddleware, config=config, metrics=app.state.service.metrics,
                        tenants=tenants)
@@ -44,8 +46,11 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
 def tenants_of(config: ServerConfig) -> Tenants:
     """The server's API keys (--api-key and --api-keys-file) and each key's share."""
     entries = load_api_keys(config.api_keys_file) if config.api_keys_file else []
+    # a key's line is bounded even when only its running share is given: by the server's queue
+    queued = config.max_queued_requests_per_key
     return Tenants(config.api_key, entries, config.cache_salt_by_key,
-                   config.max_running_requests_per_key, config.max_queued_requests_per_key,
+                   config.max_running_requests_per_key,
+                   config.max_queued_requests if queued is None else queued,
                    config.retry_after_s)
 
 
@@ -91,19 +96,23 @@ class GuardMiddleware:
         headers = dict(scope["headers"])
         caller: Caller | None = Caller()
         if self.tenants.needs_key and scope["path"] not in _OPEN_PATHS:
-            caller = self.tenants.authenticate(_bearer_token(headers.get(b"authorization", b"")))
+            # Anthropic's clients send the key as `x-api-key`, OpenAI's as a bearer token.
+            key = (_bearer_token(headers.get(b"authorization", b""))
+                   or headers.get(b"x-api-key", b"").strip(b" "))
+            caller = self.tenants.authenticate(key)
             if caller is None:
-                await self._reject(send, 401, "missing or wrong API key: send "
-                                   "'Authorization: Bearer <key>'", {"WWW-Authenticate": "Bearer"})
+                await self._reject(scope, send, 401, "missing or wrong API key: send "
+                                   "'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                                   {"WWW-Authenticate": "Bearer"})
                 return
         scope.setdefault("state", {})["caller"] = caller
         limit = self.config.max_request_body_bytes
         length = headers.get(b"content-length", b"0")
         if not length.isdigit():
-            await self._reject(send, 400, "invalid Content-Length header")
+            await self._reject(scope, send, 400, "invalid Content-Length header")
             return
         if int(length) > limit:
-            await self._reject(send, 413, f"request body over the limit of {limit} bytes "
+            await self._reject(scope, send, 413, f"request body over the limit of {limit} bytes "
                                "(max_request_body_bytes)")
             return
         await self._call_counted(scope, receive, send, limit)
@@ -131,13 +140,13 @@ class GuardMiddleware:
             await self.app(scope, counted_receive, tracked_send)
         except _BodyTooLarge:
             if not started:
-                await self._reject(send, 413, f"request body over the limit of {limit} bytes "
-                                   "(max_request_body_bytes)")
+                await self._reject(scope, send, 413, f"request body over the limit of {limit} "
+                                   "bytes (max_request_body_bytes)")
 
-    async def _reject(self, send: Send, status: int, message: str,
+    async def _reject(self, scope: Scope, send: Send, status: int, message: str,
                       headers: dict[str, str] | None = None) -> None:
         self.metrics.http_errors.labels(status=str(status)).inc()
-        body = json.dumps(error_body(status, message)).encode()
+        body = json.dumps(error_body_at(scope["path"], status, message)).encode()
         raw = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
         raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]

@@ -49,15 +49,20 @@ def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
                        template_kwargs: dict[str, Any] | None = None,
                        add_generation_prompt: bool = True, chat_template: str | None = None,
                        tool_prompt: str | None = None,
-                       guard: ControlTokenGuard | None = None) -> ChatPrompt:
+                       guard: ControlTokenGuard | None = None,
+                       continue_final_message: bool = False) -> ChatPrompt:
     """render_chat's text, and with a `guard`, the token ids to run instead of tokenizing it
-    when some input string holds a control token (None otherwise: the text tokenizes alike)."""
+    when some input string holds a control token (None otherwise: the text tokenizes alike).
+    continue_final_message: the text ends inside the final message (transformers' option), so
+    a reply continues it."""
     native = renders_tools(tokenizer, chat_template, bool(tools))
     turns = [_native_turn(m) if native else _plain_turn(m) for m in messages]
     if tool_prompt is not None and not native:
         turns.insert(0, {"role": "system", "content": tool_prompt})
     call: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
                             "chat_template": chat_template, **(template_kwargs or {})}
+    if continue_final_message:
+        call["continue_final_message"] = True
     if native and tools:
         call["tools"] = tools
     try:

@@ -34,8 +34,8 @@ class ServerConfig:
     # prefixes, so none learns from cache hits or timing what another sent.
     cache_salt_by_key: bool = False
     # Each key's share of the engine, in engine requests (prompts x n): at most this many run at
-    # once, and at most max_queued_requests_per_key more wait (then a 429); None = no bound
-    # beyond the server's own.
+    # once (None: no bound beyond the server's own), and at most max_queued_requests_per_key
+    # more wait (then a 429; None: max_queued_requests).
     max_running_requests_per_key: int | None = None
     max_queued_requests_per_key: int | None = None
     # The name /v1/models reports and requests must use; None = the engine's model_path.

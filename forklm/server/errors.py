@@ -1,5 +1,6 @@
-"""HTTP errors in the OpenAI shape `{"error": {message, type, param, code}}`, the exception
-handlers that produce them, and SSE framing helpers shared by the streaming endpoints."""
+"""HTTP errors in the OpenAI shape `{"error": {message, type, param, code}}` (Anthropic's
+`{"type": "error", "error": {type, message}}` under /v1/messages), the exception handlers that
+produce them, and SSE framing helpers shared by the streaming endpoints."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|literal|function-\
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "request_too_large",
           499: "client_closed_request", 503: "service_unavailable_error"}
+# Anthropic's Messages API (anthropic_api) answers every error under this path in its own shape.
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                    413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
 
 
 class ApiError(Exception):
@@ -42,13 +49,27 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
                       "param": None if param is None else _utf8(param), "code": status}}
 
 
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": _utf8(message)}}
+
+
+def error_body_at(path: str, status: int, message: str,
+                  param: str | None = None) -> dict[str, Any]:
+    """The error body in the shape the endpoint at `path` speaks."""
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param)
+
+
 def _utf8(text: str) -> str:
     return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+def _error_response(request: Request, status: int, message: str, param: str | None = None,
+                    headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body_at(request.url.path, status, message, param),
+                        status_code=status, headers=headers)
 
 
 def sse_event(payload: Any) -> bytes:
@@ -91,12 +112,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.message, exc.param, exc.headers)
+    return _error_response(request, exc.status, exc.message, exc.param, exc.headers)
 
 
 async def _invalid_argument(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, InvalidArgumentError)
-    return error_response(400, str(exc), exc.name)
+    return _error_response(request, 400, str(exc), exc.name)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -104,25 +125,26 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
-        return error_response(400, f"malformed JSON body: {first.get('msg', '')}")
+        return _error_response(request, 400, f"malformed JSON body: {first.get('msg', '')}")
     loc = [str(p) for p in first.get("loc", ()) if not _UNION_TAG.match(str(p))]
     param = ".".join(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc) or None
     param = (first.get("ctx") or {}).get("param") or param  # a whole-body check names its field
     message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "")
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem(s))"
-    return error_response(400, message, param)
+    return _error_response(request, 400, message, param)
 
 
 async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return error_response(exc.status_code, str(exc.detail), None, dict(exc.headers or {}))
+    return _error_response(request, exc.status_code, str(exc.detail), None,
+                           dict(exc.headers or {}))
 
 
 async def _engine_shutdown(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(503, str(exc))
+    return _error_response(request, 503, str(exc))
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(500, f"internal server error: {type(exc).__name__}")
+    return _error_response(request, 500, f"internal server error: {type(exc).__name__}")

@@ -18,11 +18,10 @@ from forklm.parsers.reasoning import (
     ReasoningParser,
     ReasoningStream,
     get_reasoning_parser,
-    prompt_opens_think,
 )
 from forklm.runtime.engine.engine_request import EngineRequest
 from forklm.runtime.engine.intake import RequestGroup
-from forklm.runtime.engine.results import GenerateOutput
+from forklm.runtime.engine.results import GenerateOutput, TokenLogprobs
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
 from forklm.server.errors import ApiError, sse_frames
@@ -67,7 +66,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     for out in await service.generate("generate", group, request):
         result = _as_json(group, out, tokenizer)
         if reasoning is not None:
-            _put_reasoning(result, reasoning.parse(out.text, _opened(group, out.index)))
+            _put_reasoning(result, reasoning.parse(out.text, _opened(group, out.index, reasoning)))
         results.append(result)
     return results[0] if group.single else results
 
@@ -92,10 +91,10 @@ def _reasoning_of(service: GenerationService, body: GenerateRequest) -> Reasonin
     return get_reasoning_parser(service.config.reasoning_parser)
 
 
-def _opened(group: RequestGroup, index: int) -> bool:
-    """Whether result `index`'s prompt (when given as text) already opened <think>."""
+def _opened(group: RequestGroup, index: int, reasoning: ReasoningParser) -> bool:
+    """Whether result `index`'s prompt (when given as text) already opened the reasoning."""
     prompt = group.prompts[group.prompt_index(index)]
-    return isinstance(prompt, str) and prompt_opens_think(prompt)
+    return isinstance(prompt, str) and reasoning.opens_in(prompt)
 
 
 def _put_reasoning(result: dict[str, Any], split: ReasoningDelta) -> None:
@@ -129,11 +128,14 @@ def _check_supported(body: GenerateRequest) -> None:
 
 def _prepare(service: GenerationService, body: GenerateRequest, caller: Caller) -> RequestGroup:
     _check_supported(body)
+    reasoning = _reasoning_of(service, body)
+    # a reasoning format whose markers are special tokens (gpt-oss) must see them in the text
+    keep = {"skip_special_tokens": False} if reasoning and reasoning.special_tokens_in_text else {}
     params = body.sampling_params
     if isinstance(params, list):
-        params = [_drop_nulls(p) for p in params]
-    elif params is not None:
-        params = _drop_nulls(params)
+        params = [{**keep, **_drop_nulls(p)} for p in params]
+    elif params is not None or keep:
+        params = {**keep, **_drop_nulls(params or {})}
     request = EngineRequest.from_call(
         prompt=body.text, input_ids=body.input_ids, sampling_params=params,
         return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
@@ -159,24 +161,52 @@ async def _cumulative(chunks: ChunkStream, group: RequestGroup, tokenizer: Any,
     ids: dict[int, list[int]] = {}
     intervals = {r.index: r.sampling_params.stream_interval or 1 for r in group.reqs}
     unsent: dict[int, int] = {}  # tokens since the result's last event
+    logprobs: dict[int, _StreamedLogprobs] = {}
     try:
         async for chunk in chunks:
             i = chunk.index
             texts[i] = texts.get(i, "") + chunk.text
             ids[i] = ids.get(i, []) + chunk.output_ids
             unsent[i] = unsent.get(i, 0) + len(chunk.output_ids)
+            if chunk.logprobs is not None:
+                logprobs.setdefault(i, _StreamedLogprobs()).add(chunk)
             if unsent[i] < intervals[i] and not chunk.finished:
                 continue
             unsent[i] = 0
             event = {**_as_json(group, chunk, tokenizer, chunk=True), "text": texts[i],
                      "output_ids": ids[i]}
+            if i in logprobs:
+                with_text = tokenizer if group.return_text_in_logprobs else None
+                event["meta_info"].update(json_safe_logprobs(logprobs[i].take(with_text)))
             if reasoning is not None:
                 splitter = splitters.setdefault(
-                    i, _Splitter(reasoning.stream(_opened(group, i))))
+                    i, _Splitter(reasoning.stream(_opened(group, i, reasoning))))
                 _put_reasoning(event, splitter.take(texts[i], chunk.finished))
             yield event
     finally:
         await chunks.aclose()
+
+
+class _StreamedLogprobs:
+    """One streamed result's logprobs as SGLang's incremental stream sends them: each event
+    the entries of the tokens it adds (the prompt's with the first), and
+    output_token_logprobs_length, the entries sent so far."""
+
+    def __init__(self) -> None:
+        self.pending: TokenLogprobs | None = None
+        self.sent = 0
+
+    def add(self, chunk: GenerateOutput) -> None:
+        assert chunk.logprobs is not None
+        self.pending = chunk.logprobs if self.pending is None else self.pending + chunk.logprobs
+
+    def take(self, tokenizer: Any) -> dict[str, Any]:
+        part = self.pending or TokenLogprobs([], [], None, None)
+        self.pending = None
+        meta = part.to_meta(tokenizer)
+        self.sent += len(part.output_token)
+        meta["output_token_logprobs_length"] = self.sent
+        return meta
 
 
 class _Splitter:

@@ -35,6 +35,8 @@ from forklm.server.tenants import Caller, caller_of
 from forklm.server.tools import ReplyDelta, ToolPlan, plan_tools, whole_calls
 
 router = APIRouter(prefix="/v1")
+# A request's own constraints, which a tool plan must not override
+CONSTRAINTS = ("regex", "ebnf", "json_schema", "structural_tag")
 _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 
@@ -135,7 +137,7 @@ async def prepare_chat(service: GenerationService, body: ChatCompletionRequest,
     """The engine call of a chat request (also the Responses API's) and the plan that reads its
     replies. Bounding, rendering and tokenizing the text run in a worker thread (all grow with
     the request)."""
-    prompt = await _chat_prompt(service, body, plan)
+    prompt = await chat_prompt(service, body, plan)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = conv.sampling_dict(body, max_tokens if max_tokens is not None
                                 else service.engine.model_info.context_len)
@@ -163,7 +165,7 @@ def _tools_chars(plan: ToolPlan) -> int:
                + len(json.dumps(t.function.parameters or {})) for t in plan.tools)
 
 
-async def _chat_prompt(service: GenerationService, body: ChatCompletionRequest,
+async def chat_prompt(service: GenerationService, body: ChatCompletionRequest,
                        plan: ToolPlan) -> ChatPrompt:
     """The request's prompt, built in a worker thread (the work grows with the request); control
     tokens typed into it stay text unless the server allows them."""
@@ -178,8 +180,10 @@ async def _chat_prompt(service: GenerationService, body: ChatCompletionRequest,
         return render_chat_prompt(
             service.engine.tokenizer, messages, tools,
             template_kwargs(body.chat_template_kwargs, body.reasoning_effort),
+            add_generation_prompt=body.add_generation_prompt,
             chat_template=load_chat_template(service.config.chat_template),
-            tool_prompt=plan.system_prompt() if plan.active else None, guard=service.guard)
+            tool_prompt=plan.system_prompt() if plan.active else None, guard=service.guard,
+            continue_final_message=body.continue_final_message)
 
     return await run_in_threadpool(render)
 
@@ -187,18 +191,19 @@ async def _chat_prompt(service: GenerationService, body: ChatCompletionRequest,
 def _add_tool_constraint(params: dict[str, Any], plan: ToolPlan) -> None:
     """A forced call: a JSON schema on the whole reply. "auto" in a model's format: each call the
     model opens is constrained by its tool's schema (a structural tag, unless the request has
-    its own constraint), its special-token opener kept in the text."""
+    its own constraint). Replies whose call or reasoning markers are special tokens keep them
+    in their text."""
+    if plan.keeps_special_tokens:
+        params.setdefault("skip_special_tokens", False)
     if plan.mode == "auto" and plan.parser is not None:
-        if plan.parser.special_tokens_in_text:
-            params.setdefault("skip_special_tokens", False)
         tag = plan.structural_tag()
-        if tag is not None and not any(k in params for k in ("regex", "ebnf", "json_schema")):
+        if tag is not None and not any(k in params for k in CONSTRAINTS):
             params["structural_tag"] = tag
         return
     schema = plan.schema()
     if schema is None:
         return
-    taken = [k for k in ("regex", "ebnf", "json_schema") if k in params]
+    taken = [k for k in CONSTRAINTS if k in params]
     if taken:
         raise InvalidArgumentError("tool_choice", plan.mode, f"a forced tool call cannot be "
                                    f"combined with {taken[0]} (or response_format)")

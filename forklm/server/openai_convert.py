@@ -37,6 +37,14 @@ def sampling_dict(body: _SamplingFields, max_new_tokens: int) -> dict[str, Any]:
         value = getattr(body, name)
         if value is not None:
             params[target] = value
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "structural_tag":
+        taken = [k for k in ("regex", "ebnf", "json_schema") if k in params]
+        if taken:
+            raise InvalidArgumentError("response_format", "structural_tag",
+                                       f"conflicts with {taken[0]}; give one")
+        params["structural_tag"] = fmt.model_dump(exclude_none=True, exclude={"json_schema"})
+        return params
     schema = _response_format_schema(body)
     if schema is not None:
         if "json_schema" in params:

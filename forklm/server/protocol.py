@@ -203,6 +203,16 @@ class AbortRequest(_Request):
     rid: str = Field(min_length=1)
 
 
+class ConcatAppendRequest(_Request):
+    """SGLang's frontend joins forks with concate_and_append by naming their executors' ids; its
+    next request carries the joined text, which the radix cache serves from the forks' KV."""
+
+    src_rids: list[Annotated[str, Field(max_length=256)]] = Field(max_length=MAX_N * 64)
+    dst_rid: str = Field(max_length=256)
+
+
+
+
 class OpenSessionRequest(_Request):
     """SGLang's /open_session body. capacity_of_str_len sizes SGLang's session buffer; forklm's
     sessions pin radix-cache prefixes instead, bounded by --session-pinned-fraction."""
@@ -229,8 +239,13 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # SGLang's structural_tag response format: tagged regions ({begin, schema, end}) the reply
+    # may open after one of the triggers, or xgrammar's `format` object; checked by the engine.
+    structures: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
+    triggers: list[str] | None = Field(default=None, max_length=MAX_TOOLS)
+    format: dict[str, Any] | None = None
 
 
 class _SamplingFields(_Request):
@@ -359,6 +374,16 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True  # SGLang's: reasoning in its own field (with a parser)
+    # vLLM's and SGLang's: the prompt ends with the template's assistant header (a new turn), or
+    # with continue_final_message the final (assistant) message is continued where it stops
+    # (a prefill: the reply is what follows it).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_end(self) -> ChatCompletionRequest:
+        check_prompt_end(self.messages, self.add_generation_prompt, self.continue_final_message)
+        return self
 
     @field_validator("modalities")
     @classmethod
@@ -382,3 +407,40 @@ class ChatCompletionRequest(_SamplingFields):
         if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_CHARS:
             raise ValueError(f"at most {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON")
         return kwargs
+
+
+def check_prompt_end(messages: list[ChatMessage] | None, add_generation_prompt: bool,
+                     continue_final_message: bool) -> None:
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message needs add_generation_prompt false (the final "
+                         "message is continued, no new turn is opened)")
+    if continue_final_message and messages and messages[-1].role != "assistant":
+        raise ValueError("continue_final_message continues a final assistant message; the "
+                         f"last message is {messages[-1].role!r}")
+
+
+class TokenizeRequest(_Request):
+    """SGLang's (and vLLM's) /tokenize: a prompt (or a batch), or chat messages rendered by the
+    chat template exactly as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    add_special_tokens: bool = True
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        check_prompt_end(self.messages, self.add_generation_prompt, self.continue_final_message)
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: TokenIds | list[TokenIds]
+    skip_special_tokens: bool = True

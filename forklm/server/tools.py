@@ -7,9 +7,10 @@
   parameters>}` (one anyOf branch per tool, so each name goes with its own argument schema).
 - "auto": the model calls tools in its own format (`parser`: --tool-call-parser, or detected from
   the chat template), its arguments constrained by the tool's schema once it opens a call
-  (`structural_tag`); without a parser it is told, in a system message, to reply with a bare
-  JSON object `{"name": ..., "arguments": {...}}`, and a reply that is exactly such an object
-  naming a known tool becomes a call.
+  (`structural_tag`: JSON arguments, or Qwen3-Coder's and GLM's XML parameters in xgrammar's XML
+  styles; the pythonic format has no constraint); without a parser it is told, in a system
+  message, to reply with a bare JSON object `{"name": ..., "arguments": {...}}`, and a reply that
+  is exactly such an object naming a known tool becomes a call.
 
 A reply is read by a ReplyStream (`plan.reader(opened)`), streamed or whole: reasoning (with a
 reasoning parser), content and tool-call pieces, as they can be emitted.
@@ -21,28 +22,22 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from forklm.parsers.generic import (
-    ArgumentsStream,
+from forklm.parsers.calls import (
     CallStream,
-    HeldJsonStream,
-    PlainStream,
-    RequiredStream,
-)
-from forklm.parsers.reasoning import (
-    ReasoningParser,
-    ReasoningStream,
-    get_reasoning_parser,
-    prompt_opens_think,
-)
-from forklm.parsers.tool_calls import (
     StreamDelta,
     ToolCall,
     ToolCallDelta,
     ToolCallParser,
     assemble,
-    detect_tool_call_parser,
-    get_tool_call_parser,
 )
+from forklm.parsers.generic import (
+    ArgumentsStream,
+    HeldJsonStream,
+    PlainStream,
+    RequiredStream,
+)
+from forklm.parsers.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
+from forklm.parsers.tool_calls import detect_tool_call_parser, get_tool_call_parser
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.checks import MAX_STRUCTURES
 from forklm.server.protocol import ChatCompletionRequest, Tool
@@ -74,6 +69,13 @@ class ToolPlan:
     def active(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the replies must keep special tokens in their text: the markers of the
+        call format ("auto") or of the reasoning format (gpt-oss's harmony channels)."""
+        calls = self.parser if self.mode == "auto" else None
+        return any(p is not None and p.special_tokens_in_text for p in (calls, self.reasoning))
+
     def schema(self) -> dict[str, Any] | None:
         """The JSON schema the output must satisfy (None for "none" and "auto")."""
         if self.mode == "named":
@@ -89,18 +91,25 @@ class ToolPlan:
     def structural_tag(self) -> dict[str, Any] | None:
         """For "auto" in a model's format: free text until the model writes the format's
         trigger, then one tool's call with arguments valid by its schema (xgrammar's triggered
-        tags; at most one call when parallel is off)."""
-        if (self.mode != "auto" or self.parser is None
-                or len(self.tools) * len(self.parser.forms) > MAX_STRUCTURES):
+        tags; at most one call when parallel is off). None for a format without tags."""
+        if self.mode != "auto" or self.parser is None or not self.parser.triggers:
             return None
         parser = self.parser
-        tags = [{"type": "tag", "begin": s["begin"], "end": s["end"], "content": {
-            "type": "json_schema", "json_schema": s["schema"],
-            "max_whitespace_cnt": _MAX_WHITESPACE}}
-            for t in self.tools for s in parser.structures(t.function.name, _parameters(t))]
+        tags = [tag for t in self.tools
+                for tag in parser.tags(t.function.name, self._arguments_format(t))]
+        if not tags or len(tags) > MAX_STRUCTURES:
+            return None
         return {"type": "structural_tag", "format": {
-            "type": "triggered_tags", "triggers": parser.triggers, "tags": tags,
+            "type": "triggered_tags", "triggers": list(parser.triggers), "tags": tags,
             "stop_after_first": not self.parallel}}
+
+    def _arguments_format(self, tool: Tool) -> dict[str, Any]:
+        assert self.parser is not None
+        fmt = {"type": "json_schema", "json_schema": _parameters(tool),
+               "max_whitespace_cnt": _MAX_WHITESPACE}
+        if self.parser.args_style != "json":
+            fmt["style"] = self.parser.args_style
+        return fmt
 
     def system_prompt(self) -> str:
         """Tool descriptions for a template that does not render tools; the call format is
@@ -109,8 +118,7 @@ class ToolPlan:
                   "parameters": _parameters(t)} for t in self.tools]
         text = "You can call these tools:\n" + json.dumps(specs, indent=1)
         if self.mode == "auto" and self.parser is not None:
-            form = self.parser.structures("<tool name>", {})[0]
-            text += (f"\nTo call a tool, reply with {form['begin']}{{...}}{form['end']}; "
+            text += (f"\nTo call a tool, reply with {self.parser.call_example()}; "
                      "otherwise answer normally.")
         elif self.mode == "auto":
             text += ('\nTo call a tool, reply with only a JSON object '
@@ -119,7 +127,7 @@ class ToolPlan:
 
     def with_prompt(self, prompt: str) -> ToolPlan:
         """The plan for replies to `prompt` (a template may open `<think>` for the model)."""
-        return replace(self, opened=self.reasoning is not None and prompt_opens_think(prompt))
+        return replace(self, opened=self.reasoning is not None and self.reasoning.opens_in(prompt))
 
     def reader(self) -> ReplyStream:
         """A reader of one reply."""
@@ -135,7 +143,7 @@ class ToolPlan:
         if self.mode == "required":
             return RequiredStream(self.names)
         if self.parser is not None:
-            return self.parser.stream()
+            return self.parser.stream({t.function.name: _parameters(t) for t in self.tools})
         return HeldJsonStream(self.names)
 
     def _tool(self, name: str | None) -> Tool:

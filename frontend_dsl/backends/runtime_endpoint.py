@@ -228,8 +228,8 @@ class _RemoteEngine:
         return _outputs(self.endpoint.call("POST", "/generate", json=request.to_json()))
 
     def stream_outputs(self, request: EngineRequest) -> Iterator[GenerateOutput]:
-        """The server streams cumulative text and ids (SGLang's shape); the chunks here are
-        increments, as the engine's are."""
+        """The server streams cumulative text and ids (SGLang's shape) and each event's own
+        logprobs; the chunks here are increments, as the engine's are."""
         events = self.endpoint.stream("/generate", {**request.to_json(), "stream": True})
         text, num_ids = "", 0
         for event in events:

@@ -4,6 +4,7 @@ A call goes intake (validate, tokenize) -> grammar (compile constraints) -> subm
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
@@ -16,7 +17,7 @@ from forklm.runtime.engine.builder import EngineParts, ModelInfo, build_engine_p
 from forklm.runtime.engine.engine_request import EngineRequest
 from forklm.runtime.engine.loop import EngineLoop
 from forklm.runtime.engine.loop_mailbox import mailbox_for
-from forklm.runtime.engine.results import GenerateOutput
+from forklm.runtime.engine.results import GenerateOutput, TokenLogprobs
 from forklm.runtime.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -325,7 +326,14 @@ class Engine:
 
 
 def _chunk(out: ReqOutput) -> GenerateOutput:
-    return GenerateOutput.of(out.req, out.delta_text, out.delta_ids, final=out.finished)
+    chunk = GenerateOutput.of(out.req, out.delta_text, out.delta_ids, final=out.finished)
+    if out.req.return_logprob:
+        # its tokens' logprobs (and the prompt's with the first chunk): entries before
+        # num_output are final, whatever the engine thread appends meanwhile
+        start = out.num_output - len(out.delta_ids)
+        chunk = dataclasses.replace(chunk, logprobs=TokenLogprobs.of(
+            out.req, start, out.num_output, with_input=start == 0))
+    return chunk
 
 
 if TYPE_CHECKING:  # Engine fulfils the client contract (checked by mypy)

@@ -311,6 +311,7 @@ def finish(req: Req, reason: FinishReason) -> None:
 def _send(req: Req, out: ReqOutput) -> None:
     """Hand the caller its event. A caller that went away (a cancelled future, a closed event
     loop) makes its sink raise; that must not fail the step, and so every other request."""
+    out.num_output = len(req.output_ids)
     try:
         req.sink(out)
     except Exception:

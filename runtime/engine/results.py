@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,12 +26,25 @@ class TokenLogprobs:
     output_top: list[list[Pair]] | None
 
     @classmethod
-    def of(cls, req: Req) -> TokenLogprobs:
+    def of(cls, req: Req, start: int = 0, end: int | None = None,
+           with_input: bool = True) -> TokenLogprobs:
+        """req's logprobs: the output's [start:end] (a stream chunk's), the prompt's unless not
+        with_input (empty lists then)."""
         tops = bool(req.top_logprobs_num)
-        return cls([(lp, tid) for lp, tid in req.input_token_logprobs],
-                   [(lp, tid) for lp, tid in req.output_token_logprobs],
-                   list(req.input_top_logprobs) if tops else None,
-                   list(req.output_top_logprobs) if tops else None)
+        inputs = req.input_token_logprobs if with_input else []
+        return cls([(lp, tid) for lp, tid in inputs],
+                   [(lp, tid) for lp, tid in req.output_token_logprobs[start:end]],
+                   list(req.input_top_logprobs if with_input else []) if tops else None,
+                   list(req.output_top_logprobs[start:end]) if tops else None)
+
+    def __add__(self, later: TokenLogprobs) -> TokenLogprobs:
+        """Two consecutive stream chunks' logprobs as one (the prompt's from whichever has them)."""
+        tops = (self.input_top is not None and later.input_top is not None
+                and self.output_top is not None and later.output_top is not None)
+        return TokenLogprobs(self.input_token or later.input_token,
+                             self.output_token + later.output_token,
+                             (self.input_top or later.input_top) if tops else None,
+                             self.output_top + later.output_top if tops else None)  # type: ignore[operator]
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> TokenLogprobs | None:
@@ -57,7 +72,8 @@ class TokenLogprobs:
 @dataclass(frozen=True)
 class GenerateOutput:
     """A result (final) or a stream chunk (text and output_ids are the increments; finish_reason
-    and logprobs only on a request's last chunk). `index`: its place among the call's results."""
+    only on a request's last chunk; logprobs: a result's all, a chunk's those of its own tokens
+    and, on the first, the prompt's). `index`: its place among the call's results."""
 
     rid: str
     index: int
@@ -127,14 +143,16 @@ class GenerateOutput:
 
 
 def join_chunks(chunks: Sequence[GenerateOutput]) -> GenerateOutput:
-    """One request's stream chunks as its result: the texts and ids joined, the rest from the
-    last chunk (which carries the final counts, finish reason and logprobs)."""
+    """One request's stream chunks as its result: the texts, ids and logprobs joined, the rest
+    from the last chunk (which carries the final counts and finish reason)."""
     last = chunks[-1]
+    parts = [c.logprobs for c in chunks if c.logprobs is not None]
+    logprobs = functools.reduce(operator.add, parts) if parts else None
     return GenerateOutput(
         rid=last.rid, index=last.index, text="".join(c.text for c in chunks),
         output_ids=[t for c in chunks for t in c.output_ids], finish_reason=last.finish_reason,
         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-        cached_tokens=last.cached_tokens, logprobs=last.logprobs)
+        cached_tokens=last.cached_tokens, logprobs=logprobs)
 
 
 def token_entries(pairs: Sequence[Pair], tokenizer: Any = None) -> list[list[Any]]:

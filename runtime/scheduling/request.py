@@ -52,6 +52,7 @@ class ReqOutput:
     delta_ids: list[int]
     finished: bool
     req: Req
+    num_output: int = 0  # the request's output tokens once this event's are in (set on sending)
 
 
 @dataclass(eq=False)
