@@ -192,12 +192,41 @@ def test_forced_named_call_streams_arguments_and_cut_off():
     assert call.arguments == '{"tz": "UTC"}' and reader.complete == [True]
 
 
-def test_auto_without_parser_is_held_and_generic():
+GENERIC_CALL = '{"name": "get_time", "arguments": {"tz": {"zone": "UTC"}} }'
+
+
+def test_auto_without_parser_streams_the_generic_call_as_it_is_written():
+    """The generic JSON prompt: once the reply's head names a tool, its arguments stream piece
+    by piece (a closing brace held until more text shows it is not the object's end)."""
     reader = plan(tools=TOOLS).reader()
-    assert reader.feed('{"name": "get_time", "arguments": {}}') == ("", "", [])
-    (piece,) = reader.finish().calls
-    assert piece.name == "get_time" and piece.arguments == "{}"
-    assert plan(tools=TOOLS).reader().read('{"name": "nope", "arguments": {}}').content
+    assert reader.feed('{"name": "get_') == ("", "", [])  # could still be anything
+    head, first = reader.feed('time", "arguments": {"tz"').calls
+    assert (head.name, head.arguments, first.arguments) == ("get_time", "", '{"tz"')
+    pieces = [reader.feed(c) for c in ': {"zone": "UTC"}} }']
+    pieces.append(reader.finish())
+    args = first.arguments + "".join(c.arguments for d in pieces for c in d.calls)
+    assert args == '{"tz": {"zone": "UTC"}}' and reader.complete == [True]
+    assert sum(bool(d.calls) for d in pieces) > 10  # streamed, not held to the end
+    whole = plan(tools=TOOLS).reader()
+    (call,) = whole_calls(whole.read(GENERIC_CALL), whole.complete)
+    assert json.loads(call.arguments) == {"tz": {"zone": "UTC"}}
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("The time is noon.", "The time is noon.", []),  # content from its first character
+    ('{"name": "nope", "arguments": {}}', '{"name": "nope", "arguments": {}}', []),
+    ('{"arguments": {}, "name": "get_time"}', "", [("get_time", "{}")]),  # held, read whole
+    ('{"name": "get_time", "arguments": {"tz": "U', "", [("get_time", '{"tz": "U')]),
+])
+def test_auto_without_parser_decides_from_the_head(text, content, calls):
+    streamed = plan(tools=TOOLS).reader()
+    deltas = [streamed.feed(c) for c in text] + [streamed.finish()]
+    reply = assemble(deltas, streamed.complete)
+    assert reply.content == content and [(c.name, c.arguments) for c in reply.calls] == calls
+    if text[0] != "{":
+        assert deltas[0].content == text[0]  # not held
+    whole = plan(tools=TOOLS).reader()
+    assert whole.read(text).content == content
 
 
 @pytest.mark.parametrize("name", ["hermes", "llama3", "mistral"])

@@ -156,3 +156,26 @@ def test_openai_response_format_takes_sglangs_structural_tag(client, live_server
     assert completion["choices"][0]["text"] == native and "<tool_call>{" in native
     clash = client.post("/v1/completions", json={**body, "regex": "a+"})
     assert clash.status_code == 400 and "structural_tag" in clash.json()["error"]["message"]
+
+
+def test_a_reply_on_the_generic_tool_path_streams_as_it_is_generated(client, live_server):
+    """The default model has no tool format of its own (the generic JSON tool prompt): a text
+    reply streams token by token with tools as without (it was held to the end)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    body = {"model": _model(live_server), "max_tokens": 12, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "Say hello to me in French."}]}
+
+    def content_events(extra: dict) -> list[str]:
+        pieces = []
+        with client.stream("POST", "/v1/chat/completions", json={**body, **extra}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        if (choice.get("delta") or {}).get("content"):
+                            pieces.append(choice["delta"]["content"])
+        return pieces
+
+    with_tools = content_events({"tools": tools, "tool_choice": "auto"})
+    assert not "".join(with_tools).lstrip().startswith("{")  # a text reply, not a call
+    assert len(with_tools) >= 6, with_tools

@@ -1,7 +1,7 @@
 """Call streams for forklm's own formats, used where no model format applies: a forced named
-tool (the whole reply is its arguments), "auto" with the generic JSON tool prompt (held until the
-reply ends, since only the whole text tells whether it is a call) and no tools at all. Each
-fulfils calls.CallStream, as each model format's stream does."""
+tool (the whole reply is its arguments), "auto" with the generic JSON tool prompt (content or a
+call, streamed as soon as the reply's start tells which) and no tools at all. Each fulfils
+calls.CallStream, as each model format's stream does."""
 
 from __future__ import annotations
 
@@ -47,18 +47,40 @@ class ArgumentsStream:
         return StreamDelta("", [])
 
 
-class HeldJsonStream:
+class GenericJsonStream:
     """"auto" with the generic prompt: the reply is a call when it is exactly one JSON object
-    `{"name": <a tool in names>, "arguments": {...}}`, else content."""
+    `{"name": <a tool in names>, "arguments": {...}}`, else content. Streamed as it is decided:
+    a reply that does not open with `{` is content from its first character; one that opens
+    with `{"name": "<a tool>", "arguments": ` is that call, its arguments streamed as the model
+    writes them (closing braces held back until more text shows they are not the object's
+    end). Any other object is held to the end and read whole, as before the reply was streamed.
+    A call whose text turns out not to be one JSON object ends with complete=False."""
 
     def __init__(self, names: frozenset[str]):
         self.names, self.text, self.complete = names, "", list[bool]()
+        self.mode = "undecided"  # then "content", "call" (args from args_start) or "held"
+        self.args_start = self.args_sent = 0
 
     def feed(self, text: str) -> StreamDelta:
         self.text += text
+        if self.mode == "undecided":
+            return self._decide()
+        if self.mode == "content":
+            return StreamDelta(text, [])
+        if self.mode == "call":
+            return self._arguments(self.text.rstrip("} \t\r\n"))
         return StreamDelta("", [])
 
     def finish(self) -> StreamDelta:
+        if self.mode == "content":
+            return StreamDelta("", [])
+        if self.mode == "call":
+            obj = json_object(self.text)
+            valid = (obj is not None and obj.get("name") in self.names
+                     and isinstance(obj.get("arguments"), dict))
+            self.complete = [valid]
+            tail = self.text.rstrip()
+            return self._arguments(tail[:-1].rstrip() if valid else tail)
         obj = json_object(self.text)
         if (obj is None or obj.get("name") not in self.names
                 or not isinstance(obj.get("arguments"), dict)):
@@ -66,6 +88,89 @@ class HeldJsonStream:
         self.complete = [True]
         args = json.dumps(obj["arguments"], ensure_ascii=False)
         return StreamDelta("", [ToolCallDelta(0, new_call_id(), obj["name"], args)])
+
+    def _decide(self) -> StreamDelta:
+        head = self.text.lstrip()
+        if not head:
+            return StreamDelta("", [])
+        if not head.startswith("{"):
+            self.mode = "content"
+            return StreamDelta(self.text, [])
+        state, name, end = call_head(self.text)
+        if state == "partial" and len(self.text) <= _HEAD_SCAN_LIMIT:
+            return StreamDelta("", [])
+        if state != "call" or name not in self.names:
+            self.mode = "held"
+            return StreamDelta("", [])
+        self.mode, self.args_start = "call", end
+        self.args_sent = end
+        first = ToolCallDelta(0, new_call_id(), name, "")
+        rest = self._arguments(self.text.rstrip("} \t\r\n"))
+        return StreamDelta("", [first, *rest.calls])
+
+    def _arguments(self, upto: str) -> StreamDelta:
+        """The arguments' text from what was sent to the end of `upto` (a prefix of text)."""
+        end = max(len(upto), self.args_sent)
+        piece, self.args_sent = self.text[self.args_sent:end], end
+        return StreamDelta("", [ToolCallDelta(0, None, None, piece)] if piece else [])
+
+
+# A head longer than this that is still undecided is held and read whole at the end.
+_HEAD_SCAN_LIMIT = 512
+_NAME_KEY, _ARGS_KEYS = '"name"', ('"arguments"', '"parameters"')
+
+
+def call_head(text: str) -> tuple[str, str | None, int]:
+    """Whether `text` opens a JSON call `{"name": "<name>", "arguments": `: ("call", name, the
+    index where the arguments' value starts), ("partial", None, 0) while it may still, or
+    ("no", None, 0)."""
+    pos = _skip_space(text, 0)
+    for literal in ("{", _NAME_KEY, ":", '"'):
+        pos = _skip_space(text, pos)
+        state, pos = _expect(text, pos, literal)
+        if state != "ok":
+            return state, None, 0
+    name_end = pos
+    while name_end < len(text) and text[name_end] != '"':
+        name_end += 2 if text[name_end] == "\\" else 1
+    if name_end >= len(text):
+        return "partial", None, 0
+    name = text[pos:name_end]
+    pos = _skip_space(text, name_end + 1)
+    state, pos = _expect(text, pos, ",")
+    if state != "ok":
+        return state, None, 0
+    pos = _skip_space(text, pos)
+    states = [_expect(text, pos, key) for key in _ARGS_KEYS]
+    ok = [p for st, p in states if st == "ok"]
+    if not ok:
+        return ("partial" if any(st == "partial" for st, _ in states) else "no"), None, 0
+    pos = _skip_space(text, ok[0])
+    state, pos = _expect(text, pos, ":")
+    if state != "ok":
+        return state, None, 0
+    pos = _skip_space(text, pos)
+    if pos >= len(text):
+        return "partial", None, 0
+    try:
+        return "call", json.loads(f'"{name}"'), pos
+    except ValueError:
+        return "no", None, 0
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _expect(text: str, pos: int, literal: str) -> tuple[str, int]:
+    """("ok", the index after `literal` at pos), ("partial", pos) when text ends inside it, or
+    ("no", pos)."""
+    part = text[pos:pos + len(literal)]
+    if part == literal:
+        return "ok", pos + len(literal)
+    return ("partial" if literal.startswith(part) else "no"), pos
 
 
 class RequiredStream:

@@ -32,7 +32,7 @@ from forklm.parsers.calls import (
 )
 from forklm.parsers.generic import (
     ArgumentsStream,
-    HeldJsonStream,
+    GenericJsonStream,
     PlainStream,
     RequiredStream,
 )
@@ -144,7 +144,7 @@ class ToolPlan:
             return RequiredStream(self.names)
         if self.parser is not None:
             return self.parser.stream({t.function.name: _parameters(t) for t in self.tools})
-        return HeldJsonStream(self.names)
+        return GenericJsonStream(self.names)
 
     def _tool(self, name: str | None) -> Tool:
         return next(t for t in self.tools if t.function.name == name)
