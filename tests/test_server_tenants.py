@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from conftest import assert_idle_and_clean, serve_in_thread
+from conftest import assert_idle_and_clean, serve_in_thread, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from forklm.runtime.errors import InvalidArgumentError
@@ -295,3 +295,25 @@ def test_the_router_matches_prompts_within_their_salt():
               prompt_text("/generate", {**body, "cache_salt": "t"})}
     assert plain == "a shared prompt" and len(salted) == 4
     assert all(not key.startswith(plain) and key.endswith(plain) for key in salted)
+
+
+@pytest.mark.slow
+def test_each_keys_sessions_are_its_own(server):
+    base = server.base_url
+    pins = server.engine.parts.kv.pins
+    opened = httpx.post(base + "/open_session", json={"session_id": "s1"}, headers=_auth("alice"))
+    assert opened.status_code == 200 and opened.json() == "s1"
+    assert "alice\x1fs1" in pins.sessions and "s1" not in pins.sessions
+    closing = httpx.post(base + "/close_session", json={"session_id": "s1"}, headers=_auth("bob"))
+    assert closing.status_code == 404  # bob has no session s1, and cannot close alice's
+    theirs = httpx.post(base + "/open_session", json={"session_id": "s1"}, headers=_auth("bob"))
+    assert theirs.status_code == 200 and "bob\x1fs1" in pins.sessions
+    fresh = httpx.post(base + "/open_session", json={}, headers=_auth("bob")).json()
+    assert f"bob\x1f{fresh}" in pins.sessions
+    _generate(base, "Pinned for alice.", "alice", session_params={"id": "s1"})
+    wait_until(lambda: bool(pins.sessions["alice\x1fs1"].pins), 10)  # pinned as it is released
+    assert not pins.sessions["bob\x1fs1"].pins
+    for key, sid in (("alice", "s1"), ("bob", "s1"), ("bob", fresh)):
+        r = httpx.post(base + "/close_session", json={"session_id": sid}, headers=_auth(key))
+        assert r.status_code == 200, r.text
+    assert not any(k.startswith(("alice\x1f", "bob\x1f")) for k in pins.sessions)

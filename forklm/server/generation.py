@@ -15,6 +15,7 @@ from typing import Any
 from starlette.requests import Request
 
 from forklm.runtime.engine.engine import Engine
+from forklm.runtime.engine.engine_request import EngineRequest
 from forklm.runtime.engine.intake import RequestGroup
 from forklm.runtime.engine.results import GenerateOutput, join_chunks
 from forklm.runtime.errors import InvalidArgumentError
@@ -182,6 +183,13 @@ def tenancy(caller: Caller, body: Any) -> dict[str, Any]:
     priority fields, where it has them) sent by `caller`."""
     return {"cache_salt": caller.cache_salt(getattr(body, "cache_salt", None)),
             "priority": getattr(body, "priority", None), "tenant": caller.name or None}
+
+
+def with_caller_session(request: EngineRequest, caller: Caller) -> EngineRequest:
+    """`request` with its session (if any) as the engine knows the caller's sessions."""
+    if request.session_id is None:
+        return request
+    return request.with_session(caller.session_id(request.session_id))
 
 
 class ChunkStream:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -30,6 +31,7 @@ from forklm.server.generation import (
     GenerationService,
     json_safe_logprobs,
     tenancy,
+    with_caller_session,
 )
 from forklm.server.protocol import (
     AbortRequest,
@@ -141,7 +143,7 @@ def _prepare(service: GenerationService, body: GenerateRequest, caller: Caller) 
         return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
         top_logprobs_num=body.top_logprobs_num, rid=body.rid,
         return_text_in_logprobs=body.return_text_in_logprobs, session_params=body.session_params)
-    request = dataclasses.replace(request, **tenancy(caller, body))
+    request = with_caller_session(dataclasses.replace(request, **tenancy(caller, body)), caller)
     return service.engine.prepare(request, stream=body.stream)
 
 
@@ -290,15 +292,18 @@ async def flush_cache(request: Request) -> JSONResponse:
 async def open_session(body: OpenSessionRequest, request: Request) -> JSONResponse:
     """SGLang's /open_session: returns the session's id (a JSON string). Requests that carry
     session_params={"id": it} keep their context pinned in the radix cache until /close_session
-    or --session-idle-timeout-s."""
-    sid = await asyncio.to_thread(service_of(request).engine.open_session, body.session_id)
+    or --session-idle-timeout-s. Each API key's sessions are its own."""
+    caller = caller_of(request)
+    sid = body.session_id or uuid.uuid4().hex
+    await asyncio.to_thread(service_of(request).engine.open_session, caller.session_id(sid))
     return JSONResponse(sid)
 
 
 @router.post("/close_session")
 async def close_session(body: CloseSessionRequest, request: Request) -> dict[str, Any]:
-    """Release a session's pins; an unknown id is a 404."""
-    if not await asyncio.to_thread(service_of(request).engine.close_session, body.session_id):
+    """Release a session's pins; an unknown id (or another key's) is a 404."""
+    sid = caller_of(request).session_id(body.session_id)
+    if not await asyncio.to_thread(service_of(request).engine.close_session, sid):
         raise ApiError(404, f"no open session {body.session_id!r}")
     return {"success": True}
 

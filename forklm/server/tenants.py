@@ -89,6 +89,11 @@ class Caller:
     name: str = ANONYMOUS
     key_salt: str | None = None
 
+    def session_id(self, sid: str) -> str:
+        """The engine's id of this caller's session `sid`: each key's sessions apart, so no key
+        can pin into, or close, another key's session."""
+        return sid if not self.name else f"{self.name}{_SALT_JOIN}{sid}"
+
     def cache_salt(self, requested: str | None) -> str | None:
         """The salt the engine uses: the request's own within the key's, so two keys never share
         a prefix even when their requests name the same salt."""
