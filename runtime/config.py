@@ -13,6 +13,8 @@ from forklm.runtime.errors import InvalidArgumentError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 QUANTIZATION_CHOICES = (None, "gguf", "none")
+# How embedding requests pool their prompt's hidden states (EngineConfig.pooling).
+POOLING_MODES = ("last", "mean", "cls")
 SPECULATIVE_ALGORITHMS = (None, "NGRAM")
 
 
@@ -141,8 +143,14 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # How an embedding request (/v1/embeddings, Engine.encode) pools the final-normed hidden
+    # states of its prompt: "last" token (Qwen3-Embedding and most decoder embedders), "mean" or
+    # "cls" (the first token). Mean and cls read every position, so they take no cached prefix.
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
+        check_field(self.pooling in POOLING_MODES, "pooling", self.pooling,
+                    f"expected one of {', '.join(POOLING_MODES)}")
         check_field(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                "expected one of auto, float32, bfloat16, float16")
         check_field(self.quantization in QUANTIZATION_CHOICES, "quantization",

@@ -217,14 +217,18 @@ def test_auto_without_parser_streams_the_generic_call_as_it_is_written():
     ('{"name": "nope", "arguments": {}}', '{"name": "nope", "arguments": {}}', []),
     ('{"arguments": {}, "name": "get_time"}', "", [("get_time", "{}")]),  # held, read whole
     ('{"name": "get_time", "arguments": {"tz": "U', "", [("get_time", '{"tz": "U')]),
+    ('```json\n{"name": "get_time", "arguments": {}}\n```', "", [("get_time", "{}")]),
+    ("```python\nprint(1)\n```", "```python\nprint(1)\n```", []),  # streams once known
 ])
 def test_auto_without_parser_decides_from_the_head(text, content, calls):
     streamed = plan(tools=TOOLS).reader()
     deltas = [streamed.feed(c) for c in text] + [streamed.finish()]
     reply = assemble(deltas, streamed.complete)
     assert reply.content == content and [(c.name, c.arguments) for c in reply.calls] == calls
-    if text[0] != "{":
+    if text[0] not in "{`":
         assert deltas[0].content == text[0]  # not held
+    if text.startswith("```p"):
+        assert sum(bool(d.content) for d in deltas) > 5
     whole = plan(tools=TOOLS).reader()
     assert whole.read(text).content == content
 

@@ -50,7 +50,8 @@ class ArgumentsStream:
 class GenericJsonStream:
     """"auto" with the generic prompt: the reply is a call when it is exactly one JSON object
     `{"name": <a tool in names>, "arguments": {...}}`, else content. Streamed as it is decided:
-    a reply that does not open with `{` is content from its first character; one that opens
+    a reply that does not open with `{` (or a ```json fence) is content from its first
+    character; one that opens
     with `{"name": "<a tool>", "arguments": ` is that call, its arguments streamed as the model
     writes them (closing braces held back until more text shows they are not the object's
     end). Any other object is held to the end and read whole, as before the reply was streamed.
@@ -93,6 +94,13 @@ class GenericJsonStream:
         head = self.text.lstrip()
         if not head:
             return StreamDelta("", [])
+        if "```".startswith(head[:3]):  # a ```json fence may hold the call: read it whole
+            line = head[3:].split("\n", 1)
+            if len(head) < 3 or (len(line) == 1 and len(head) < 16):
+                return StreamDelta("", [])  # the fence's language is not known yet
+            if line[0].strip() in ("", "json"):
+                self.mode = "held"
+                return StreamDelta("", [])
         if not head.startswith("{"):
             self.mode = "content"
             return StreamDelta(self.text, [])

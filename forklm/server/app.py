@@ -10,7 +10,15 @@ from fastapi import FastAPI, HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from forklm.runtime.engine.engine import Engine
-from forklm.server import anthropic_api, native_api, openai_api, responses_api, tokenize_api
+from forklm.server import (
+    anthropic_api,
+    embeddings_api,
+    native_api,
+    openai_api,
+    responses_api,
+    score_api,
+    tokenize_api,
+)
 from forklm.server.config import ServerConfig
 from forklm.server.errors import error_body_at, install_error_handlers
 from forklm.server.generation import GenerationService
@@ -37,6 +45,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(responses_api.router)
     app.include_router(tokenize_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(embeddings_api.router)
+    app.include_router(score_api.router)
     _include_programs(app)
     app.add_middleware(GuardMiddleware, config=config, metrics=app.state.service.metrics,
                        tenants=tenants)

@@ -10,7 +10,7 @@ from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import OPENAI_NAMES, SamplingParams
 from forklm.server.errors import ApiError
 from forklm.server.generation import GenerationService, finite
-from forklm.server.protocol import _SamplingFields
+from forklm.server.protocol import EmbeddingRequest, ScoreRequest, _SamplingFields
 
 # OpenAI name -> SamplingParams name, for every request field that is a sampling parameter (a new
 # one passes through once protocol.py declares it); max_tokens and n are the caller's.
@@ -19,7 +19,8 @@ _PASS_THROUGH = {OPENAI_NAMES.get(f.name, f.name): f.name for f in dataclasses.f
                  and f.name not in ("max_new_tokens", "n")}
 
 
-def check_model(service: GenerationService, body: _SamplingFields) -> None:
+def check_model(service: GenerationService,
+                body: _SamplingFields | EmbeddingRequest | ScoreRequest) -> None:
     """The served name, the model path and "default" (a name for whatever is served) all work."""
     names = {service.model_name, service.engine.config.model_path, "default"}
     if body.model not in names:

@@ -444,3 +444,50 @@ class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: TokenIds | list[TokenIds]
     skip_special_tokens: bool = True
+
+
+# OpenAI's limit on the inputs of one /v1/embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's /v1/embeddings: one input or a batch, as text or token ids. `dimensions` keeps
+    the first that many values (Matryoshka-trained models), renormalized."""
+
+    model: str
+    input: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+            | Annotated[TokenIds, Field(min_length=1)]
+            | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = _Id
+    cache_salt: CacheSalt = None
+    priority: Priority = None
+
+
+# /v1/score runs one prompt per (item, label token): both bounded, and their product, which
+# is the engine call's size.
+MAX_SCORE_ITEMS, MAX_SCORE_LABELS, MAX_SCORE_PROMPTS = 256, 64, 256
+
+
+class ScoreRequest(_Request):
+    """SGLang's /v1/score: the next-token probabilities of `label_token_ids` after query + item
+    (item + query with item_first) for each item; softmaxed over the labels with apply_softmax."""
+
+    model: str | None = None
+    query: str | Annotated[TokenIds, Field(min_length=1)]
+    items: (Annotated[list[str], Field(min_length=1, max_length=MAX_SCORE_ITEMS)]
+            | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_SCORE_ITEMS)])
+    label_token_ids: Annotated[TokenIds, Field(min_length=1, max_length=MAX_SCORE_LABELS)]
+    apply_softmax: bool = False
+    item_first: bool = False
+    cache_salt: CacheSalt = None
+    priority: Priority = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> ScoreRequest:
+        if isinstance(self.query, str) != isinstance(self.items[0], str):
+            raise ValueError("query and items must both be text or both token ids")
+        if len(self.items) * len(self.label_token_ids) > MAX_SCORE_PROMPTS:
+            raise ValueError(f"items x label_token_ids is at most {MAX_SCORE_PROMPTS}")
+        return self

@@ -19,6 +19,7 @@ from forklm.runtime.engine.loop import EngineLoop
 from forklm.runtime.engine.loop_mailbox import mailbox_for
 from forklm.runtime.engine.results import GenerateOutput, TokenLogprobs
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from forklm.runtime.engine.client import SessionEngineClient
@@ -91,6 +92,17 @@ class Engine:
             return self._dicts_async(group, await self.async_stream(group))
         return self._shaped(group, await self.async_run(group))
 
+    def encode(self, prompt: str | list[str] | list[int] | None = None,
+               input_ids: list[int] | list[list[int]] | None = None, *,
+               pooling: str | None = None, **options: Any) -> Any:
+        """Embed one prompt (a dict with `embedding`, SGLang's shape) or a list (a list of
+        them): the final-normed hidden states pooled by `pooling` (None: EngineConfig.pooling),
+        not normalized. `options`: EngineRequest fields (rid, cache_salt, priority, tenant)."""
+        request = EngineRequest(prompt, input_ids, SamplingParams(max_new_tokens=0),
+                                pooling=pooling or self.config.pooling, **options)
+        group = self.prepare(request)
+        return self._shaped(group, self.run(group))
+
     # -- typed API (EngineClient): EngineRequest in, GenerateOutputs out ------------------------
     def generate_outputs(self, request: EngineRequest) -> list[GenerateOutput]:
         """Every result of `request`, in prompt-major order, when all have finished."""
@@ -112,6 +124,9 @@ class Engine:
         InvalidArgumentError naming the bad argument). Nothing is submitted yet: `run`,
         `run_stream`, `async_run` or `async_stream` does that, so a caller can count and track
         the requests first."""
+        if request.pooling is not None and self.config.tp_size > 1:
+            raise InvalidArgumentError("pooling", request.pooling, "embeddings need the hidden "
+                                       "states, which a tensor-parallel engine does not gather")
         group = self.parts.intake.build(request, stream)
         session = request.session_id
         pins = self.parts.kv.pins

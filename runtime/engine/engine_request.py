@@ -63,6 +63,9 @@ class EngineRequest:
     priority: int | None = None
     # Who sent it (the server sets an API key's name): the scheduler interleaves tenants.
     tenant: str | None = None
+    # An embedding request: its prompts' hidden states pooled so ("last", "mean", "cls"; see
+    # EngineConfig.pooling) into GenerateOutput.embedding, nothing generated (max_new_tokens 0).
+    pooling: str | None = None
 
     @classmethod
     def from_call(cls, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
@@ -105,7 +108,7 @@ class EngineRequest:
             body["rid"] = _jsonable(self.rid)
         if self.session_id is not None:
             body["session_params"] = {"id": self.session_id}
-        for name in ("cache_salt", "priority"):
+        for name in ("cache_salt", "priority", "pooling"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
         return body

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from forklm.runtime.config import POOLING_MODES
 from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
 from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
 from forklm.runtime.errors import InvalidArgumentError
@@ -103,12 +104,14 @@ class RequestIntake:
         namespace = salt_namespace(_check_text("cache_salt", request.cache_salt))
         tenant = _check_text("tenant", request.tenant) or ""
         priority = self._priority(request.priority)
+        _check_pooling(request.pooling, params_list, stream)
         reqs: list[Req] = []
         for ids, params in zip(prompts, params_list):
             for k in range(params.n):
                 req = self._req(ids, params, rids[len(reqs)], k, len(reqs), logprobs)
                 req.session_id, req.cache_namespace = request.session_id, namespace
                 req.tenant, req.priority = tenant, priority
+                req.pooling = request.pooling
                 reqs.append(req)
         return RequestGroup(reqs, single and params_list[0].n == 1, given,
                             [p.n for p in params_list], stream,
@@ -192,6 +195,18 @@ class RequestIntake:
         if logprobs.start_len >= len(ids):
             raise InvalidArgumentError("logprob_start_len", logprobs.start_len,
                                        f"must be < the prompt length ({len(ids)} tokens)")
+
+
+def _check_pooling(pooling: str | None, params_list: list[SamplingParams], stream: bool) -> None:
+    """An embedding request pools its prompt once: one sample, nothing generated, no stream."""
+    if pooling is None:
+        return
+    if pooling not in POOLING_MODES:
+        raise InvalidArgumentError("pooling", pooling,
+                                   f"expected one of {', '.join(POOLING_MODES)}")
+    if stream or any(p.max_new_tokens != 0 or p.n != 1 for p in params_list):
+        raise InvalidArgumentError("pooling", pooling, "an embedding request generates nothing: "
+                                   "max_new_tokens 0, n 1, no stream")
 
 
 def _unset_sink(out: Any) -> None:

@@ -87,6 +87,8 @@ def apply_step(batch: ScheduledBatch, layout: list[LogitsRows], samples: StepSam
         draft, state = batch.drafts(i), next(next_state) if sampled[i] else None
         try:
             _record_prompt_logprobs(req, samples.prompt_logprobs[i])
+            if rows.pooled is not None:
+                _record_pooled(req, rows)
             if rows.sample_row is not None:
                 req.input_logprobs_done = req.input_logprobs_done or req.wants_input_logprobs
                 if not sampled[i]:  # max_new_tokens == 0 asks for prefill/scoring only
@@ -237,6 +239,16 @@ def _record_prompt_logprobs(req: Req, logprobs: _PromptLogprobs | None) -> None:
         req.input_token_logprobs.extend(logprobs.token_logprobs)
         if logprobs.top_logprobs is not None:
             req.input_top_logprobs.extend(logprobs.top_logprobs)
+
+
+def _record_pooled(req: Req, rows: LogitsRows) -> None:
+    """Add an embedding request's pooled rows of this chunk to its sum (mean pooling spans
+    chunks; a chunk from position 0 starts it afresh)."""
+    assert rows.pooled is not None
+    if req.pooled_sum is None or rows.pool_restarts:
+        req.pooled_sum = rows.pooled.float().cpu()
+    else:
+        req.pooled_sum += rows.pooled.float().cpu()
 
 
 def append_token(req: Req, token_id: int, logprob: float, top: list | None) -> None:

@@ -84,6 +84,7 @@ class GenerateOutput:
     completion_tokens: int  # so far
     cached_tokens: int
     logprobs: TokenLogprobs | None = None
+    embedding: list[float] | None = None  # an embedding request's pooled vector (not normalized)
 
     @classmethod
     def of(cls, req: Req, text: str, output_ids: list[int] | None = None,
@@ -95,7 +96,8 @@ class GenerateOutput:
             finish_reason=req.finish_reason if final else None,
             prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
-            logprobs=TokenLogprobs.of(req) if final and req.return_logprob else None)
+            logprobs=TokenLogprobs.of(req) if final and req.return_logprob else None,
+            embedding=req.embedding() if final else None)
 
     @classmethod
     def from_json(cls, result: dict[str, Any], index: int = 0) -> GenerateOutput:
@@ -109,7 +111,8 @@ class GenerateOutput:
             output_ids=list(result["output_ids"]),
             finish_reason=None if reason is None else FinishReason.from_dict(reason),
             prompt_tokens=meta["prompt_tokens"], completion_tokens=meta["completion_tokens"],
-            cached_tokens=meta["cached_tokens"], logprobs=TokenLogprobs.from_meta(meta))
+            cached_tokens=meta["cached_tokens"], logprobs=TokenLogprobs.from_meta(meta),
+            embedding=result.get("embedding"))
 
     @property
     def finished(self) -> bool:
@@ -126,6 +129,8 @@ class GenerateOutput:
                                "meta_info": self.meta_info(tokenizer)}
         if with_index:
             out["index"] = self.index
+        if self.embedding is not None:
+            out["embedding"] = self.embedding
         return out
 
     def meta_info(self, tokenizer: Any = None) -> dict[str, Any]:
@@ -152,7 +157,7 @@ def join_chunks(chunks: Sequence[GenerateOutput]) -> GenerateOutput:
         rid=last.rid, index=last.index, text="".join(c.text for c in chunks),
         output_ids=[t for c in chunks for t in c.output_ids], finish_reason=last.finish_reason,
         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-        cached_tokens=last.cached_tokens, logprobs=logprobs)
+        cached_tokens=last.cached_tokens, logprobs=logprobs, embedding=last.embedding)
 
 
 def token_entries(pairs: Sequence[Pair], tokenizer: Any = None) -> list[list[Any]]:

@@ -33,6 +33,12 @@ class LogitsRows:
     # Draft tokens verified: rows sample_row + 1 .. sample_row + num_draft give the distributions
     # after each of them (row sample_row + j follows draft token j).
     num_draft: int = 0
+    # An embedding request's packed token rows whose final-normed hidden states this chunk pools
+    # (see _pool_positions), and after the forward their sum ([hidden] fp32). pool_restarts: the
+    # chunk starts at position 0 (a retracted request's earlier sum is stale).
+    pool_rows: tuple[int, ...] = ()  # (no list per request and step: decode never pools)
+    pooled: torch.Tensor | None = None
+    pool_restarts: bool = False
 
 
 class ModelRunner:
@@ -50,9 +56,24 @@ class ModelRunner:
         input_ids: a decode batch's tokens where the previous step sampled them (the overlap
         scheduler runs this step before they reach the host); None = read from the requests."""
         fb, layout = self._build(batch, input_ids)
+        if any(rows.pool_rows for rows in layout):
+            return self._forward_pooling(fb, layout), layout
         if self.graphs is not None and self.graphs.can_run(fb):
             return self.graphs.run(fb), layout
         return self.model(fb.to(self.device), self.attn), layout
+
+    def _forward_pooling(self, fb: ForwardBatch, layout: list[LogitsRows]) -> torch.Tensor:
+        """forward for a batch with embedding requests: the logits, and each one's pooled rows
+        summed into its LogitsRows.pooled (eager: graphs serve decode, which these never reach)."""
+        pool_rows = torch.tensor([r for rows in layout for r in rows.pool_rows], dtype=torch.int64)
+        logits, hidden = self.model.forward_with_hidden(fb.to(self.device), self.attn,
+                                                        pool_rows.to(self.device))
+        first = 0
+        for rows in layout:
+            if rows.pool_rows:
+                rows.pooled = hidden[first : first + len(rows.pool_rows)].sum(dim=0)
+                first += len(rows.pool_rows)
+        return logits
 
     def capture_graphs(self, max_bs: int, max_context: int, new_graph: Callable[[], Graph]
                        ) -> None:
@@ -97,6 +118,10 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             rows = _input_logprob_positions(req, start, n)
             layout.append(LogitsRows(len(logit_rows), rows, None))
+            if req.pooling is not None:
+                layout[-1].pool_rows = tuple(offset + t - start
+                                             for t in _pool_positions(req, start, n))
+                layout[-1].pool_restarts = start == 0
             logit_rows.extend(offset + t - 1 - start for t in rows)
             if batch.samples[i]:
                 layout[-1].sample_row, layout[-1].num_draft = len(logit_rows), len(draft)
@@ -141,3 +166,15 @@ def _input_logprob_positions(req: Req, start: int, n: int) -> list[int]:
     lo = max(start + 1, req.logprob_start_len, 1)
     hi = min(start + n, len(req.origin_input_ids) - 1)
     return list(range(lo, hi + 1))
+
+
+def _pool_positions(req: Req, start: int, n: int) -> list[int]:
+    """Prompt positions, computed in this chunk [start, start + n), whose hidden states an
+    embedding request pools: the last one, all (mean, summed chunk by chunk), or the first (cls).
+    Mean and cls requests take no cached prefix (Req.max_prefix_len), so they compute them all."""
+    prompt_len = len(req.origin_input_ids)
+    if req.pooling == "last":
+        return [prompt_len - 1] if start <= prompt_len - 1 < start + n else []
+    if req.pooling == "cls":
+        return [0] if start == 0 else []
+    return list(range(start, min(start + n, prompt_len)))

@@ -247,12 +247,28 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        x = self._last_hidden(batch, attn)
+        return self._logits(self.model.norm(x[batch.logits_indices]))  # norm is per-row
+
+    @torch.inference_mode()
+    def forward_with_hidden(self, batch: ForwardBatch, attn: AttentionBackend,
+                            hidden_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's logits, and the final-normed hidden states of the packed token rows
+        `hidden_indices` ([len(hidden_indices), hidden] fp32: what embeddings pool)."""
+        x = self._last_hidden(batch, attn)
+        normed = self.model.norm(x[hidden_indices]).float()
+        return self._logits(self.model.norm(x[batch.logits_indices])), normed
+
+    def _last_hidden(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Embeddings and decoder layers: [T, hidden], before the final norm."""
         batch = attn.prepare(batch)
         x = self._embed(batch.input_ids)  # [T, hidden]
         if self.spec.position_embeddings:  # GPT-2's learned absolute positions
             x = x + _rows(self.model.embed_positions, batch.positions)
-        x = self._run_layers(x, batch, attn)
-        x = self.model.norm(x[batch.logits_indices])  # norm is per-row: only the rows we need
+        return self._run_layers(x, batch, attn)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head on final-normed rows [num_logits, hidden] -> fp32 [num_logits, vocab]."""
         logits = soft_cap(self._head(x), self.spec.final_softcap)  # [num_logits, vocab]
         if self.spec.logits_divisor != 1.0:
             logits = logits / self.spec.logits_divisor

@@ -99,6 +99,11 @@ class Req:
     # Speculative decoding's lookup index over fill_ids (built on the first draft; None = never
     # drafted). It only grows, like fill_ids, so it stays valid across retractions.
     draft_index: NgramIndex | None = None
+    # An embedding request: how it pools its prompt's final-normed hidden states (EngineConfig's
+    # POOLING_MODES; None: a generation request). It finishes after its prefill; pooled_sum
+    # gathers the pooled rows over its prefill chunks ([hidden] fp32; mean: their sum).
+    pooling: str | None = None
+    pooled_sum: torch.Tensor | None = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -144,9 +149,19 @@ class Req:
         """How much of fill_ids may come from the cache: at least one token is always computed, and
         prompt logprobs from logprob_start_len need the hidden state just before that position."""
         limit = self.fill_len - 1
+        if self.pooling in ("mean", "cls"):  # they pool every position's (or the first's) state
+            return 0
         if self.wants_input_logprobs:
             limit = min(limit, max(self.logprob_start_len - 1, 0))
         return limit
+
+    def embedding(self) -> list[float] | None:
+        """The pooled prompt vector (not normalized) once the prefill is done; else None."""
+        if self.pooling is None or self.pooled_sum is None:
+            return None
+        pooled = self.pooled_sum / len(self.origin_input_ids) if self.pooling == "mean" \
+            else self.pooled_sum
+        return pooled.tolist()
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)

@@ -1,0 +1,74 @@
+"""OpenAI's /v1/embeddings for decoder models: each input's prompt is prefilled once and its
+final-normed hidden states pooled (EngineConfig.pooling: last token, mean or first), then
+truncated to `dimensions` and L2-normalized here, as sentence-transformers and Qwen3-Embedding do."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request
+
+from forklm.runtime.engine.engine_request import EngineRequest
+from forklm.runtime.engine.results import GenerateOutput
+from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.sampling.params import SamplingParams
+from forklm.server import openai_convert as conv
+from forklm.server.errors import ApiError
+from forklm.server.generation import tenancy
+from forklm.server.native_api import service_of
+from forklm.server.protocol import EmbeddingRequest
+from forklm.server.tenants import caller_of
+
+router = APIRouter(prefix="/v1")
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+    service = service_of(request)
+    conv.check_model(service, body)
+    inputs = [body.input] if isinstance(body.input, str) else body.input
+    for text in inputs:
+        if isinstance(text, str):
+            service.check_text_size("input", len(text))
+    engine_request = EngineRequest(
+        body.input, sampling_params=SamplingParams(max_new_tokens=0),
+        pooling=service.engine.config.pooling, **tenancy(caller_of(request), body))
+    # Tokenizing grows with the input: a worker thread, never the event loop.
+    group = await asyncio.to_thread(service.engine.prepare, engine_request)
+    results = await service.generate("embeddings", group, request)
+    data = await asyncio.to_thread(_data, results, body)
+    num_tokens = sum(r.prompt_tokens for r in results)
+    return {"object": "list", "data": data, "model": body.model,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+def _data(results: list[GenerateOutput], body: EmbeddingRequest) -> list[dict[str, Any]]:
+    data = []
+    for i, result in enumerate(results):
+        if result.embedding is None:  # aborted (an engine error, a shutdown)
+            reason = result.finish_reason.message if result.finish_reason else None
+            raise ApiError(500, f"input {i} was not embedded: {reason}")
+        vector = finished_vector(result.embedding, body.dimensions)
+        data.append({"object": "embedding", "index": i,
+                     "embedding": encoded(vector, body.encoding_format)})
+    return data
+
+
+def finished_vector(pooled: list[float], dimensions: int | None) -> torch.Tensor:
+    """The pooled vector cut to its first `dimensions` values (Matryoshka), then L2-normalized
+    (so cosine similarity is a dot product)."""
+    if dimensions is not None and dimensions > len(pooled):
+        raise InvalidArgumentError("dimensions", dimensions,
+                                   f"must be at most the model's hidden size {len(pooled)}")
+    vector = torch.tensor(pooled, dtype=torch.float32)[:dimensions]
+    return torch.nn.functional.normalize(vector, dim=0)
+
+
+def encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    """OpenAI's encodings: a JSON float list, or base64 of the little-endian float32 bytes."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
