@@ -216,3 +216,28 @@ def test_score_bad_input_is_400(live_server, body):
     reply = httpx.post(f"{live_server.base_url}/v1/score", json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_rerank_orders_documents_by_embedding_cosine(live_server):
+    query, docs = "Where is the Eiffel tower?", ["Bananas are yellow.", "The Eiffel tower is in "
+                                                 "Paris.", "Tax forms are due in April."]
+    vectors = [torch.tensor(d["embedding"]) for d in
+               _post(live_server, input=[query, *docs]).json()["data"]]
+    expected = [float(vectors[0] @ v) for v in vectors[1:]]
+    reply = httpx.post(f"{live_server.base_url}/v1/rerank", timeout=60,
+                       json={"query": query, "documents": docs}).json()
+    ranked = reply["results"]
+    assert [r["index"] for r in ranked] == sorted(range(3), key=lambda i: -expected[i])
+    for r in ranked:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-5)
+        assert r["document"]["text"] == docs[r["index"]]
+    assert reply["usage"]["total_tokens"] > 0
+    top = httpx.post(f"{live_server.base_url}/v1/rerank", timeout=60, json={
+        "query": query, "documents": docs, "top_n": 1, "return_documents": False}).json()
+    assert top["results"] == [{"index": ranked[0]["index"],
+                               "relevance_score": ranked[0]["relevance_score"]}]
+    for bad in ({"query": query, "documents": []}, {"query": query, "documents": docs,
+                                                     "top_n": 0}, {"documents": docs}):
+        r = httpx.post(f"{live_server.base_url}/v1/rerank", json=bad, timeout=60)
+        assert r.status_code == 400 and "error" in r.json(), r.text

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 from forklm.runtime.engine.results import GenerateOutput, token_entries
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import OPENAI_NAMES, SamplingParams
 from forklm.server.errors import ApiError
 from forklm.server.generation import GenerationService, finite
-from forklm.server.protocol import EmbeddingRequest, ScoreRequest, _SamplingFields
+from forklm.server.protocol import _SamplingFields
 
 # OpenAI name -> SamplingParams name, for every request field that is a sampling parameter (a new
 # one passes through once protocol.py declares it); max_tokens and n are the caller's.
@@ -19,8 +19,12 @@ _PASS_THROUGH = {OPENAI_NAMES.get(f.name, f.name): f.name for f in dataclasses.f
                  and f.name not in ("max_new_tokens", "n")}
 
 
-def check_model(service: GenerationService,
-                body: _SamplingFields | EmbeddingRequest | ScoreRequest) -> None:
+class _NamesAModel(Protocol):
+    @property
+    def model(self) -> str | None: ...
+
+
+def check_model(service: GenerationService, body: _NamesAModel) -> None:
     """The served name, the model path and "default" (a name for whatever is served) all work."""
     names = {service.model_name, service.engine.config.model_path, "default"}
     if body.model not in names:

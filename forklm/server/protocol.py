@@ -465,6 +465,18 @@ class EmbeddingRequest(_Request):
     priority: Priority = None
 
 
+class RerankRequest(_Request):
+    """The rerank API of vLLM, Jina and Cohere: documents ordered by relevance to the query."""
+
+    model: str | None = None
+    query: str
+    documents: Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS - 1)]
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+    cache_salt: CacheSalt = None
+    priority: Priority = None
+
+
 # /v1/score runs one prompt per (item, label token): both bounded, and their product, which
 # is the engine call's size.
 MAX_SCORE_ITEMS, MAX_SCORE_LABELS, MAX_SCORE_PROMPTS = 256, 64, 256
