@@ -146,11 +146,14 @@ class EngineConfig:
     # How an embedding request (/v1/embeddings, Engine.encode) pools the final-normed hidden
     # states of its prompt: "last" token (Qwen3-Embedding and most decoder embedders), "mean" or
     # "cls" (the first token). Mean and cls read every position, so they take no cached prefix.
-    pooling: str = "last"
+    # None = the model's own (sentence-transformers' Pooling module, a GGUF's pooling_type;
+    # runtime/models/pooling_config.py), else "last". Resolved in ModelInfo.pooling.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
-        check_field(self.pooling in POOLING_MODES, "pooling", self.pooling,
-                    f"expected one of {', '.join(POOLING_MODES)}")
+        check_field(self.pooling is None or self.pooling in POOLING_MODES, "pooling",
+                    self.pooling, f"expected one of {', '.join(POOLING_MODES)} (or unset: the "
+                    "model's own)")
         check_field(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                "expected one of auto, float32, bfloat16, float16")
         check_field(self.quantization in QUANTIZATION_CHOICES, "quantization",

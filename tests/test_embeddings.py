@@ -4,17 +4,24 @@ model's final-normed last hidden states, pooled the same way and L2-normalized."
 from __future__ import annotations
 
 import base64
+import json
 
+import gguf
 import httpx
 import numpy as np
 import openai
 import pytest
 import torch
+import transformers
 
+from forklm.runtime.engine.engine import Engine
 from forklm.runtime.engine.engine_request import EngineRequest
 from forklm.runtime.errors import InvalidArgumentError
+from forklm.runtime.models.pooling_config import folder_pooling, gguf_pooling
 from forklm.runtime.sampling.params import SamplingParams
 from tests.conftest import EVAL_QUESTIONS, assert_idle_and_clean
+from tests.test_model_loader import TINY, _write_gguf
+from tests.tiny_models import build_tiny_model
 
 TOL = 1e-4
 
@@ -241,3 +248,69 @@ def test_rerank_orders_documents_by_embedding_cosine(live_server):
                                                      "top_n": 0}, {"documents": docs}):
         r = httpx.post(f"{live_server.base_url}/v1/rerank", json=bad, timeout=60)
         assert r.status_code == 400 and "error" in r.json(), r.text
+
+
+# ---- The pooling a model's own files name (runtime/models/pooling_config.py) ------------------
+
+
+def write_sentence_transformers_pooling(folder, **flags: bool) -> None:
+    """sentence-transformers' layout: modules.json listing a Pooling module in 1_Pooling/."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    config = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+              "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+              "pooling_mode_lasttoken": False, **flags}
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config))
+
+
+def test_folder_pooling_is_the_models_own_unless_the_flag_says(tmp_path, tokenizer):
+    folder = tmp_path / "tiny"
+    model = build_tiny_model("llama3", folder, tokenizer)
+    write_sentence_transformers_pooling(folder, pooling_mode_mean_tokens=True)
+    prompt = EVAL_QUESTIONS[0]
+    with Engine(model_path=str(folder), dtype="float32", max_total_tokens=256) as engine:
+        assert engine.model_info.pooling == "mean"
+        result = engine.encode(prompt)
+    assert (normalized(result) - hf_embedding(model, tokenizer.encode(prompt), "mean")
+            ).abs().max() < TOL
+    with Engine(model_path=str(folder), dtype="float32", max_total_tokens=256,
+                pooling="last") as engine:
+        assert engine.model_info.pooling == "last"
+        result = engine.encode(prompt)
+    assert (normalized(result) - hf_embedding(model, tokenizer.encode(prompt), "last")
+            ).abs().max() < TOL
+
+
+@pytest.mark.parametrize("flags", [{"pooling_mode_max_tokens": True},
+                                   {"pooling_mode_mean_tokens": True,
+                                    "pooling_mode_cls_token": True}], ids=["max", "mean+cls"])
+def test_unsupported_folder_pooling_falls_back_with_a_warning(tmp_path, caplog, flags):
+    write_sentence_transformers_pooling(tmp_path, **flags)
+    assert folder_pooling(tmp_path) is None
+    assert "does not support" in caplog.text and next(iter(flags)) in caplog.text
+    assert folder_pooling(tmp_path / "missing") is None  # no modules.json: no preference
+
+
+def test_gguf_pooling_type_is_the_models_own(tmp_path, monkeypatch):
+    class CLSPoolingWriter(gguf.GGUFWriter):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.add_pooling_type(gguf.PoolingType.CLS)
+
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf, "GGUFWriter", CLSPoolingWriter)
+    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 259}, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", config, model.state_dict())
+    ids = list(range(3, 40))
+    with Engine(model_path=str(path), dtype="float32", max_total_tokens=256) as engine:
+        assert engine.model_info.pooling == "cls"
+        result = engine.encode(input_ids=ids)
+    assert (normalized(result) - hf_embedding(model, ids, "cls")).abs().max() < TOL
+    assert gguf_pooling(path, {"llama.pooling_type": 4}, "llama") is None  # rank: unsupported
+    assert gguf_pooling(path, {"llama.pooling_type": 0}, "llama") is None  # none: no preference

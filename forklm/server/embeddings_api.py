@@ -1,5 +1,5 @@
 """OpenAI's /v1/embeddings for decoder models: each input's prompt is prefilled once and its
-final-normed hidden states pooled (EngineConfig.pooling: last token, mean or first), then
+final-normed hidden states pooled (ModelInfo.pooling: last token, mean or first), then
 truncated to `dimensions` and L2-normalized here, as sentence-transformers and Qwen3-Embedding do."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
             service.check_text_size("input", len(text))
     engine_request = EngineRequest(
         body.input, sampling_params=SamplingParams(max_new_tokens=0),
-        pooling=service.engine.config.pooling, **tenancy(caller_of(request), body))
+        pooling=service.engine.model_info.pooling, **tenancy(caller_of(request), body))
     # Tokenizing grows with the input: a worker thread, never the event loop.
     group = await asyncio.to_thread(service.engine.prepare, engine_request)
     results = await service.generate("embeddings", group, request)
@@ -58,7 +58,7 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, Any]:
         service.check_text_size(name, len(text))
     engine_request = EngineRequest(
         texts, sampling_params=SamplingParams(max_new_tokens=0),
-        pooling=service.engine.config.pooling, **tenancy(caller_of(request), body))
+        pooling=service.engine.model_info.pooling, **tenancy(caller_of(request), body))
     group = await asyncio.to_thread(service.engine.prepare, engine_request)
     results = await service.generate("rerank", group, request)
 

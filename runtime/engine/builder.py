@@ -39,6 +39,7 @@ class ModelInfo:
     context_len: int  # prompt + output tokens of one request, at most
     vocab_size: int  # the logits' width (may exceed the tokenizer's length)
     dtype: str  # the weights' and KV cache's torch dtype name
+    pooling: str  # embeddings' pooling: EngineConfig.pooling, else the model's own, else "last"
 
 
 @dataclass
@@ -54,10 +55,12 @@ class EngineParts:
     runner: ModelRunner
     grammar: GrammarBackend
     intake: RequestIntake
+    pooling: str
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.config.model_path, self.config.tokenizer_path or self.config.model_path,
-                         self.context_len, self.vocab_size, self.config.torch_dtype_name)
+                         self.context_len, self.vocab_size, self.config.torch_dtype_name,
+                         self.pooling)
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
@@ -114,6 +117,7 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
             compile_timeout_s=config.grammar_compile_timeout_s),
         intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
                              eos_token_ids, config.random_seed, _priority_scheduling(config)),
+        pooling=config.pooling or loaded.pooling or "last",
     )
 
 

@@ -96,10 +96,10 @@ class Engine:
                input_ids: list[int] | list[list[int]] | None = None, *,
                pooling: str | None = None, **options: Any) -> Any:
         """Embed one prompt (a dict with `embedding`, SGLang's shape) or a list (a list of
-        them): the final-normed hidden states pooled by `pooling` (None: EngineConfig.pooling),
+        them): the final-normed hidden states pooled by `pooling` (None: ModelInfo.pooling),
         not normalized. `options`: EngineRequest fields (rid, cache_salt, priority, tenant)."""
         request = EngineRequest(prompt, input_ids, SamplingParams(max_new_tokens=0),
-                                pooling=pooling or self.config.pooling, **options)
+                                pooling=pooling or self.model_info.pooling, **options)
         group = self.prepare(request)
         return self._shaped(group, self.run(group))
 

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from forklm.runtime.errors import ModelNotFoundError
 from forklm.runtime.models.checkpoint_layouts import forklm_layout
+from forklm.runtime.models.pooling_config import folder_pooling, gguf_pooling
 from forklm.runtime.models.source import resolve_model_source, resolve_tokenizer_source
 
 
@@ -34,6 +35,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     weights: Callable[..., Iterator[tuple[str, Any]]]
     is_gguf: bool = False
+    pooling: str | None = None  # the embedding pooling the model's files name (pooling_config.py)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight as a float32 tensor in one dict (tests and references, not the engine)."""
@@ -47,12 +49,14 @@ def load_model(model_path: str, revision: str | None = None,
     path = resolve_model_source(model_path, revision)
     if path.is_dir():
         loaded = _load_hf_dir(path)
+        loaded.pooling = folder_pooling(path)
     else:
         from forklm.runtime.models.gguf_loader import GGUFModel
 
         gguf = GGUFModel(path)
         loaded = LoadedModel(gguf.config, gguf.tokenizer, str(path), gguf.eos_token_ids,
-                             gguf.weights, is_gguf=True)
+                             gguf.weights, is_gguf=True,
+                             pooling=gguf_pooling(path, gguf.file.fields, gguf.arch))
     if tokenizer_path is not None:
         folder = resolve_tokenizer_source(tokenizer_path)
         if folder.is_dir():

@@ -34,6 +34,7 @@ SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
     "vocab.json", "merges.txt", "added_tokens.json",
     "chat_template.jinja", "chat_template.json",
+    "modules.json", "*Pooling/config.json",  # sentence-transformers' pooling (pooling_config.py)
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # huggingface_hub's repo-id rule (letters, digits, -_. ; no "--" or ".."), plus an optional file.
