@@ -218,6 +218,7 @@ def test_score_token_ids_item_first(live_server, hf_model, tokenizer):
     {"query": "q", "items": [[1, 2]], "label_token_ids": [1]},
     {"query": "q", "items": ["a"], "label_token_ids": [10**9]},
     {"query": "q", "items": ["a"] * 200, "label_token_ids": [1, 2]},
+    {"query": "", "items": [""], "label_token_ids": [0]},  # nothing to score a label after
 ])
 def test_score_bad_input_is_400(live_server, body):
     reply = httpx.post(f"{live_server.base_url}/v1/score", json=body, timeout=60)

@@ -63,6 +63,9 @@ def _prepare(service: GenerationService, body: ScoreRequest, tenant: dict[str, A
     if bad:
         raise InvalidArgumentError("label_token_ids", bad[0], f"token ids must be in [0, {vocab})")
     prompts = [_prompt_ids(service, body, item) for item in body.items]
+    if not all(prompts):  # a label needs a token before it to be scored after
+        raise InvalidArgumentError("items", "", "query + item is empty: nothing to score a label "
+                                   "after")
     # Logprobs from the shortest prompt's end: every prompt's last one is its label's.
     start = min(len(ids) for ids in prompts)
     request = EngineRequest(
