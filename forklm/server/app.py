@@ -22,7 +22,7 @@ from forklm.server import (
 from forklm.server.config import ServerConfig
 from forklm.server.errors import error_body_at, install_error_handlers
 from forklm.server.generation import GenerationService
-from forklm.server.tenants import Caller, Tenants, load_api_keys
+from forklm.server.tenants import Caller, Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="forklm", version="0.1.0")
     app.state.engine = engine
     app.state.config = config
-    tenants = tenants_of(config)
-    app.state.service = GenerationService(engine, config, tenants=tenants)
+    tenants = Tenants.of(config)
+    app.state.service = GenerationService(engine, config, keys=tenants)
     install_error_handlers(app)
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
@@ -51,17 +51,6 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(GuardMiddleware, config=config, metrics=app.state.service.metrics,
                        tenants=tenants)
     return app
-
-
-def tenants_of(config: ServerConfig) -> Tenants:
-    """The server's API keys (--api-key and --api-keys-file) and each key's share."""
-    entries = load_api_keys(config.api_keys_file) if config.api_keys_file else []
-    # a key's line is bounded even when only its running share is given: by the server's queue
-    queued = config.max_queued_requests_per_key
-    return Tenants(config.api_key, entries, config.cache_salt_by_key,
-                   config.max_running_requests_per_key,
-                   config.max_queued_requests if queued is None else queued,
-                   config.retry_after_s)
 
 
 def _include_programs(app: FastAPI) -> None:
@@ -97,7 +86,7 @@ class GuardMiddleware:
     def __init__(self, app: ASGIApp, config: ServerConfig, metrics: Any,
                  tenants: Tenants | None = None):
         self.app, self.config, self.metrics = app, config, metrics
-        self.tenants = tenants or tenants_of(config)
+        self.tenants = tenants or Tenants.of(config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

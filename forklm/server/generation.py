@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -74,14 +74,16 @@ class GenerationService:
     engine: Engine
     config: ServerConfig
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    # The API keys and each key's share of the engine (forklm/server/app.py's tenants_of).
-    tenants: Tenants = field(default_factory=lambda: Tenants(None, [], False, None, None, 1))
+    # The API keys and each key's share of the engine: `keys`, else the config's (Tenants.of).
+    keys: InitVar[Tenants | None] = None
+    tenants: Tenants = field(init=False)
     admission: Admission = field(init=False)
     guard: ControlTokenGuard | None = field(init=False)  # None: control tokens in chats count
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, keys: Tenants | None) -> None:
         limit = self.engine.config.max_running_requests + self.config.max_queued_requests
         self.admission = Admission(limit, self.config.retry_after_s)
+        self.tenants = keys or Tenants.of(self.config)
         self.guard = (None if self.config.allow_special_tokens_in_content
                       else ControlTokenGuard(self.engine.tokenizer))
 

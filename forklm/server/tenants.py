@@ -15,12 +15,15 @@ import json
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.server.errors import ApiError
+
+if TYPE_CHECKING:
+    from forklm.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +185,18 @@ class Tenants:
             e.max_queued_requests if e.max_queued_requests is not None else max_queued,
             retry_after_s) for e in entries}
         self.gates[ANONYMOUS] = TenantGate(ANONYMOUS, max_running, max_queued, retry_after_s)
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> Tenants:
+        """The server's API keys (--api-key and --api-keys-file) and each key's share."""
+        entries = load_api_keys(config.api_keys_file) if config.api_keys_file else []
+        # a key's line is bounded even when only its running share is given: by the server's
+        # queue
+        queued = config.max_queued_requests_per_key
+        return cls(config.api_key, entries, config.cache_salt_by_key,
+                   config.max_running_requests_per_key,
+                   config.max_queued_requests if queued is None else queued,
+                   config.retry_after_s)
 
     @property
     def needs_key(self) -> bool:

@@ -110,9 +110,11 @@ class Req:
         """Tokens whose KV the request needs: the prompt plus what it generated (after a retraction)."""
         return self.origin_input_ids + self.output_ids if self.output_ids else self.origin_input_ids
 
-    def cache_key(self, end: int) -> list[int]:
-        """fill_ids[:end] as the radix cache keys them: in the request's namespace."""
-        return namespaced(self.fill_ids[:end], self.cache_namespace)
+    def cache_key(self, end: int | None = None) -> list[int]:
+        """fill_ids[:end] (all of them by default, not copied when unsalted) as the radix cache
+        keys them: in the request's namespace."""
+        ids = self.fill_ids if end is None else self.fill_ids[:end]
+        return namespaced(ids, self.cache_namespace)
 
     @property
     def fill_len(self) -> int:

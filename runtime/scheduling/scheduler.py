@@ -127,7 +127,7 @@ class Scheduler:
                 break
             reqs.append(req)
             lens.append(n)
-            in_batch.append(req.cache_key(req.fill_len))
+            in_batch.append(req.cache_key())
             token_budget -= n
             if req.num_computed < req.fill_len:
                 self.chunked_req = req
