@@ -72,10 +72,11 @@ class AsyncProgramState(Appending):
     def variables(self) -> Pending:
         return Pending(self._after_sync(lambda: dict(self._ex.variables)), "s.variables()")
 
-    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[Any]:
+    async def text_async_iter(self, var_name: str | None = None,
+                              return_logprobs: bool = False) -> AsyncIterator[Any]:
         """Text pieces from the start, as ProgramState.text_async_iter (a gen's text arrives
         whole: async programs do not stream token by token)."""
-        pieces = PieceFilter(var_name)
+        pieces = PieceFilter(var_name, return_logprobs)
         async for event in self._ex.events.aiter():
             for piece in pieces.feed(event):
                 yield piece
@@ -84,7 +85,8 @@ class AsyncProgramState(Appending):
         if self._ex.error is not None:
             raise self._ex.error
 
-    def text_iter(self, var_name: str | None = None) -> Iterator[Any]:
+    def text_iter(self, var_name: str | None = None,
+                  return_logprobs: bool = False) -> Iterator[Any]:
         raise TypeError("text_iter blocks; an async program reads with "
                         "`async for piece in s.text_async_iter(...)`")
 

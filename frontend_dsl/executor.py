@@ -317,15 +317,17 @@ class Executor:
         with self._cond:
             self._num_done += 1
 
-    def _append(self, text: str, owner: Any = None) -> None:
+    def _append(self, text: str, owner: Any = None,
+                logprobs: list[list[Any]] | None = None) -> None:
         """Append to the text and log the piece for streaming; it belongs to every open var_scope
-        and to `owner` (the gen or select producing it), if any."""
-        if not text:
+        and to `owner` (the gen or select producing it), if any. `logprobs`: the entries of the
+        tokens the piece holds (logged even when their text is not complete yet)."""
+        if not text and not logprobs:
             return
         owners = (*self._scopes, owner) if owner is not None else tuple(self._scopes)
         with self._cond:
             self.text += text
-            self.events.append(TextEvent(text, owners))
+            self.events.append(TextEvent(text, owners, logprobs or None))
 
     def _set(self, name: Any, value: Any, meta_info: Any) -> None:
         with self._cond:
@@ -447,10 +449,18 @@ class GenCall:
         self.split = None if gen.separate_reasoning is None else ReasoningSplit(
             gen.separate_reasoning, ex.text)
         self.streamed: list[str] = []
+        self.meta: dict[str, Any] | None = None  # the stream's meta_info so far (logprobs joined)
 
-    def on_text(self, piece: str) -> None:
+    def on_text(self, piece: str, meta_info: dict[str, Any] | None = None) -> None:
+        """A streamed piece; a backend streaming logprobs passes the chunk's own meta_info
+        (its tokens' output_token_logprobs and, on the first, the prompt's)."""
         self.streamed.append(piece)
-        self.ex._append(piece if self.split is None else self.split.feed(piece), self.gen.name)
+        entries = None
+        if meta_info is not None:
+            self.meta = grow_meta_info(self.meta, meta_info)
+            entries = meta_info.get("output_token_logprobs")
+        text = piece if self.split is None else self.split.feed(piece)
+        self.ex._append(text, self.gen.name, entries)
 
     def finish(self, result: GenResult) -> None:
         sent, split = "".join(self.streamed), self.split
@@ -459,8 +469,37 @@ class GenCall:
                                f"not begin its result {result.text!r}")
         rest = result.text[len(sent):]
         self.ex._append(rest if split is None else split.feed(rest) + split.finish(),
-                        self.gen.name)
+                        self.gen.name, self._unstreamed_logprobs(result))
         self.ex._store_gen(self.gen, result, split)
+
+    def _unstreamed_logprobs(self, result: GenResult) -> list[list[Any]] | None:
+        """The result's output logprob entries the stream did not carry (all of them from a
+        backend that returns whole), so a logprob stream always covers every token."""
+        if result.samples is not None:
+            return None
+        entries = result.meta_info.get("output_token_logprobs") or []
+        sent = len((self.meta or {}).get("output_token_logprobs") or [])
+        return list(entries[sent:]) or None
+
+
+# meta_info keys whose lists grow chunk by chunk; the prompt's come on the first chunk only.
+_GROWING = ("output_token_logprobs", "output_top_logprobs")
+_ONCE = ("input_token_logprobs", "input_top_logprobs")
+
+
+def grow_meta_info(so_far: dict[str, Any] | None, chunk: dict[str, Any]) -> dict[str, Any]:
+    """A stream's meta_info after `chunk`: the growing logprob lists joined (a new dict, so a
+    reader holding the last one never sees it change), the prompt's kept from the first chunk,
+    counts and finish reason from the latest, and SGLang's output_token_logprobs_length."""
+    merged = {**chunk}
+    for key in _GROWING:
+        if key in chunk:
+            merged[key] = [*(so_far or {}).get(key, []), *chunk[key]]
+    for key in _ONCE:
+        if so_far and so_far.get(key):
+            merged[key] = so_far[key]
+    merged["output_token_logprobs_length"] = len(merged.get("output_token_logprobs", []))
+    return merged
 
 
 # Every node a program state runs: what `s += ...` appends (ir.Node.appendable), forks and joins.

@@ -126,22 +126,26 @@ class ProgramState(Appending):
         return dict(self._ex.variables)
 
     # -- streaming -----------------------------------------------------------------------------
-    def text_iter(self, var_name: str | None = None) -> Iterator[Any]:
+    def text_iter(self, var_name: str | None = None,
+                  return_logprobs: bool = False) -> Iterator[Any]:
         """Text pieces as they are produced, from the start: the whole text, or only variable
         `var_name`'s pieces (ending when it is set). The pieces concatenate to `text()` (or the
         variable). Works during `run(..., stream=True)` and after a plain `run` returns. The
         program's error, if any, is raised when the stream ends (for a variable: if it never
-        got its value)."""
-        pieces = PieceFilter(var_name)
+        got its value). With `return_logprobs`, `(piece, entries)` pairs: the [logprob, token_id,
+        text] entries of the tokens each piece holds, for gens run with return_logprob=True
+        (every token's, in order: the same entries as the gen's meta_info once it is done)."""
+        pieces = PieceFilter(var_name, return_logprobs)
         for event in self._ex.events.iter():
             yield from pieces.feed(event)
             if pieces.done:
                 return
         self._raise_error()
 
-    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[Any]:
+    async def text_async_iter(self, var_name: str | None = None,
+                              return_logprobs: bool = False) -> AsyncIterator[Any]:
         """`async for piece in s.text_async_iter(...)`: text_iter without blocking the loop."""
-        pieces = PieceFilter(var_name)
+        pieces = PieceFilter(var_name, return_logprobs)
         async for event in self._ex.events.aiter():
             for piece in pieces.feed(event):
                 yield piece

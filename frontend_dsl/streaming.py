@@ -11,10 +11,13 @@ from typing import Any, NamedTuple
 
 class TextEvent(NamedTuple):
     """A piece of text appended to the state; `owners` are the variables it is part of (the gen or
-    select producing it and every open var_scope)."""
+    select producing it and every open var_scope). A gen streamed with return_logprob also logs
+    its tokens' [logprob, token_id, text] entries with the piece they decoded to (a token whose
+    text is not complete yet comes with an empty piece)."""
 
     text: str
     owners: tuple[Any, ...]
+    logprobs: list[list[Any]] | None = None
 
 
 class VariableEvent(NamedTuple):
@@ -99,10 +102,13 @@ class PieceFilter:
     """Turns the event stream into the text pieces `text_iter(var_name)` yields. With no name:
     every text piece, until the stream ends. With a name: the pieces that variable owns, ending
     at its first set; a value that arrived without text (`s[name] = "..."`) is yielded as its
-    remaining text, and a value that is not text (a join's list) is yielded once as it is."""
+    remaining text, and a value that is not text (a join's list) is yielded once as it is.
+    `with_logprobs`: each piece as `(piece, entries)`, the [logprob, token_id, text] entries of
+    the tokens it holds ([] for text no gen streamed logprobs for); a piece may be "" when its
+    tokens' text is still incomplete."""
 
-    def __init__(self, var_name: Any = None):
-        self.var_name = var_name
+    def __init__(self, var_name: Any = None, with_logprobs: bool = False):
+        self.var_name, self.with_logprobs = var_name, with_logprobs
         self._yielded = ""
         self.done = False
 
@@ -112,6 +118,9 @@ class PieceFilter:
         if isinstance(event, TextEvent):
             if self.var_name is None or self.var_name in event.owners:
                 self._yielded += event.text
+                if self.with_logprobs:
+                    entries = event.logprobs or []
+                    return [(event.text, entries)] if event.text or entries else []
                 return [event.text] if event.text else []
             return []
         if self.var_name is None or event.name != self.var_name:
@@ -119,7 +128,10 @@ class PieceFilter:
         self.done = True
         value = event.value
         if not isinstance(value, str):
-            return [] if self._yielded else [value]
+            return [] if self._yielded else [self._piece(value)]
         if value.startswith(self._yielded) and len(value) > len(self._yielded):
-            return [value[len(self._yielded):]]
+            return [self._piece(value[len(self._yielded):])]
         return []
+
+    def _piece(self, value: Any) -> Any:
+        return (value, []) if self.with_logprobs else value

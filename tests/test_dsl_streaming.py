@@ -238,3 +238,125 @@ def test_engine_streaming_equals_the_plain_result(make_engine, tokenizer):
     assert backend.default_system_prompt() == system
     assert state.messages()[0] == {"role": "system", "content": system}
     assert [m["role"] for m in state.messages()] == ["system", "user", "assistant"]
+
+
+class LogprobStreamingBackend(StreamingBackend):
+    """Streams each word with its chunk's meta_info (one token per word, token id = its index)
+    when logprobs are asked for; the middle word's token arrives first with no text (as a token
+    whose UTF-8 is incomplete does) and its text with the next call."""
+
+    def generate(self, prompt, sampling_params, logprob_options, on_text=None):
+        entries = [[-0.5 * (i + 1), i, w] for i, w in enumerate(self.words)]
+        meta = {"completion_tokens": len(self.words), "output_token_logprobs": entries,
+                "input_token_logprobs": [[None, 7, "p"]]}
+        if not logprob_options.return_logprob:
+            return super().generate(prompt, sampling_params, logprob_options, on_text)
+        if on_text is None:
+            return GenResult("".join(self.words), meta)
+        for i, word in enumerate(self.words):
+            chunk = {"completion_tokens": i + 1, "output_token_logprobs": [entries[i]]}
+            if i == 0:
+                chunk["input_token_logprobs"] = [[None, 7, "p"]]
+            if i == 1:
+                on_text("", chunk)
+                on_text(word, {"completion_tokens": i + 1, "output_token_logprobs": []})
+            else:
+                on_text(word, chunk)
+        return GenResult("".join(self.words), meta)
+
+
+def test_streamed_logprobs_come_with_their_pieces_and_grow_meta_info():
+    gate = threading.Event()
+
+    @sgl.function
+    def prog(s):
+        s += "Q:" + sgl.gen("answer", 8, return_logprob=True) + "."
+
+    backend = LogprobStreamingBackend()
+    state = prog.run(backend=backend, stream=True)
+    pairs = list(state.text_iter("answer", return_logprobs=True))
+    assert pairs == [("one", [[-0.5, 0, "one"]]), ("", [[-1.0, 1, " two"]]), (" two", []),
+                     (" three", [[-1.5, 2, " three"]])]
+    assert "".join(p for p, _ in pairs) == state["answer"]
+    meta = state.get_meta_info("answer")
+    assert meta["output_token_logprobs"] == [e for _, es in pairs for e in es]
+    assert meta["input_token_logprobs"] == [[None, 7, "p"]]
+    # The whole text's stream: pieces outside the gen carry no entries.
+    whole = list(state.text_iter(return_logprobs=True))
+    assert whole[0] == ("Q:", []) and whole[-1] == (".", [])
+    assert [e for _, es in whole for e in es] == meta["output_token_logprobs"]
+
+    # A reader sees each chunk's entries while the gen is still running.
+    class Held(LogprobStreamingBackend):
+        def generate(self, prompt, sampling_params, logprob_options, on_text=None):
+            def held(piece, meta=None):
+                on_text(piece, meta)
+                if piece == "one":
+                    assert gate.wait(10), "the test never released the stream"
+            return super().generate(prompt, sampling_params, logprob_options, held)
+
+    state = prog.run(backend=Held(), stream=True)
+    stream = state.text_iter("answer", return_logprobs=True)
+    assert next(stream) == ("one", [[-0.5, 0, "one"]])
+    gate.set()
+    assert [e for _, es in stream for e in es] == [[-1.0, 1, " two"], [-1.5, 2, " three"]]
+    assert len(state.get_meta_info("answer")["output_token_logprobs"]) == 3
+
+
+def test_a_backend_returning_whole_gives_its_logprobs_with_the_last_piece():
+    @sgl.function
+    def prog(s):
+        s += "Q:" + sgl.gen("answer", 8, return_logprob=True)
+
+    class Whole(LogprobStreamingBackend):
+        def generate(self, prompt, sampling_params, logprob_options, on_text=None):
+            return super().generate(prompt, sampling_params, logprob_options, None)
+
+    state = prog.run(backend=Whole())
+    assert list(state.text_iter("answer", return_logprobs=True)) == [
+        ("one two three", [[-0.5, 0, "one"], [-1.0, 1, " two"], [-1.5, 2, " three"]])]
+    # Without return_logprob no entries are made up.
+    plain = qa.run("Why?", backend=StreamingBackend())
+    assert all(es == [] for _, es in plain.text_iter("answer", return_logprobs=True))
+
+
+def test_async_programs_stream_logprobs_too():
+    @sgl.function
+    async def prog(s):
+        s += "Q:" + sgl.gen("answer", 8, return_logprob=True)
+
+    async def main():
+        state = await prog.run_async(backend=LogprobStreamingBackend())
+        return [pair async for pair in state.text_async_iter("answer", return_logprobs=True)]
+
+    pairs = asyncio.run(main())
+    assert "".join(p for p, _ in pairs) == "one two three"
+    assert [e[1] for _, es in pairs for e in es] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_engine_streams_each_tokens_logprob_with_its_text(make_engine):
+    engine = make_engine()
+    backend = sgl.EngineBackend(engine)
+
+    @sgl.function
+    def story(s):
+        s += sgl.user("Name a planet.")
+        s += sgl.assistant(sgl.gen("name", 12, return_logprob=True, top_logprobs_num=2,
+                                   return_text_in_logprobs=True))
+
+    state = story.run(backend=backend, stream=True, temperature=0.0)
+    pairs = list(state.text_iter("name", return_logprobs=True))
+    entries = [e for _, es in pairs for e in es]
+    meta = state.get_meta_info("name")
+    assert len(pairs) > 3 and "".join(p for p, _ in pairs) == state["name"]
+    assert entries == meta["output_token_logprobs"]
+    assert len(entries) == meta["completion_tokens"]
+    assert "".join(e[2] for e in entries) == state["name"]  # each token's own text
+    assert len(meta["output_top_logprobs"]) == len(entries)
+    # The same request whole: the same tokens and logprobs.
+    whole = story.run(backend=backend, temperature=0.0)
+    whole_meta = whole.get_meta_info("name")
+    assert [e[1] for e in whole_meta["output_token_logprobs"]] == [e[1] for e in entries]
+    for a, b in zip(whole_meta["output_token_logprobs"], entries):
+        assert a[0] == pytest.approx(b[0], abs=1e-4)

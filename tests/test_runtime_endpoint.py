@@ -169,6 +169,22 @@ def test_streaming_over_http(endpoint):
     assert len(pieces) >= 3 and "".join(pieces) == state["rest"]
 
 
+def test_streamed_logprobs_over_http_match_the_local_engine(endpoint, local):
+    @sgl.function
+    def count(s):
+        s += "Count from one to ten in words: one, two," + sgl.gen(
+            "rest", max_tokens=10, return_logprob=True, return_text_in_logprobs=True)
+
+    state = count.run(backend=endpoint, stream=True, temperature=0.0)
+    pairs = list(state.text_iter("rest", return_logprobs=True))
+    entries = [e for _, es in pairs for e in es]
+    assert len(pairs) >= 3 and "".join(p for p, _ in pairs) == state["rest"]
+    assert len(entries) == state.get_meta_info("rest")["completion_tokens"]
+    assert entries == state.get_meta_info("rest")["output_token_logprobs"]
+    expected = count.run(backend=local, temperature=0.0).get_meta_info("rest")
+    assert [e[1:] for e in entries] == [e[1:] for e in expected["output_token_logprobs"]]
+
+
 def test_server_errors_are_raised_with_the_servers_message(endpoint):
     @sgl.function
     def too_long(s):

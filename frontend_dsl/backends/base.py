@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from forklm.frontend_dsl.state import ProgramState
 
 
+# What a streaming backend calls per piece of output text: on_text(piece), or, for a chunk that
+# carries logprobs, on_text(piece, chunk_meta_info) (that chunk's tokens' entries; piece may be "").
+OnText = Callable[..., None]
+
+
 class BackendError(ForkLMError, RuntimeError):
     """A backend call failed (e.g. the engine aborted the request); the message says why."""
 
@@ -45,14 +50,15 @@ class Backend:
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
                  logprob_options: LogprobOptions,
-                 on_text: Callable[[str], None] | None = None) -> GenResult:
+                 on_text: OnText | None = None) -> GenResult:
         """Continue `prompt`, with the logprobs `logprob_options` asks for (meta_info holds them
-        in SGLang's shape). With `on_text`, each new piece of output text is passed to it as soon as it is decoded."""
+        in SGLang's shape). With `on_text`, each new piece of output text is passed to it as soon as
+        it is decoded (see OnText)."""
         raise NotImplementedError(f"{type(self).__name__}.generate")
 
     def generate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
                       logprob_options: LogprobOptions,
-                      on_text: Callable[[str], None] | None = None) -> GenResult:
+                      on_text: OnText | None = None) -> GenResult:
         """generate, also given the chat that `prompt` renders; what the executor calls. A backend
         that sends messages rather than text (an OpenAI chat model) overrides it; the default
         continues the text."""
@@ -67,7 +73,7 @@ class Backend:
     # overrides them; the defaults run the blocking call on the loop's default thread pool.
     async def agenerate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
                              logprob_options: LogprobOptions,
-                             on_text: Callable[[str], None] | None = None) -> GenResult:
+                             on_text: OnText | None = None) -> GenResult:
         """generate_turn, awaited; `on_text` (if given) may be called from another thread."""
         return await asyncio.to_thread(self.generate_turn, prompt, turn, sampling_params,
                                        logprob_options, on_text)

@@ -9,7 +9,13 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
+from forklm.frontend_dsl.backends.base import (
+    Backend,
+    BackendError,
+    ChatTurn,
+    GenResult,
+    OnText,
+)
 from forklm.frontend_dsl.backends.session_client import SessionClient
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from forklm.frontend_dsl.global_config import __version__
@@ -43,25 +49,26 @@ class EngineBackend(Backend):
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
                  logprob_options: LogprobOptions,
-                 on_text: Callable[[str], None] | None = None) -> GenResult:
+                 on_text: OnText | None = None) -> GenResult:
         """One engine request; with `on_text` it streams, and each chunk's new text is passed on
         as the engine decodes it (the pieces concatenate to the result's text)."""
         request = EngineRequest(prompt, sampling_params=sampling_params, logprobs=logprob_options)
         if on_text is None or sampling_params.n != 1:  # n > 1 samples come back whole
             return self._gen_result(request, self.engine.generate_outputs(request))
         chunks = self.engine.stream_outputs(request)
-        return self._gen_result(request, [_streamed(chunks, on_text)])
+        return self._gen_result(request, [_streamed(chunks, on_text, self._meta_tokenizer(request))])
 
     async def agenerate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
                              logprob_options: LogprobOptions,
-                             on_text: Callable[[str], None] | None = None) -> GenResult:
+                             on_text: OnText | None = None) -> GenResult:
         """generate on the engine's async API (the caller's event loop, no thread)."""
         request = EngineRequest(prompt, sampling_params=sampling_params, logprobs=logprob_options)
         if on_text is None or sampling_params.n != 1:
             return self._gen_result(request,
                                     await self.engine.async_generate_outputs(request))
         chunks = await self.engine.async_stream_outputs(request)
-        return self._gen_result(request, [await _astreamed(chunks, on_text)])
+        return self._gen_result(
+            request, [await _astreamed(chunks, on_text, self._meta_tokenizer(request))])
 
     def select(self, prompt: str, choices: list[str],
                choices_method: ChoicesSamplingMethod) -> ChoicesDecision:
@@ -156,9 +163,13 @@ class EngineBackend(Backend):
         (what state.get_meta_info gives); an abort raises."""
         for out in outs:
             _raise_if_aborted(out)
-        tokenizer = self.tokenizer if request.logprobs.with_text else None
+        tokenizer = self._meta_tokenizer(request)
         samples = [(out.text, out.meta_info(tokenizer)) for out in outs]
         return GenResult(*samples[0], samples if len(samples) > 1 else None)
+
+    def _meta_tokenizer(self, request: EngineRequest) -> Any:
+        """What decodes logprob entries' text: the tokenizer when the request asks for it."""
+        return self.tokenizer if request.logprobs.with_text else None
 
     def _render(self, messages: list[dict[str, str]]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False)
@@ -216,29 +227,32 @@ class _Scoring:
                 for out in unconditional])
 
 
-def _streamed(chunks: Iterator[GenerateOutput], on_text: Callable[[str], None]
+def _streamed(chunks: Iterator[GenerateOutput], on_text: OnText, tokenizer: Any
               ) -> GenerateOutput:
-    """A stream's chunks joined into its result, each new piece of text passed on."""
+    """A stream's chunks joined into its result, each new piece of text passed on (with the
+    chunk's meta_info when it carries logprobs)."""
     parts = []
     for chunk in chunks:
-        _pass_on(chunk, on_text)
+        _pass_on(chunk, on_text, tokenizer)
         parts.append(chunk)
     assert parts and parts[-1].finished, "an engine stream ends with a final chunk"
     return join_chunks(parts)
 
 
-async def _astreamed(chunks: AsyncIterator[GenerateOutput], on_text: Callable[[str], None]
+async def _astreamed(chunks: AsyncIterator[GenerateOutput], on_text: OnText, tokenizer: Any
                      ) -> GenerateOutput:
     parts = []
     async for chunk in chunks:
-        _pass_on(chunk, on_text)
+        _pass_on(chunk, on_text, tokenizer)
         parts.append(chunk)
     assert parts and parts[-1].finished, "an engine stream ends with a final chunk"
     return join_chunks(parts)
 
 
-def _pass_on(chunk: GenerateOutput, on_text: Callable[[str], None]) -> None:
-    if chunk.text:
+def _pass_on(chunk: GenerateOutput, on_text: OnText, tokenizer: Any) -> None:
+    if chunk.logprobs is not None:
+        on_text(chunk.text, chunk.meta_info(tokenizer))
+    elif chunk.text:
         on_text(chunk.text)
 
 

@@ -14,7 +14,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
+from forklm.frontend_dsl.backends.base import (
+    Backend,
+    BackendError,
+    ChatTurn,
+    GenResult,
+    OnText,
+)
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod, mean_logprob
 from forklm.runtime.engine.engine_request import LogprobOptions
 from forklm.runtime.errors import InvalidArgumentError
@@ -72,7 +78,7 @@ class OpenAI(Backend):
 
     def generate(self, prompt: str, sampling_params: SamplingParams,
                  logprob_options: LogprobOptions,
-                 on_text: Callable[[str], None] | None = None) -> GenResult:
+                 on_text: OnText | None = None) -> GenResult:
         """A completion model's gen: the program's text is the prompt."""
         if self.is_chat_model:
             raise BackendError("a chat model's gen needs the chat (generate_turn)")
@@ -82,7 +88,7 @@ class OpenAI(Backend):
 
     def generate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
                       logprob_options: LogprobOptions,
-                      on_text: Callable[[str], None] | None = None) -> GenResult:
+                      on_text: OnText | None = None) -> GenResult:
         """A chat model's gen is the assistant's whole reply to the messages so far."""
         if not self.is_chat_model:
             return self.generate(prompt, sampling_params, logprob_options, on_text)
@@ -160,7 +166,7 @@ class OpenAI(Backend):
         return kwargs, text_in_logprobs
 
     def _call(self, create: Callable[..., Any], kwargs: dict[str, Any],
-              on_text: Callable[[str], None] | None, chat: bool,
+              on_text: OnText | None, chat: bool,
               text_in_logprobs: bool | None) -> GenResult:
         """One API call; streamed into `on_text` when it yields one text (n = 1, no logprobs)."""
         streams = on_text is not None and kwargs.get("n", 1) == 1 and text_in_logprobs is None
@@ -173,7 +179,7 @@ class OpenAI(Backend):
         except self._api_error as e:
             raise BackendError(f"{self.model_name} refused the request: {e}") from e
 
-    def _stream(self, chunks: Any, on_text: Callable[[str], None], chat: bool) -> GenResult:
+    def _stream(self, chunks: Any, on_text: OnText, chat: bool) -> GenResult:
         pieces: list[str] = []
         meta: dict[str, Any] = {"finish_reason": None}
         for chunk in chunks:

@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import httpx
 
-from forklm.frontend_dsl.backends.base import Backend, BackendError, ChatTurn, GenResult
+from forklm.frontend_dsl.backends.base import (
+    Backend,
+    BackendError,
+    ChatTurn,
+    GenResult,
+    OnText,
+)
 from forklm.frontend_dsl.backends.engine_backend import EngineBackend
 from forklm.frontend_dsl.choices import ChoicesDecision, ChoicesSamplingMethod
 from forklm.frontend_dsl.defaults import RunDefaults
@@ -61,7 +67,7 @@ class RuntimeEndpoint(Backend):
     # -- Backend -------------------------------------------------------------------------------
     def generate(self, prompt: str, sampling_params: SamplingParams,
                  logprob_options: LogprobOptions,
-                 on_text: Callable[[str], None] | None = None) -> GenResult:
+                 on_text: OnText | None = None) -> GenResult:
         return self._local.generate(prompt, sampling_params, logprob_options, on_text=on_text)
 
     def select(self, prompt: str, choices: list[str],
@@ -70,7 +76,7 @@ class RuntimeEndpoint(Backend):
 
     async def agenerate_turn(self, prompt: str, turn: ChatTurn, sampling_params: SamplingParams,
                              logprob_options: LogprobOptions,
-                             on_text: Callable[[str], None] | None = None) -> GenResult:
+                             on_text: OnText | None = None) -> GenResult:
         if on_text is not None:  # streamed: the blocking client, on a thread
             return await super().agenerate_turn(prompt, turn, sampling_params, logprob_options,
                                                 on_text)
