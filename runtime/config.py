@@ -149,6 +149,20 @@ class EngineConfig:
     # None = the model's own (sentence-transformers' Pooling module, a GGUF's pooling_type;
     # runtime/models/pooling_config.py), else "last". Resolved in ModelInfo.pooling.
     pooling: str | None = None
+    # SGLang's LoRA serving (runtime/lora/): --lora-paths loads PEFT adapter folders at start
+    # (`name=path`, or a path that is also the name); --enable-lora (implied by lora_paths) also
+    # lets adapters be loaded at run time. A request names its adapter in lora_path; one batch
+    # mixes requests of at most max_loras_per_batch adapters (and the base model), and the
+    # weights of at most max_loaded_loras adapters stay in memory (None: all; least recently
+    # used first out, read again from their folder when next named).
+    enable_lora: bool | None = None
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.lora_paths) if self.enable_lora is None else self.enable_lora
 
     def __post_init__(self) -> None:
         check_field(self.pooling is None or self.pooling in POOLING_MODES, "pooling",
@@ -212,6 +226,29 @@ class EngineConfig:
                     "max_total_tokens_fraction (of free RAM) or max_total_tokens")
         self._check_speculative()
         self._check_parallel()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        paths = self.lora_paths
+        if isinstance(paths, str):
+            paths = (paths,)
+        check_field(isinstance(paths, (list, tuple)) and all(isinstance(p, str) for p in paths),
+                    "lora_paths", self.lora_paths, "expected a list of name=path strings")
+        object.__setattr__(self, "lora_paths", tuple(paths))  # hashable whatever was given
+        check_field(self.max_loras_per_batch >= 1, "max_loras_per_batch",
+                    self.max_loras_per_batch, "must be >= 1")
+        check_field(self.max_loaded_loras is None or self.max_loaded_loras >= 1,
+                    "max_loaded_loras", self.max_loaded_loras, "must be >= 1 (or unset: all)")
+        check_field(not (self.enable_lora is False and self.lora_paths), "enable_lora", False,
+                    "lora_paths were given; leave enable_lora unset or True")
+        if not self.lora_enabled:
+            return
+        check_field(self.tp_size == 1, "tp_size", self.tp_size,
+                    "LoRA adapters are applied by one process; use tp_size 1 (or data "
+                    "parallelism: every replica loads the adapters)")
+        check_field(not self.enable_deterministic_inference, "enable_deterministic_inference",
+                    True, "not implemented with LoRA adapters (their updates are computed per "
+                    "batch's adapter rows)")
 
     def _check_parallel(self) -> None:
         check_field(self.tp_size >= 1, "tp_size", self.tp_size, "must be >= 1")

@@ -242,7 +242,12 @@ def test_a_key_over_its_share_waits_then_gets_429(server):
 
 
 @pytest.mark.slow
-def test_a_flood_from_one_key_keeps_another_keys_request_within_twice_its_idle_time(server):
+def test_a_flood_from_one_key_costs_another_key_no_more_than_two_neighbours(server):
+    """The flood key's share is 2 running requests: ten flooding threads slow another key's
+    request no more than two ordinary neighbours do (without the share they would batch all
+    ten beside it: 3.1-3.4x its idle latency, against 1.1-1.3x measured with it on an Intel
+    AVX-512 machine). Compared with two neighbours measured on the same machine, not with a
+    fixed factor of the idle latency: how much two neighbours cost depends on the CPU."""
     base = server.base_url
     solo = {"text": "Name three colours.",
             "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0}}
@@ -253,32 +258,40 @@ def test_a_flood_from_one_key_keeps_another_keys_request_within_twice_its_idle_t
         assert r.status_code == 200, r.text
         return time.perf_counter() - start
 
+    def beside(key: str, threads: int, queued: int) -> tuple[float, list[int]]:
+        """solo's median latency while `threads` threads of `key` keep sending long requests
+        (once `queued` of them wait behind the key's share)."""
+        stop, answers = threading.Event(), []
+
+        def send() -> None:
+            with httpx.Client(timeout=300) as client:
+                while not stop.is_set():
+                    answers.append(client.post(base + "/generate", headers=_auth(key), json={
+                        "text": "Write a long essay.",
+                        "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+                    ).status_code)
+
+        workers = [threading.Thread(target=send) for _ in range(threads)]
+        for t in workers:
+            t.start()
+        try:
+            deadline = time.monotonic() + 30
+            gate = server.app.state.service.tenants.gates[key]
+            while gate.running < min(threads, 2) or gate.queued < queued:
+                assert time.monotonic() < deadline, f"{key}'s requests never started"
+                time.sleep(0.05)
+            return statistics.median(solo_latency() for _ in range(3)), answers
+        finally:
+            stop.set()
+            for t in workers:
+                t.join(timeout=300)
+
     solo_latency()  # warm
     idle = statistics.median(solo_latency() for _ in range(3))
-    stop, flood_answers = threading.Event(), []
-
-    def flood() -> None:
-        with httpx.Client(timeout=300) as client:
-            while not stop.is_set():
-                flood_answers.append(client.post(base + "/generate", headers=_auth("flood"), json={
-                    "text": "Write a long essay.",
-                    "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}).status_code)
-
-    floods = [threading.Thread(target=flood) for _ in range(10)]
-    for t in floods:
-        t.start()
-    try:
-        deadline = time.monotonic() + 30
-        while server.app.state.service.tenants.gates["flood"].queued < 8:
-            assert time.monotonic() < deadline, "the flood never queued"
-            time.sleep(0.05)
-        busy = statistics.median(solo_latency() for _ in range(3))
-    finally:
-        stop.set()
-        for t in floods:
-            t.join(timeout=300)
-    assert busy <= 2 * idle, (idle, busy)
-    assert flood_answers and set(flood_answers) == {200}
+    two, _ = beside("bob", 2, 0)
+    flooded, answers = beside("flood", 10, 8)
+    assert flooded <= 1.5 * two, (idle, two, flooded)
+    assert answers and set(answers) == {200}
     assert_idle_and_clean(server.engine)
 
 

@@ -13,6 +13,7 @@ from forklm.runtime.engine.engine import Engine
 from forklm.server import (
     anthropic_api,
     embeddings_api,
+    lora_api,
     native_api,
     openai_api,
     responses_api,
@@ -44,6 +45,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)
     app.include_router(tokenize_api.router)
+    app.include_router(lora_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(embeddings_api.router)
     app.include_router(score_api.router)

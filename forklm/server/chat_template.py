@@ -36,7 +36,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
                 chat_template: str | None = None, tool_prompt: str | None = None) -> str:
     """The prompt text of OpenAI-shaped `messages` (validated: content is a string, None or text
-    parts) and OpenAI-shaped `tools`. `chat_template` overrides the tokenizer's template;
+    and image parts) and OpenAI-shaped `tools`. `chat_template` overrides the tokenizer's template;
     `tool_prompt` is the generic tool prompt used only when the template does not render tools.
     A template that rejects the conversation is an InvalidArgumentError on `messages`.
     CPU work proportional to the conversation: call it off the event loop."""
@@ -165,9 +165,14 @@ def is_template_text(value: str) -> bool:
     return "{{" in value or "{%" in value
 
 
-def _text(content: Any) -> str:
+def _text(content: Any) -> Any:
+    """A message's content for the template: its text, or with image parts the list of text
+    and {"type": "image"} parts that vision-language templates render as their placeholder."""
     if content is None or isinstance(content, str):
         return content or ""
+    if any(part["type"] == "image_url" for part in content):
+        return [{"type": "text", "text": part["text"]} if part["type"] == "text"
+                else {"type": "image"} for part in content]
     return "".join(part["text"] for part in content)
 
 

@@ -45,6 +45,10 @@ class ServerConfig:
     # Control tokens typed into chat messages ("<|im_end|>") are encoded as plain text, so a user
     # cannot forge a turn; True restores the old behaviour (they become real control tokens).
     allow_special_tokens_in_content: bool = False
+    # A vision-language model's remote images (image_url parts, image_data) are fetched only
+    # from URLs starting with one of these ("https://images.example.com/"); none by default: a
+    # server must not be a proxy to the network. Data URLs and base64 always work.
+    allowed_image_url_prefixes: tuple[str, ...] = ()
     # Requests admitted beyond the engine's max_running_requests before new ones get a 503.
     max_queued_requests: int = 256
     # 8 MiB is ~1M tokens of text, far beyond any context; larger bodies are an error or abuse.

@@ -42,6 +42,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         kind = _base_type(hints[field.name])
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif typing.get_origin(kind) is tuple:  # e.g. --lora-paths a=/x b=/y
+            parser.add_argument(flag, type=typing.get_args(kind)[0], nargs="+", default=None,
+                                help=f"(default: {field.default})")
         else:
             parser.add_argument(flag, type=kind, default=None,
                                 help=f"(default: {field.default})")

@@ -33,6 +33,7 @@ from forklm.server.generation import (
     tenancy,
     with_caller_session,
 )
+from forklm.server.image_inputs import decode_image_data, image_limits
 from forklm.server.protocol import (
     AbortRequest,
     CloseSessionRequest,
@@ -114,8 +115,6 @@ def _as_json(group: RequestGroup, out: GenerateOutput, tokenizer: Any,
 UNSUPPORTED_FIELDS = {
     "custom_logit_processor": "forklm runs no custom logit processors",
     "return_hidden_states": "forklm does not return hidden states",
-    "lora_path": "forklm serves no LoRA adapters",
-    "image_data": "forklm serves text-only models",
 }
 
 
@@ -142,7 +141,10 @@ def _prepare(service: GenerationService, body: GenerateRequest, caller: Caller) 
         prompt=body.text, input_ids=body.input_ids, sampling_params=params,
         return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
         top_logprobs_num=body.top_logprobs_num, rid=body.rid,
-        return_text_in_logprobs=body.return_text_in_logprobs, session_params=body.session_params)
+        return_text_in_logprobs=body.return_text_in_logprobs, session_params=body.session_params,
+        lora_path=body.lora_path,
+        image_data=decode_image_data(body.image_data, isinstance(body.text, str),
+                                     image_limits(service.config)))
     request = with_caller_session(dataclasses.replace(request, **tenancy(caller, body)), caller)
     return service.engine.prepare(request, stream=body.stream)
 

@@ -29,6 +29,7 @@ from forklm.server.chat_template import (
 )
 from forklm.server.errors import sse_frames
 from forklm.server.generation import ChunkStream, GenerationService, tenancy
+from forklm.server.image_inputs import decode_chat_images, image_limits
 from forklm.server.native_api import service_of
 from forklm.server.protocol import ChatCompletionRequest, CompletionRequest
 from forklm.server.tenants import Caller, caller_of
@@ -43,10 +44,14 @@ _COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completio
 @router.get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
     service = service_of(request)
-    return {"object": "list", "data": [{
-        "id": service.model_name, "object": "model", "created": 0, "owned_by": "forklm",
-        "root": service.engine.config.model_path,
-        "max_model_len": service.engine.model_info.context_len}]}
+    context_len = service.engine.model_info.context_len
+    base = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "forklm",
+            "root": service.engine.config.model_path, "max_model_len": context_len}
+    # LoRA adapters as models of their own (vLLM's listing): `parent` is the base model.
+    adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "forklm",
+                 "root": folder, "parent": service.model_name, "max_model_len": context_len}
+                for name, folder in service.engine.lora_adapters().items()]
+    return {"object": "list", "data": [base, *adapters]}
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
@@ -144,7 +149,8 @@ async def prepare_chat(service: GenerationService, body: ChatCompletionRequest,
     _add_tool_constraint(params, plan)
     top = (body.top_logprobs or 0) if body.logprobs else None
     engine_prompt = prompt.text if prompt.input_ids is None else prompt.input_ids
-    group = await asyncio.to_thread(_prepare, service, body, caller, engine_prompt, params, top)
+    group = await asyncio.to_thread(_prepare, service, body, caller, engine_prompt, params, top,
+                                    images=True)
     return group, plan.with_prompt(prompt.text)
 
 
@@ -154,7 +160,7 @@ def _chat_chars(body: ChatCompletionRequest) -> int:
     for m in body.messages:
         content = m.content
         total += len(content) if isinstance(content, str) else sum(
-            len(part.text) for part in content or ())
+            len(part.text) for part in content or () if part.type == "text")
         total += sum(len(c.function.arguments) for c in m.tool_calls or ())
     return total
 
@@ -280,15 +286,18 @@ def _delta_fields(delta: ReplyDelta) -> dict[str, Any]:
 # -- shared ------------------------------------------------------------------------------------
 def _prepare(service: GenerationService, body: Any, caller: Caller, prompt: Any,
              params: dict[str, Any], top_logprobs: int | None,
-             prompt_logprobs: bool = False) -> RequestGroup:
+             prompt_logprobs: bool = False, images: bool = False) -> RequestGroup:
     """The engine call of a request: its prompt(s), n samples each, logprobs when asked (the
-    prompt's too with `prompt_logprobs`)."""
+    prompt's too with `prompt_logprobs`); with `images`, a chat's image parts, decoded here."""
+    image_data = (decode_chat_images(body.messages, image_limits(service.config))
+                  if images else None)
     logprobs = LogprobOptions(return_logprob=top_logprobs is not None,
                               logprob_start_len=0 if prompt_logprobs else None,
                               top_logprobs_num=top_logprobs or 0)
     return service.engine.prepare(EngineRequest(
         prompt, sampling_params=SamplingParams.from_dict({**params, "n": body.n}),
-        logprobs=logprobs, rid=body.rid, **tenancy(caller, body)))
+        logprobs=logprobs, rid=body.rid, lora_path=conv.model_adapter(service, body.model),
+        image_data=image_data, **tenancy(caller, body)))
 
 
 def _in_order(finals: list[GenerateOutput], num: int) -> list[GenerateOutput]:

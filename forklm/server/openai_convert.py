@@ -25,11 +25,25 @@ class _NamesAModel(Protocol):
 
 
 def check_model(service: GenerationService, body: _NamesAModel) -> None:
-    """The served name, the model path and "default" (a name for whatever is served) all work."""
+    """The served name, the model path and "default" (a name for whatever is served) all work,
+    and so does a loaded LoRA adapter's name, alone or as "<served name>:<adapter>"."""
+    model_adapter(service, body.model)
+
+
+def model_adapter(service: GenerationService, model: str | None) -> str | None:
+    """The LoRA adapter `model` names (vLLM's convention: the adapter's name is a model), None
+    for the base model; a name that is neither is a 404."""
     names = {service.model_name, service.engine.config.model_path, "default"}
-    if body.model not in names:
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves "
-                       f"{service.model_name!r}", "model")
+    if model in names:
+        return None
+    adapters = service.engine.lora_adapters()
+    base, sep, adapter = (model or "").rpartition(":")
+    if model in adapters:
+        return model
+    if sep and base in names and adapter in adapters:
+        return adapter
+    served = ", ".join(repr(n) for n in [service.model_name, *sorted(adapters)])
+    raise ApiError(404, f"model {model!r} does not exist; this server serves {served}", "model")
 
 
 def sampling_dict(body: _SamplingFields, max_new_tokens: int) -> dict[str, Any]:

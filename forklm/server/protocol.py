@@ -47,6 +47,12 @@ MAX_TEMPLATE_KWARGS = 32
 MAX_TEMPLATE_KWARGS_CHARS = 64 * 1024  # of their JSON; they are template switches, not data
 _Count = Field(default=None, ge=0)
 _Id = Field(default=None, max_length=512)  # user, prompt_cache_key, safety_identifier
+MAX_IMAGE_URL_CHARS = 32 * 1024 * 1024  # a data URL; the body limit bounds it first
+# One prompt's images as /generate takes them (the intake bounds the count).
+ImageData = Annotated[str, Field(max_length=MAX_IMAGE_URL_CHARS)] | list[
+    Annotated[str, Field(max_length=MAX_IMAGE_URL_CHARS)]]
+# A LoRA adapter's name as a request gives it (bounded like every string a request controls).
+AdapterName = Annotated[str, Field(min_length=1, max_length=256)]
 # vLLM's cache_salt: cached prefixes are shared only among requests with the same salt.
 CacheSalt = Annotated[str | None, Field(min_length=1, max_length=1024)]
 # SGLang's priority (with --enable-priority-scheduling; larger first by default).
@@ -167,12 +173,16 @@ class GenerateRequest(_Request):
     session_params: dict[str, Any] | None = None
     cache_salt: CacheSalt = None
     priority: Priority = None
+    # A loaded LoRA adapter's name (the server's --lora-paths, /load_lora_adapter), or one per
+    # prompt; null: the base model.
+    lora_path: AdapterName | list[AdapterName | None] | None = None
     # SGLang fields forklm cannot honour: accepted at their defaults (null/false), a 400 naming
     # them otherwise (native_api.UNSUPPORTED_FIELDS).
     custom_logit_processor: str | list[str | None] | None = None
     return_hidden_states: bool | list[bool] = False
-    lora_path: str | list[str | None] | None = None
-    image_data: Any = None
+    # A vision-language model's images (SGLang's image_data): for one prompt an image or a list
+    # of them; for a batch one such entry (or null) per prompt. Data URLs or base64 text.
+    image_data: ImageData | list[ImageData | None] | None = None
     log_metrics: bool = True  # forklm always records metrics
     # With the server's --reasoning-parser: `text` is the reply's content, `reasoning_text` its
     # <think> part.
@@ -303,6 +313,18 @@ class TextPart(_Lenient):
     text: str
 
 
+class ImageUrl(_Lenient):
+    url: str = Field(max_length=MAX_IMAGE_URL_CHARS)
+    detail: str | None = None  # OpenAI's; the model's processor decides the resolution
+
+
+class ImagePart(_Lenient):
+    """An image part: a data URL (or, where the server allows it, a remote URL)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class FunctionCall(_Lenient):
     name: str
     arguments: str
@@ -316,20 +338,20 @@ class ToolCall(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """Name the unsupported part (an image, audio), not the union's every branch."""
+    def _known_parts_only(cls, content: Any) -> Any:
+        """Name the unsupported part (audio, a file), not the union's every branch."""
         for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
+            if kind not in ("text", "image_url"):
                 raise ValueError(f"content part {i} has type {kind!r}; this server reads "
-                                 "only 'text' parts")
+                                 "'text' and 'image_url' parts")
         return content
 
 

@@ -39,10 +39,14 @@ _SYSTEM_SENTINEL = "\x00forklm-system-content\x00"
 
 class EngineBackend(Backend):
     """Runs gens and selects on an `Engine` in this process; the chat template is the engine
-    tokenizer's own. `EngineBackend()` builds an Engine on the default model."""
+    tokenizer's own. `EngineBackend()` builds an Engine on the default model.
+    `lora_path`: a LoRA adapter loaded in the engine that every gen and select of the programs
+    run on this backend goes through (None: the base model)."""
 
-    def __init__(self, engine: EngineClient | None = None, **engine_config: Any):
+    def __init__(self, engine: EngineClient | None = None, *, lora_path: str | None = None,
+                 **engine_config: Any):
         self.engine: EngineClient = engine if engine is not None else Engine(**engine_config)
+        self.lora_path = lora_path
         self.tokenizer = self.engine.tokenizer
         self._bos = prompt_bos(self.tokenizer)
         self._default_system = self._find_default_system()
@@ -52,7 +56,7 @@ class EngineBackend(Backend):
                  on_text: OnText | None = None) -> GenResult:
         """One engine request; with `on_text` it streams, and each chunk's new text is passed on
         as the engine decodes it (the pieces concatenate to the result's text)."""
-        request = EngineRequest(prompt, sampling_params=sampling_params, logprobs=logprob_options)
+        request = self._request(prompt, sampling_params=sampling_params, logprobs=logprob_options)
         if on_text is None or sampling_params.n != 1:  # n > 1 samples come back whole
             return self._gen_result(request, self.engine.generate_outputs(request))
         chunks = self.engine.stream_outputs(request)
@@ -62,7 +66,7 @@ class EngineBackend(Backend):
                              logprob_options: LogprobOptions,
                              on_text: OnText | None = None) -> GenResult:
         """generate on the engine's async API (the caller's event loop, no thread)."""
-        request = EngineRequest(prompt, sampling_params=sampling_params, logprobs=logprob_options)
+        request = self._request(prompt, sampling_params=sampling_params, logprobs=logprob_options)
         if on_text is None or sampling_params.n != 1:
             return self._gen_result(request,
                                     await self.engine.async_generate_outputs(request))
@@ -136,7 +140,7 @@ class EngineBackend(Backend):
         return view, client.close
 
     def cache_prefix(self, prompt: str) -> None:
-        self.engine.generate_outputs(EngineRequest(prompt, sampling_params=_SCORE_PARAMS))
+        self.engine.generate_outputs(self._request(prompt, sampling_params=_SCORE_PARAMS))
 
     def abort(self, rid: str) -> None:
         self.engine.abort(rid)
@@ -167,6 +171,10 @@ class EngineBackend(Backend):
         samples = [(out.text, out.meta_info(tokenizer)) for out in outs]
         return GenResult(*samples[0], samples if len(samples) > 1 else None)
 
+    def _request(self, prompt: Any = None, **fields: Any) -> EngineRequest:
+        """An engine request of this backend (through its adapter, if it has one)."""
+        return EngineRequest(prompt, lora_path=self.lora_path, **fields)
+
     def _meta_tokenizer(self, request: EngineRequest) -> Any:
         """What decodes logprob entries' text: the tokenizer when the request asks for it."""
         return self.tokenizer if request.logprobs.with_text else None
@@ -188,6 +196,7 @@ class _Scoring:
     def __init__(self, backend: EngineBackend, prompt: str, choices: list[str],
                  method: ChoicesSamplingMethod):
         self.choices, self.method, self.tokenizer = choices, method, backend.tokenizer
+        self.backend = backend
         prefix_ids = backend._encode(prompt)
         self.full_ids = [backend._encode(prompt + c) for c in choices]
         self.starts = [min(max(_common_len(prefix_ids, ids), 1), len(ids) - 1)
@@ -196,7 +205,7 @@ class _Scoring:
         self.needs_unconditional = method.requires_unconditional_logprobs
 
     def request(self) -> EngineRequest:
-        return EngineRequest(input_ids=self.full_ids, sampling_params=_SCORE_PARAMS,
+        return self.backend._request(input_ids=self.full_ids, sampling_params=_SCORE_PARAMS,
                              logprobs=LogprobOptions(True, self.start))
 
     def _input_logprobs(self, outs: list[GenerateOutput]) -> list[list[list[Any]]]:
@@ -210,7 +219,7 @@ class _Scoring:
         """Each choice's scored tokens on their own (no prompt); their first logprob is None."""
         ids = [[tid for lp, tid in _logprobs(out).input_token[s - self.start:] if lp is not None]
                for out, s in zip(outs, self.starts)]
-        return EngineRequest(input_ids=ids, sampling_params=_SCORE_PARAMS,
+        return self.backend._request(input_ids=ids, sampling_params=_SCORE_PARAMS,
                              logprobs=LogprobOptions(True, 0))
 
     def decide(self, outs: list[GenerateOutput],

@@ -41,7 +41,8 @@ _LIMIT_NAMES = frozenset(f.name for f in dataclasses.fields(ProgramLimits))
 
 
 class RuntimeEndpoint(Backend):
-    """`RuntimeEndpoint(base_url, api_key=None, timeout=600.0)`: run programs on a forklm server.
+    """`RuntimeEndpoint(base_url, api_key=None, timeout=600.0, lora_path=None)`: run programs on a
+    forklm server (through its LoRA adapter `lora_path`, if given).
 
     gen, select, roles and prefix caching are EngineBackend's own logic run against the server's
     `/generate`, with the server model's tokenizer and chat template (fetched once from
@@ -50,7 +51,8 @@ class RuntimeEndpoint(Backend):
     traces sends the whole batch to `/v1/programs/run` in one request. Server errors are raised
     as InvalidArgumentError (4xx) or BackendError with the server's message."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
+                 lora_path: str | None = None):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         self.client = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
@@ -62,7 +64,8 @@ class RuntimeEndpoint(Backend):
             weakref.WeakKeyDictionary())
         self.model_info = self.call("GET", "/get_model_info")
         self.tokenizer = _load_tokenizer(self.call("GET", "/v1/programs/tokenizer")["files"])
-        self._local = EngineBackend(_RemoteEngine(self, self.tokenizer))  # an EngineClient
+        self.lora_path = lora_path
+        self._local = EngineBackend(_RemoteEngine(self, self.tokenizer), lora_path=lora_path)
 
     # -- Backend -------------------------------------------------------------------------------
     def generate(self, prompt: str, sampling_params: SamplingParams,
@@ -113,7 +116,10 @@ class RuntimeEndpoint(Backend):
                           defaults: dict[str, Any]) -> list[ProgramState] | None:
         """One POST /v1/programs/run for the whole batch; None (run item by item) when the
         arguments or defaults are not JSON values or the graph is over the server's program
-        limits (those bound one request; item-by-item calls are the client's own loop)."""
+        limits (those bound one request; item-by-item calls are the client's own loop), or when
+        the programs run through an adapter (the server's program runner takes none)."""
+        if self.lora_path is not None:
+            return None
         defaults = {k: v for k, v in defaults.items() if v is not None}
         body = {"program": json.loads(graph.to_json()), "arguments": list(batch_arguments),
                 "sampling_params": defaults}

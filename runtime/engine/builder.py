@@ -13,6 +13,7 @@ import torch
 from forklm.runtime.attention.backends import AttentionBackend
 from forklm.runtime.attention.native import NativeAttention
 from forklm.runtime.engine.intake import RequestIntake
+from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.forward.model_parts import build_kv_and_attention, build_model_for, kv_capacity
 from forklm.runtime.forward.model_runner import ModelRunner
 from forklm.runtime.kvcache.manager import KVCacheManager
@@ -26,6 +27,7 @@ from forklm.runtime.scheduling.scheduler import Scheduler
 if TYPE_CHECKING:
     from forklm.runtime.config import EngineConfig
     from forklm.runtime.distributed.processes import WorkerProcesses
+    from forklm.runtime.lora.registry import LoraRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class EngineParts:
     grammar: GrammarBackend
     intake: RequestIntake
     pooling: str
+    lora: LoraRegistry | None = None  # the LoRA adapters it serves (None: LoRA is off)
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.config.model_path, self.config.tokenizer_path or self.config.model_path,
@@ -84,6 +87,15 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
     dtype = getattr(torch, config.torch_dtype_name)
     context_len = config.context_length or hf.max_position_embeddings
     runner: ModelRunner
+    lora: LoraRegistry | None = None
+    vision: VisionStage | None = None
+    if loaded.vision_config is not None:
+        if workers is not None:
+            raise InvalidArgumentError("tp_size", config.tp_size, "a vision-language model's "
+                                       "images are read by one process; use tp_size 1")
+        from forklm.runtime.multimodal.vision import VisionStage
+
+        vision = VisionStage(loaded, dtype)
     if workers is not None:
         from forklm.runtime.distributed import start_tensor_parallel
 
@@ -99,6 +111,8 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         pool, attn = build_kv_and_attention(config, spec, model, capacity)
         kv = build_kv_manager(config, pool, context_len)
         runner = ModelRunner(model, attn, kv, config.device)
+        if config.lora_enabled:  # before fusing: the fused layers call the wrapped modules
+            lora = _install_lora(config, runner, dtype)
         _fuse_layers(config, model, attn)
         _compile_layers(config, model)
         _capture_decode_graphs(config, runner, context_len)
@@ -116,9 +130,28 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
             jump_forward=config.enable_jump_forward,
             compile_timeout_s=config.grammar_compile_timeout_s),
         intake=RequestIntake(loaded.tokenizer, spec.vocab_size, context_len, capacity,
-                             eos_token_ids, config.random_seed, _priority_scheduling(config)),
+                             eos_token_ids, config.random_seed, _priority_scheduling(config),
+                             lora, vision),
         pooling=config.pooling or loaded.pooling or "last",
+        lora=lora,
     )
+
+
+def _install_lora(config: EngineConfig, runner: ModelRunner, dtype: torch.dtype) -> LoraRegistry:
+    """Wrap the model's projections for per-row LoRA updates and load --lora-paths."""
+    from forklm.runtime.lora.adapter import parse_lora_paths
+    from forklm.runtime.lora.layers import LoraBatch, install_lora
+    from forklm.runtime.lora.registry import LoraRegistry
+
+    batch = LoraBatch()
+    slots = install_lora(runner.model, batch)
+    registry = LoraRegistry(slots, dtype, config.device, config.max_loaded_loras)
+    for name, folder in parse_lora_paths(config.lora_paths).items():
+        registry.load(name, folder)
+    runner.lora_batch = batch
+    logger.info("LoRA on: %d modules take adapters; loaded %s", len(slots),
+                ", ".join(registry.names()) or "none yet")
+    return registry
 
 
 def _priority_scheduling(config: EngineConfig) -> str:
@@ -149,6 +182,9 @@ def _compile_layers(config: EngineConfig, model: CausalLM) -> None:
     not keep."""
     if not config.enable_torch_compile:
         return
+    if config.lora_enabled:
+        logger.info("torch.compile off: LoRA adapters' per-row updates run eagerly")
+        return
     if config.enable_deterministic_inference:
         logger.info("torch.compile off: deterministic inference runs its own tiled matmuls")
         return
@@ -165,6 +201,9 @@ def _capture_decode_graphs(config: EngineConfig, runner: ModelRunner, context_le
     from forklm.runtime.forward.cuda_graphs import CudaGraph, EagerGraph, Graph
 
     new_graph: Callable[[], Graph]
+    if config.lora_enabled:
+        logger.info("decode runs eagerly: CUDA graphs are not captured with LoRA adapters")
+        return
     if config.debug_eager_cuda_graph:
         new_graph = EagerGraph
     elif torch.device(config.device).type == "cuda" and not config.disable_cuda_graph:

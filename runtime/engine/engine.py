@@ -24,6 +24,7 @@ from forklm.runtime.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from forklm.runtime.engine.client import SessionEngineClient
     from forklm.runtime.engine.intake import RequestGroup
+    from forklm.runtime.lora.registry import LoraRegistry
     from forklm.runtime.scheduling.request import Req, ReqOutput
 
 
@@ -217,6 +218,27 @@ class Engine:
             return False
         closed = self._loop.call_soon(lambda: pins.close(session_id))
         return bool(closed.result()) if wait else True
+
+    # -- LoRA adapters (EngineConfig.lora_paths / enable_lora) ----------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Load the PEFT adapter folder `lora_path` as `lora_name` (SGLang's names); requests
+        name it in lora_path. Raises InvalidArgumentError naming what is wrong."""
+        self._lora_registry().load(lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving `lora_name`; requests already running with it finish with it."""
+        self._lora_registry().unload(lora_name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served: name -> folder ({} when LoRA is off)."""
+        return {} if self.parts.lora is None else self.parts.lora.folders()
+
+    def _lora_registry(self) -> LoraRegistry:
+        if self.parts.lora is None:
+            raise InvalidArgumentError("enable_lora", self.config.enable_lora,
+                                       "LoRA is off on this engine: start it with enable_lora "
+                                       "or lora_paths to load adapters")
+        return self.parts.lora
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are in flight."""

@@ -66,14 +66,22 @@ class EngineRequest:
     # An embedding request: its prompts' hidden states pooled so ("last", "mean", "cls"; see
     # EngineConfig.pooling) into GenerateOutput.embedding, nothing generated (max_new_tokens 0).
     pooling: str | None = None
+    # SGLang's lora_path: the name of a loaded LoRA adapter (EngineConfig.lora_paths,
+    # Engine.load_lora_adapter), or one per prompt (None: the base model).
+    lora_path: str | Sequence[str | None] | None = None
+    # SGLang's image_data, for a vision-language model: a single prompt's image or list of images,
+    # or (a batch) one such entry per prompt. An image is a data URL, base64 text, bytes, a PIL
+    # image, a local path (the Python API's), or one the server already decoded
+    # (runtime/multimodal/images.py); its prompt holds one image placeholder per image.
+    image_data: Any = None
 
     @classmethod
     def from_call(cls, prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                   return_logprob: bool = False, logprob_start_len: int | None = None,
                   top_logprobs_num: int | None = None, rid: Any = None,
                   return_text_in_logprobs: bool = True, session_params: Any = None,
-                  priority: int | None = None, cache_salt: str | None = None
-                  ) -> EngineRequest:
+                  priority: int | None = None, cache_salt: str | None = None,
+                  lora_path: Any = None, image_data: Any = None) -> EngineRequest:
         """SGLang's generate() keywords as a request; `sampling_params` is a SamplingParams, a
         dict, None (defaults) or a list of those (one per prompt). Raises InvalidArgumentError
         naming a bad sampling parameter or session_params."""
@@ -85,7 +93,7 @@ class EngineRequest:
         logprobs = LogprobOptions(return_logprob, logprob_start_len, top_logprobs_num,
                                   return_text_in_logprobs)
         return cls(prompt, input_ids, params, logprobs, rid, session_of(session_params),
-                   cache_salt, priority)
+                   cache_salt, priority, lora_path=lora_path, image_data=image_data)
 
     def with_session(self, session_id: str | None) -> EngineRequest:
         return dataclasses.replace(self, session_id=session_id)
@@ -111,6 +119,8 @@ class EngineRequest:
         for name in ("cache_salt", "priority", "pooling"):
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
+        if self.lora_path is not None:
+            body["lora_path"] = _jsonable(self.lora_path)
         return body
 
 

@@ -15,12 +15,16 @@ from forklm.runtime.config import POOLING_MODES
 from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
 from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
 from forklm.runtime.errors import InvalidArgumentError
-from forklm.runtime.kvcache.namespaces import salt_namespace
+from forklm.runtime.kvcache.namespaces import request_namespace
+from forklm.runtime.multimodal.images import Image, ImageLimits, load_images
 from forklm.runtime.sampling.params import SamplingParams
 from forklm.runtime.scheduling.request import Req
 
 if TYPE_CHECKING:
     from forklm.runtime.engine.results import GenerateOutput
+    from forklm.runtime.lora.adapter import LoraWeights
+    from forklm.runtime.lora.registry import LoraRegistry
+    from forklm.runtime.multimodal.vision import VisionStage
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,9 @@ class RequestGroup:
 # Top logprobs per position: each costs a topk and a Python pair per generated token, so a large
 # one multiplies a request's memory (OpenAI's bound, and the HTTP server's: protocol.py).
 MAX_TOP_LOGPROBS_NUM = 20
+# The Python API's image bounds (local files allowed); a server decodes its requests' images
+# with its own (no files, its URL allow-list) before they get here.
+IMAGE_LIMITS = ImageLimits(allow_files=True)
 # Priorities and salts are the client's: bounded like every size a request controls.
 MAX_PRIORITY = 2**31 - 1
 MAX_TEXT_FIELD_CHARS = 1024
@@ -80,8 +87,11 @@ class RequestIntake:
 
     def __init__(self, tokenizer: Any, vocab_size: int, context_len: int, kv_capacity: int,
                  eos_token_ids: frozenset[int], random_seed: int,
-                 priority_scheduling: str = "ignore"):
+                 priority_scheduling: str = "ignore", lora: LoraRegistry | None = None,
+                 vision: VisionStage | None = None):
         self.tokenizer, self.vocab_size, self.context_len = tokenizer, vocab_size, context_len
+        self.lora = lora  # the engine's adapters (None: it serves none)
+        self.vision = vision  # a vision-language model's image stage (None: text only)
         # "on": priorities order the queue; "ignore" (off): dropped; "refuse": a 400
         self.priority_scheduling = priority_scheduling
         self.kv_capacity, self.eos_token_ids = kv_capacity, eos_token_ids
@@ -95,27 +105,85 @@ class RequestIntake:
         if stream and len(given) != 1:
             raise InvalidArgumentError("stream", stream, "streaming takes a single prompt")
         name = "prompt" if request.prompt is not None else "input_ids"
-        prompts = [self._token_ids(p, name) for p in given]
+        images = self._images(request.image_data, given, single)
+        prompts, mms = [], []
+        for p, prompt_images in zip(given, images):
+            if prompt_images:
+                assert self.vision is not None
+                ids, mm = self.vision.prepare(p, prompt_images)
+            else:
+                ids, mm = self._token_ids(p, name), None
+            prompts.append(ids)
+            mms.append(mm)
         params_list = _params_list(request.sampling_params, len(prompts))
         rids = self._result_rids(request.rid, params_list)
         logprobs = _logprob_options(request.logprobs)
         for ids, params in zip(prompts, params_list):
             self._check_prompt(ids, params, logprobs)
-        namespace = salt_namespace(_check_text("cache_salt", request.cache_salt))
+        salt = _check_text("cache_salt", request.cache_salt)
+        adapters = self._adapters(request.lora_path, len(prompts))
         tenant = _check_text("tenant", request.tenant) or ""
         priority = self._priority(request.priority)
         _check_pooling(request.pooling, params_list, stream)
         reqs: list[Req] = []
-        for ids, params in zip(prompts, params_list):
+        for ids, params, adapter, mm in zip(prompts, params_list, adapters, mms):
+            namespace = request_namespace(salt, None if adapter is None else adapter.uid)
             for k in range(params.n):
                 req = self._req(ids, params, rids[len(reqs)], k, len(reqs), logprobs)
                 req.session_id, req.cache_namespace = request.session_id, namespace
+                req.lora, req.mm = adapter, mm
                 req.tenant, req.priority = tenant, priority
                 req.pooling = request.pooling
                 reqs.append(req)
         return RequestGroup(reqs, single and params_list[0].n == 1, given,
                             [p.n for p in params_list], stream,
                             request.logprobs.with_text)
+
+    def _images(self, image_data: Any, prompts: list[Any], single: bool) -> list[list[Image]]:
+        """Each prompt's decoded images ([] for none): image_data is one entry for a single
+        prompt, or a list of one entry (an image, a list of them, or None) per prompt."""
+        if image_data is None:
+            return [[] for _ in prompts]
+        if self.vision is None:
+            raise InvalidArgumentError("image_data", "<given>", "this model reads no images "
+                                       "(serve a vision-language model: Idefics3, SmolVLM)")
+        if single:
+            entries = [image_data]
+        elif isinstance(image_data, (list, tuple)) and len(image_data) == len(prompts):
+            entries = list(image_data)
+        else:
+            raise InvalidArgumentError("image_data", "<given>", "give one entry (an image, a "
+                                       f"list of images or null) per prompt: {len(prompts)}")
+        loaded: list[list[Image]] = []
+        for i, (prompt, entry) in enumerate(zip(prompts, entries)):
+            if entry is None or (isinstance(entry, (list, tuple)) and not entry):
+                loaded.append([])
+                continue
+            if not isinstance(prompt, str):
+                raise InvalidArgumentError("image_data", "<given>", "images go with a text "
+                                           "prompt (its image placeholders are expanded), not "
+                                           "token ids")
+            loaded.append(load_images(entry, IMAGE_LIMITS, "image_data" if single
+                                      else f"image_data[{i}]"))
+        return loaded
+
+    def _adapters(self, lora_path: Any, num_prompts: int) -> list[LoraWeights | None]:
+        """Each prompt's adapter: one name (or None) for all, or a list of one per prompt."""
+        if lora_path is None:
+            return [None] * num_prompts
+        names = lora_path if isinstance(lora_path, (list, tuple)) else [lora_path] * num_prompts
+        if len(names) != num_prompts:
+            raise InvalidArgumentError("lora_path", lora_path, f"{len(names)} adapter names for "
+                                       f"{num_prompts} prompts (give one, or one per prompt)")
+        if self.lora is None and any(n is not None for n in names):
+            raise InvalidArgumentError("lora_path", lora_path, "this engine serves no LoRA "
+                                       "adapters (start it with lora_paths or enable_lora)")
+        for name in names:
+            if name is not None and not isinstance(name, str):
+                raise InvalidArgumentError("lora_path", name, "expected an adapter's name")
+        assert self.lora is not None or all(n is None for n in names)
+        return [None if n is None else self.lora.resolve(n)  # type: ignore[union-attr]
+                for n in names]
 
     def _priority(self, priority: Any) -> int:
         """The checked priority; 0 when unset or when priority scheduling is off (then a given

@@ -29,6 +29,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_logits] int64, packed rows whose logits are wanted
     max_q_len: int
     is_decode: bool
+    # Packed rows whose input embedding is given (image tokens' features) instead of looked up.
+    embed_rows: torch.Tensor | None = None  # [m] int64
+    embed_values: torch.Tensor | None = None  # [m, hidden]
     # The attention backend's per-batch state (masks, index tensors on its device), set by its
     # prepare() on the copy of the batch the layers then run with.
     attn_meta: Any = None

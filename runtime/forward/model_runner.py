@@ -16,6 +16,8 @@ from forklm.runtime.forward.cuda_graphs import DecodeGraphRunner, Graph
 if TYPE_CHECKING:
     from forklm.runtime.attention.backends import AttentionBackend
     from forklm.runtime.kvcache.manager import KVCacheManager
+    from forklm.runtime.lora.adapter import LoraWeights
+    from forklm.runtime.lora.layers import LoraBatch
     from forklm.runtime.models import CausalLM
     from forklm.runtime.scheduling.request import Req
     from forklm.runtime.scheduling.scheduler import ScheduledBatch
@@ -47,6 +49,8 @@ class ModelRunner:
         self.model, self.attn, self.kv = model, attn, kv
         self.device = torch.device(device)
         self.graphs: DecodeGraphRunner | None = None  # decode replayed from captured graphs
+        # Where the LoRA-wrapped modules read the batch's adapter rows (None: LoRA is off).
+        self.lora_batch: LoraBatch | None = None
 
     def forward(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, list[LogitsRows]]:
@@ -56,11 +60,29 @@ class ModelRunner:
         input_ids: a decode batch's tokens where the previous step sampled them (the overlap
         scheduler runs this step before they reach the host); None = read from the requests."""
         fb, layout = self._build(batch, input_ids)
-        if any(rows.pool_rows for rows in layout):
-            return self._forward_pooling(fb, layout), layout
-        if self.graphs is not None and self.graphs.can_run(fb):
-            return self.graphs.run(fb), layout
-        return self.model(fb.to(self.device), self.attn), layout
+        if self.lora_batch is not None:
+            self.lora_batch.groups = self._lora_groups(batch)
+        try:
+            if any(rows.pool_rows for rows in layout):
+                return self._forward_pooling(fb, layout), layout
+            if self.graphs is not None and self.graphs.can_run(fb):
+                return self.graphs.run(fb), layout
+            return self.model(fb.to(self.device), self.attn), layout
+        finally:
+            if self.lora_batch is not None:
+                self.lora_batch.groups = []
+
+    def _lora_groups(self, batch: ScheduledBatch) -> list[tuple[LoraWeights, torch.Tensor | None]]:
+        """Each adapter of the batch with its packed token rows (None: all of them)."""
+        rows: dict[int, tuple[LoraWeights, list[int]]] = {}
+        offset = 0
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            if req.lora is not None:
+                rows.setdefault(id(req.lora), (req.lora, []))[1].extend(range(offset, offset + n))
+            offset += n
+        return [(weights, None if len(ids) == offset else
+                 torch.tensor(ids, dtype=torch.int64, device=self.device))
+                for weights, ids in rows.values()]
 
     def _forward_pooling(self, fb: ForwardBatch, layout: list[LogitsRows]) -> torch.Tensor:
         """forward for a batch with embedding requests: the logits, and each one's pooled rows
@@ -108,9 +130,16 @@ class ModelRunner:
         q_lens: list[int] = []
         kv_lens: list[int] = []
         q_index: list[int] = []
+        embed_rows: list[torch.Tensor] = []
+        embed_values: list[torch.Tensor] = []
         offset = 0
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.num_computed - n  # KV for [start, start + n) is computed now
+            if req.mm is not None:
+                image_positions, features = req.mm.rows_in(start, start + n)
+                if len(image_positions):
+                    embed_rows.append(image_positions - start + offset)
+                    embed_values.append(features)
             draft = batch.drafts(i)  # computed after req's own tokens, not yet part of fill_ids
             if input_ids is None:
                 ids.extend(req.fill_slice(start, start + n - len(draft)))
@@ -154,6 +183,8 @@ class ModelRunner:
             q_index=q_index_t,
             logits_indices=torch.tensor(logit_rows, dtype=torch.int64),
             max_q_len=max_q, is_decode=batch.is_decode,
+            embed_rows=torch.cat(embed_rows) if embed_rows else None,
+            embed_values=torch.cat(embed_values) if embed_values else None,
         )
         return fb, layout
 

@@ -25,6 +25,15 @@ def salt_namespace(salt: str | None) -> int:
     return int.from_bytes(digest, "little") or 1
 
 
+def request_namespace(salt: str | None, adapter_uid: int | None) -> int:
+    """The namespace of a request: its salt's, and, for a LoRA adapter's request, one of that
+    adapter's own (KV computed through one adapter's weights is never another's prefix; a
+    reloaded adapter gets a new uid, so not even its own earlier version's)."""
+    if adapter_uid is None:
+        return salt_namespace(salt)
+    return salt_namespace(f"{salt or ''}\x1flora:{adapter_uid}")
+
+
 def namespaced(token_ids: list[int], namespace: int) -> list[int]:
     """token_ids as the radix cache keys them in `namespace` (the list itself for 0)."""
     if not namespace:

@@ -263,6 +263,9 @@ class CausalLM(nn.Module):
         """Embeddings and decoder layers: [T, hidden], before the final norm."""
         batch = attn.prepare(batch)
         x = self._embed(batch.input_ids)  # [T, hidden]
+        if batch.embed_rows is not None:  # image tokens: their features, not their embedding
+            assert batch.embed_values is not None
+            x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
         if self.spec.position_embeddings:  # GPT-2's learned absolute positions
             x = x + _rows(self.model.embed_positions, batch.positions)
         return self._run_layers(x, batch, attn)

@@ -36,6 +36,10 @@ class LoadedModel:
     weights: Callable[..., Iterator[tuple[str, Any]]]
     is_gguf: bool = False
     pooling: str | None = None  # the embedding pooling the model's files name (pooling_config.py)
+    # A vision-language checkpoint whose images forklm reads (runtime/multimodal/): its outer
+    # config (the text model's is `config`) and its weight files; None for a text model.
+    vision_config: transformers.PretrainedConfig | None = None
+    shards: list[pathlib.Path] | None = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight as a float32 tensor in one dict (tests and references, not the engine)."""
@@ -74,16 +78,21 @@ def load_model(model_path: str, revision: str | None = None,
 
 # Multimodal checkpoints whose language model forklm serves alone (text in, text out): their
 # config's text_config, and their weights under the language model's prefix (the Hub's names and
-# transformers 5's); the vision tower and projector are not loaded.
+# transformers 5's); the vision tower and projector are not loaded here.
 _TEXT_OF_MULTIMODAL = frozenset({"gemma3", "gemma4"})
+# Vision-language checkpoints whose images forklm also reads: the language model as above, the
+# vision tower and projector by runtime/multimodal/ from the same files.
+VISION_LANGUAGE = frozenset({"idefics3", "smolvlm"})
 ALIBI_CONTEXT = 2048  # BLOOM's training sequence length
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                            ("language_model.lm_head.", "lm_head."))
+                            ("language_model.lm_head.", "lm_head."),
+                            ("model.text_model.", "model."))  # Idefics3's, SmolVLM's
 
 
 def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
     outer = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    multimodal = outer.model_type in _TEXT_OF_MULTIMODAL
+    vision = outer.model_type in VISION_LANGUAGE
+    multimodal = vision or outer.model_type in _TEXT_OF_MULTIMODAL
     config = outer.get_text_config() if multimodal else outer
     if multimodal:  # the multimodal model ties (or not) its language model's head
         config.tie_word_embeddings = bool(getattr(outer, "tie_word_embeddings", False))
@@ -110,7 +119,8 @@ def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
                         continue  # tied models carry no lm_head, whatever the source
                     yield hf_name, f.get_tensor(name)
 
-    return LoadedModel(config, tokenizer, str(folder), eos_ids, weights)
+    return LoadedModel(config, tokenizer, str(folder), eos_ids, weights,
+                       vision_config=outer if vision else None, shards=shards if vision else None)
 
 
 def language_model_name(name: str) -> str | None:

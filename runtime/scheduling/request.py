@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     import xgrammar
 
     from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
+    from forklm.runtime.lora.adapter import LoraWeights
+    from forklm.runtime.multimodal.vision import MultimodalPrompt
     from forklm.runtime.sampling.ngram_draft import NgramIndex
     from forklm.runtime.sampling.params import SamplingParams
 
@@ -73,6 +75,12 @@ class Req:
     # Prefixes are shared only between requests of one namespace (0: the unsalted one; see
     # kvcache/namespaces.py): a client cannot learn from cache hits what another salt sent.
     cache_namespace: int = 0
+    # The LoRA adapter this request runs with (None: the base model); held here so that an
+    # adapter unloaded or evicted meanwhile stays usable until the request ends.
+    lora: LoraWeights | None = None
+    # A prompt with images: its image tokens' positions and feature rows (which replace those
+    # tokens' embeddings) and the ids the radix cache keys it by (runtime/multimodal/).
+    mm: MultimodalPrompt | None = None
     priority: int = 0  # larger runs first when priority scheduling is on (EngineConfig)
     tenant: str = ""  # who sent it (an API key's name): waiting requests interleave by tenant
     arrival: int = field(default_factory=lambda: next(_arrival))
@@ -113,7 +121,11 @@ class Req:
     def cache_key(self, end: int | None = None) -> list[int]:
         """fill_ids[:end] (all of them by default, not copied when unsalted) as the radix cache
         keys them: in the request's namespace."""
-        ids = self.fill_ids if end is None else self.fill_ids[:end]
+        if self.mm is not None:  # image tokens keyed by their image's hash
+            ids = self.mm.key_ids + self.output_ids
+            ids = ids if end is None else ids[:end]
+        else:
+            ids = self.fill_ids if end is None else self.fill_ids[:end]
         return namespaced(ids, self.cache_namespace)
 
     @property

@@ -116,12 +116,18 @@ class Scheduler:
                 self.chunked_req = req
         queue = self._ordered_waiting()
         in_batch: list[list[int]] = []
+        adapters = {r.lora.uid for r in self.running + reqs if r.lora is not None}
         for req, cached in queue:
             full = len(self.running) + len(reqs) >= self.config.max_running_requests
             if full or token_budget <= 0 or self.chunked_req is not None:
                 break
             if self._shares_with_batch(req, cached, in_batch):
                 continue  # waits one step, then hits the cache
+            if (req.lora is not None and req.lora.uid not in adapters
+                    and len(adapters) >= self.config.max_loras_per_batch):
+                continue  # its adapter joins once one of the batch's is done
+            if req.lora is not None:
+                adapters.add(req.lora.uid)
             n = self._try_admit(req, token_budget, reqs)
             if n == 0:  # out of KV: stop here, keeping the policy's order for next time
                 break

@@ -1,0 +1,1 @@
+"""Image inputs of vision-language models: decoding with bounds, the vision stage."""
