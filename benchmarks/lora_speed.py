@@ -7,7 +7,7 @@ Adapters are random rank-`--rank` matrices on every projection (q, k, v, o, gate
 written in PEFT's format: speed does not depend on their values.
 
 Run: `python -m benchmarks.lora_speed [--repeats 3] [--rank 16] [--max-new-tokens 64]`.
-Both engines live in this process; repeats alternate between the cases so noise hits all.
+The engines run one after the other; within one, repeats alternate between its cases.
 """
 
 from __future__ import annotations
@@ -70,40 +70,45 @@ def main() -> None:
     args = parser.parse_args()
     params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
     with tempfile.TemporaryDirectory() as tmp:
+        b = args.batch
+        # One engine at a time: two engines in one process share the CPU's thread pools, and
+        # the idle one's threads slow the other's many small LoRA ops several-fold.
         plain = Engine(dtype=args.dtype, max_total_tokens=16384)
         config = plain.parts.model_config
+        runs = measure(plain, {f"no LoRA engine, batch {b}": [None] * b,
+                               "no LoRA engine, batch 1": [None]}, params, args.repeats)
+        plain.shutdown()
         names = [f"a{i}" for i in range(8)]
         for i, name in enumerate(names):
             write_adapter(pathlib.Path(tmp) / name, config, args.rank, seed=i)
         lora = Engine(dtype=args.dtype, max_total_tokens=16384,
                       lora_paths=tuple(f"{n}={tmp}/{n}" for n in names))
-        b = args.batch
-        cases = {
-            f"no LoRA engine, batch {b}": (plain, [None] * b),
-            f"LoRA engine, base, batch {b}": (lora, [None] * b),
-            f"1 adapter, batch {b}": (lora, ["a0"] * b),
-            f"8 adapters mixed, batch {b}": (lora, [names[i % 8] for i in range(b)]),
-            "no LoRA engine, batch 1": (plain, [None]),
-            "1 adapter, batch 1": (lora, ["a0"]),
-        }
-        print(f"CPU: {cpu_flags()}; dtype {args.dtype}; rank {args.rank} on all 7 projections; "
-              f"{args.max_new_tokens} new tokens; {args.repeats} repeats (medians)")
-        for engine, adapters in cases.values():  # warm-up
-            timed(engine, adapters[:2], {**params, "max_new_tokens": 4})
-        runs: dict[str, list[tuple[float, int]]] = {name: [] for name in cases}
-        for _ in range(args.repeats):
-            for name, (engine, adapters) in cases.items():
-                runs[name].append(timed(engine, adapters, params))
-        base_tok_s = {}
-        for name, samples in runs.items():
-            tok_s = statistics.median(n / wall for wall, n in samples)
-            batch = name.rsplit(" ", 1)[-1]
-            base_tok_s.setdefault(batch, tok_s)
-            print(f"{name:32s} {tok_s:8.1f} tok/s  {1000 / tok_s * int(batch):7.2f} ms/step  "
-                  f"{tok_s / base_tok_s[batch]:5.2f}x the no-LoRA engine")
+        runs |= measure(lora, {f"LoRA engine, base, batch {b}": [None] * b,
+                               f"1 adapter, batch {b}": ["a0"] * b,
+                               f"8 adapters mixed, batch {b}": [names[i % 8] for i in range(b)],
+                               "1 adapter, batch 1": ["a0"]}, params, args.repeats)
         lora.shutdown()
-        plain.shutdown()
+    print(f"CPU: {cpu_flags()}; dtype {args.dtype}; rank {args.rank} on all 7 projections; "
+          f"{args.max_new_tokens} new tokens; {args.repeats} repeats (medians)")
+    base_tok_s: dict[str, float] = {}
+    for name in sorted(runs, key=lambda n: (n.endswith("batch 1"), "no LoRA" not in n)):
+        tok_s = statistics.median(n / wall for wall, n in runs[name])
+        batch = name.rsplit(" ", 1)[-1]
+        base_tok_s.setdefault(batch, tok_s)
+        print(f"{name:32s} {tok_s:8.1f} tok/s  {1000 / tok_s * int(batch):7.2f} ms/step  "
+              f"{tok_s / base_tok_s[batch]:5.2f}x the no-LoRA engine")
 
+
+def measure(engine: Engine, cases: dict[str, list[str | None]], params: dict,
+            repeats: int) -> dict[str, list[tuple[float, int]]]:
+    """Each case `repeats` times, the cases interleaved so that noise hits all of them."""
+    for adapters in cases.values():  # warm-up
+        timed(engine, adapters[:2], {**params, "max_new_tokens": 4})
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, adapters in cases.items():
+            runs[name].append(timed(engine, adapters, params))
+    return runs
 
 if __name__ == "__main__":
     main()

@@ -61,7 +61,7 @@ class ModelRunner:
         scheduler runs this step before they reach the host); None = read from the requests."""
         fb, layout = self._build(batch, input_ids)
         if self.lora_batch is not None:
-            self.lora_batch.groups = self._lora_groups(batch)
+            self._set_lora_batch(self.lora_batch, batch)
         try:
             if any(rows.pool_rows for rows in layout):
                 return self._forward_pooling(fb, layout), layout
@@ -70,19 +70,26 @@ class ModelRunner:
             return self.model(fb.to(self.device), self.attn), layout
         finally:
             if self.lora_batch is not None:
-                self.lora_batch.groups = []
+                self.lora_batch.groups, self.lora_batch.row_groups = [], None
 
-    def _lora_groups(self, batch: ScheduledBatch) -> list[tuple[LoraWeights, torch.Tensor | None]]:
-        """Each adapter of the batch with its packed token rows (None: all of them)."""
+    def _set_lora_batch(self, lora: LoraBatch, batch: ScheduledBatch) -> None:
+        """Each adapter of the batch with its packed token rows (None: all of them), and with
+        several adapters each row's adapter index (-1: the base model)."""
         rows: dict[int, tuple[LoraWeights, list[int]]] = {}
-        offset = 0
+        group_of: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
-            if req.lora is not None:
-                rows.setdefault(id(req.lora), (req.lora, []))[1].extend(range(offset, offset + n))
-            offset += n
-        return [(weights, None if len(ids) == offset else
-                 torch.tensor(ids, dtype=torch.int64, device=self.device))
-                for weights, ids in rows.values()]
+            if req.lora is None:
+                group_of.extend([-1] * n)
+                continue
+            group = rows.setdefault(id(req.lora), (req.lora, []))
+            group_of.extend([list(rows).index(id(req.lora))] * n)
+            group[1].extend(range(len(group_of) - n, len(group_of)))
+        lora.groups = [(weights, None if len(ids) == len(group_of) else
+                        torch.tensor(ids, dtype=torch.int64, device=self.device))
+                       for weights, ids in rows.values()]
+        lora.key = tuple(weights.uid for weights, _ in lora.groups)
+        lora.row_groups = (torch.tensor(group_of, dtype=torch.int64, device=self.device)
+                           if len(lora.groups) > 1 else None)
 
     def _forward_pooling(self, fb: ForwardBatch, layout: list[LogitsRows]) -> torch.Tensor:
         """forward for a batch with embedding requests: the logits, and each one's pooled rows
