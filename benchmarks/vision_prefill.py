@@ -68,7 +68,7 @@ def main() -> None:
         rows: dict[str, list[float]] = {"cold (tower + prefill)": [],
                                         "image cached, prefill again": [],
                                         "image cached, prompt cached": [], "text only": []}
-        tokens = 0
+        tokens = text_tokens = 0
         for _ in range(args.repeats):
             image = PIL.Image.fromarray(
                 (rng.random((args.height, args.width, 3)) * 255).astype("uint8"))
@@ -78,10 +78,12 @@ def main() -> None:
             engine.flush_cache()
             rows["image cached, prefill again"].append(timed(engine, PROMPT, image)[0])
             rows["image cached, prompt cached"].append(timed(engine, PROMPT, image)[0])
-            words = " ".join(f"w{rng.integers(1_000_000)}" for _ in range(tokens // 3))
-            rows["text only"].append(timed(engine, words, None)[0])
+            words = " ".join(f"w{rng.integers(1_000_000)}" for _ in range(tokens // 4))
+            wall, text_tokens = timed(engine, words, None)
+            rows["text only"].append(wall)
         print(f"CPU: {cpu_flags()}; dtype {args.dtype}; torch threads {torch.get_num_threads()}; "
-              f"one {args.width}x{args.height} image = {tokens} prompt tokens; "
+              f"one {args.width}x{args.height} image = {tokens} prompt tokens, the text-only "
+              f"prompt {text_tokens}; "
               f"{args.repeats} repeats (medians)")
         for name, walls in rows.items():
             print(f"{name:32s} {statistics.median(walls) * 1000:9.1f} ms")
