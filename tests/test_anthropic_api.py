@@ -270,7 +270,7 @@ def test_errors_in_anthropics_shape(client, live_server):
             {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}])
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    assert "images are not supported" in e.value.body["error"]["message"]
+    assert "reads no images" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError, match="names no tool"):
         client.messages.create(model=MODEL, max_tokens=4, messages=CONVERSATION,
                                tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"})

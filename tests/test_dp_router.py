@@ -169,6 +169,9 @@ def test_replica_flags_share_the_cores_and_drop_the_router_flags():
     cmd = replica_command(5, flags)
     assert cmd[cmd.index("--port") + 1] == "5" and "--no-disable-radix-cache" in cmd
     assert replica_flags({"num_threads": 3}, {}, 2)["num_threads"] == 3
+    # A list flag reaches each replica as its items (every replica loads the same adapters).
+    cmd = replica_command(5, {"lora_paths": ["a=/x", "/y"], "allowed_image_url_prefixes": []})
+    assert cmd[cmd.index("--lora-paths"):] == ["--lora-paths", "a=/x", "/y"]
     fleet = {"retry_max_retries": 1, "disable_retries": True, "health_check_timeout_secs": 2.0,
              "health_check_interval_secs": 0.5, "health_failure_threshold": 2}
     assert replica_flags({}, fleet, 2) == {"num_threads": max(1, cores // 2)}  # the router's

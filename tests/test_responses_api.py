@@ -157,8 +157,10 @@ def test_json_schema_text_format(client):
 @slow
 @pytest.mark.parametrize(("body", "param", "says"), [
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]},
+     "input.0.message.content", "input_image"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input.0.message.content", "text only"),
+     "messages", "reads no images"),
     ({"input": [{"type": "computer_call", "id": "c"}]}, "input.0", "not supported"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}]},
      "input", "--reasoning-parser"),

@@ -213,6 +213,25 @@ def test_http_generate_and_chat_with_images(engine, vlm, image_host):
             prompt = "User:What is in this picture?<image><end_of_utterance>\nAssistant:"
             expected = engine.generate(prompt, GREEDY, image_data=pixels)["text"]
             assert reply.choices[0].message.content == expected
+        import anthropic
+
+        b64 = data_url(image).split(",", 1)[1]
+        message = anthropic.Anthropic(base_url=base, api_key="none").messages.create(
+            model="default", max_tokens=NEW_TOKENS, extra_body={"temperature": 0}, messages=[
+                {"role": "user", "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                 "data": b64}}]}])
+        prompt = "User:What is in this picture?<image><end_of_utterance>\nAssistant:"
+        expected = engine.generate(prompt, {"max_new_tokens": NEW_TOKENS, "temperature": 0},
+                                   image_data=image)["text"]
+        assert "".join(b.text for b in message.content if b.type == "text") == expected
+        response = client.responses.create(
+            model="default", max_output_tokens=NEW_TOKENS, temperature=0, input=[
+                {"role": "user", "content": [
+                    {"type": "input_text", "text": "What is in this picture?"},
+                    {"type": "input_image", "image_url": data_url(image)}]}])
+        assert response.output_text == expected
         refused = httpx.post(f"{base}/v1/chat/completions", json={
             "model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]}]})

@@ -92,7 +92,9 @@ def application_from_flags(args: dict[str, Any]) -> Any:
     for name, value in args.items():
         flag = "--" + str(name).replace("_", "-")
         text = str(value).lower()
-        if text in ("true", "false"):
+        if isinstance(value, (list, tuple)):  # a list flag: lora_paths: [a=/x, b=/y]
+            argv += [flag, *map(str, value)] if value else []
+        elif text in ("true", "false"):
             argv.append(flag if text == "true" else "--no-" + flag[2:])
         else:
             argv += [flag, str(value)]

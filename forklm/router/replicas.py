@@ -80,6 +80,9 @@ def replica_command(port: int, flags: dict[str, Any]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             cmd.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):  # a list flag (--lora-paths a=/x b=/y)
+            if value:
+                cmd += [flag, *map(str, value)]
         else:
             cmd += [flag, str(value)]
     return cmd

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.server.anthropic_protocol import (
     CountTokensRequest,
+    ImageBlock,
     Message,
     MessagesRequest,
     TextBlock,
@@ -26,10 +27,13 @@ from forklm.server.protocol import (
     ChatMessage,
     FunctionCall,
     FunctionDef,
+    ImagePart,
+    ImageUrl,
     JsonSchemaFormat,
     NamedFunction,
     NamedToolChoice,
     ResponseFormat,
+    TextPart,
     Tool,
     ToolCall,
 )
@@ -93,15 +97,16 @@ def _assistant_turn(blocks: list[Any], i: int) -> ChatMessage:
 
 
 def _user_turns(role: Literal["user", "system"], blocks: list[Any], i: int) -> list[ChatMessage]:
-    """Text blocks as user (or system) messages, each tool_result as a tool message, in order."""
+    """Text (and a user's image) blocks as user (or system) messages, each tool_result as a tool
+    message, in order."""
     turns: list[ChatMessage] = []
-    texts: list[TextBlock] = []
+    texts: list[TextBlock | ImageBlock] = []
     for j, block in enumerate(blocks):
-        if isinstance(block, TextBlock):
+        if isinstance(block, TextBlock) or (isinstance(block, ImageBlock) and role == "user"):
             texts.append(block)
         elif isinstance(block, ToolResultBlock) and role == "user":
             if texts:
-                turns.append(ChatMessage(role=role, content=joined(texts)))
+                turns.append(ChatMessage(role=role, content=_user_content(texts)))
                 texts = []
             # Templates know no error flag: the model reads it in the text.
             text = f"Error: {block.text}" if block.is_error else block.text
@@ -109,8 +114,16 @@ def _user_turns(role: Literal["user", "system"], blocks: list[Any], i: int) -> l
         elif not isinstance(block, ThinkingBlock):
             _misplaced(block, i, j, role)
     if texts or not turns:
-        turns.append(ChatMessage(role=role, content=joined(texts)))
+        turns.append(ChatMessage(role=role, content=_user_content(texts)))
     return turns
+
+
+def _user_content(blocks: list[TextBlock | ImageBlock]) -> Any:
+    """The text (one block per line), or with images the chat layer's text and image parts."""
+    if not any(isinstance(b, ImageBlock) for b in blocks):
+        return joined(blocks)
+    return [ImagePart(type="image_url", image_url=ImageUrl(url=b.source.as_url))
+            if isinstance(b, ImageBlock) else TextPart(type="text", text=b.text) for b in blocks]
 
 
 def _misplaced(block: Any, i: int, j: int, role: str) -> None:

@@ -43,6 +43,27 @@ class ToolUseBlock(_Lenient):
     input: dict[str, Any]
 
 
+class ImageSource(_Lenient):
+    type: Literal["base64", "url"]
+    media_type: str | None = Field(default=None, max_length=64)  # base64's: image/png, ...
+    data: str | None = None  # base64 (the request body's size bounds it)
+    url: str | None = Field(default=None, max_length=8192)
+
+    @property
+    def as_url(self) -> str:
+        """The image as an image_url part's URL: a data URL, or the remote URL."""
+        if self.type == "url":
+            return self.url or ""
+        return f"data:{self.media_type or 'image/png'};base64,{self.data or ''}"
+
+
+class ImageBlock(_Lenient):
+    """An image for a vision-language model (the chat layer decodes and bounds it)."""
+
+    type: Literal["image"]
+    source: ImageSource
+
+
 class ThinkingBlock(_Lenient):
     """Reasoning the model did (this server's own output, echoed back): not rendered, as chat
     templates drop earlier turns' reasoning."""
@@ -52,15 +73,14 @@ class ThinkingBlock(_Lenient):
 
 def supported_blocks(*known: str) -> Any:
     """A before-validator of a content field: a list's blocks must be of the `known` types, or
-    the 400 names the block (an image: not supported yet), not every branch of the union."""
+    the 400 names the block, not every branch of the union."""
 
     def check(content: Any) -> Any:
         for i, block in enumerate(content if isinstance(content, list) else ()):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             if kind not in known:
-                what = "images are" if kind == "image" else f"content block type {kind!r} is"
-                raise ValueError(f"block {i}: {what} not supported by this server (it takes "
-                                 f"{', '.join(known)} blocks here)")
+                raise ValueError(f"block {i}: content block type {kind!r} is not supported "
+                                 f"here (this takes {', '.join(known)} blocks)")
         return content
 
     return BeforeValidator(check)
@@ -78,8 +98,8 @@ class ToolResultBlock(_Lenient):
         return self.content if isinstance(self.content, str) else joined(self.content)
 
 
-_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+_BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
                   Field(discriminator="type")]
 
 

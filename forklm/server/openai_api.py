@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
-from forklm.runtime.engine.intake import RequestGroup
+from forklm.runtime.engine.intake import NO_IMAGES, RequestGroup
 from forklm.runtime.engine.results import GenerateOutput
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
@@ -29,7 +29,7 @@ from forklm.server.chat_template import (
 )
 from forklm.server.errors import sse_frames
 from forklm.server.generation import ChunkStream, GenerationService, tenancy
-from forklm.server.image_inputs import decode_chat_images, image_limits
+from forklm.server.image_inputs import chat_image_urls, decode_chat_images, image_limits
 from forklm.server.native_api import service_of
 from forklm.server.protocol import ChatCompletionRequest, CompletionRequest
 from forklm.server.tenants import Caller, caller_of
@@ -142,6 +142,8 @@ async def prepare_chat(service: GenerationService, body: ChatCompletionRequest,
     """The engine call of a chat request (also the Responses API's) and the plan that reads its
     replies. Bounding, rendering and tokenizing the text run in a worker thread (all grow with
     the request)."""
+    if not service.engine.reads_images and chat_image_urls(body.messages):
+        raise InvalidArgumentError("messages", "<image parts>", NO_IMAGES)
     prompt = await chat_prompt(service, body, plan)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = conv.sampling_dict(body, max_tokens if max_tokens is not None

@@ -348,7 +348,8 @@ class ChatMessage(_Lenient):
     def _known_parts_only(cls, content: Any) -> Any:
         """Name the unsupported part (audio, a file), not the union's every branch."""
         for i, part in enumerate(content if isinstance(content, list) else ()):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            kind = (part.get("type") if isinstance(part, dict)
+                    else getattr(part, "type", type(part).__name__))
             if kind not in ("text", "image_url"):
                 raise ValueError(f"content part {i} has type {kind!r}; this server reads "
                                  "'text' and 'image_url' parts")

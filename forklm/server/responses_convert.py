@@ -85,7 +85,7 @@ def to_messages(instructions: str | None, items: tuple[Item, ...]) -> list[ChatM
     messages = [ChatMessage(role="system", content=instructions)] if instructions else []
     for item in items:
         if isinstance(item, MessageItem):
-            messages.append(ChatMessage(role=item.role, content=item.text))
+            messages.append(ChatMessage(role=item.role, content=item.chat_content()))
         elif isinstance(item, FunctionCallItem):
             _add_call(messages, ToolCall(id=item.call_id, function=FunctionCall(
                 name=item.name, arguments=item.arguments)))

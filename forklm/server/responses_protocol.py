@@ -8,7 +8,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from forklm.server.protocol import CacheSalt, JsonSchema, Metadata, Priority, UnicodeChecked
+from forklm.server.protocol import (
+    MAX_IMAGE_URL_CHARS,
+    CacheSalt,
+    ImagePart,
+    ImageUrl,
+    JsonSchema,
+    Metadata,
+    Priority,
+    TextPart,
+    UnicodeChecked,
+)
 
 # Bounds a client controls, checked before any work proportional to them.
 MAX_INPUT_ITEMS = 1024  # one request's input items
@@ -30,17 +40,21 @@ class _Lenient(BaseModel):
 
 
 class ContentPart(_Lenient):
-    """A text part (input_text, output_text, refusal); images, files and audio are a 400."""
+    """A text part (input_text, output_text, refusal) or an input_image (for a vision-language
+    model: a data URL, or a remote URL the server allows); files and audio are a 400."""
 
     type: str
     text: _Text | None = None
     refusal: _Text | None = None
+    image_url: str | None = Field(default=None, max_length=MAX_IMAGE_URL_CHARS)
 
     @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type not in _TEXT_PARTS:
+    def _known_only(self) -> ContentPart:
+        if self.type not in (*_TEXT_PARTS, "input_image"):
             raise ValueError(f"content part type {self.type!r} is not supported: this server "
-                             f"takes text only ({', '.join(_TEXT_PARTS)})")
+                             f"takes {', '.join(_TEXT_PARTS)} and input_image")
+        if self.type == "input_image" and not self.image_url:
+            raise ValueError("an input_image part needs image_url (file_id is not supported)")
         return self
 
     @property
@@ -60,6 +74,14 @@ class MessageItem(_Lenient):
     @property
     def text(self) -> str:
         return _joined(self.content)
+
+    def chat_content(self) -> str | list[TextPart | ImagePart]:
+        """The chat layer's content: the text, or with images its text and image parts."""
+        if isinstance(self.content, str) or all(p.type != "input_image" for p in self.content):
+            return self.text
+        return [ImagePart(type="image_url", image_url=ImageUrl(url=p.image_url or ""))
+                if p.type == "input_image" else TextPart(type="text", text=p.plain)
+                for p in self.content]
 
 
 class FunctionCallItem(_Lenient):

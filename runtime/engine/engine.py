@@ -229,6 +229,11 @@ class Engine:
         """Stop serving `lora_name`; requests already running with it finish with it."""
         self._lora_registry().unload(lora_name)
 
+    @property
+    def reads_images(self) -> bool:
+        """Whether the model takes image_data (a vision-language model's vision stage)."""
+        return self.parts.intake.vision is not None
+
     def lora_adapters(self) -> dict[str, str]:
         """The adapters served: name -> folder ({} when LoRA is off)."""
         return {} if self.parts.lora is None else self.parts.lora.folders()

@@ -62,6 +62,7 @@ class RequestGroup:
 # Top logprobs per position: each costs a topk and a Python pair per generated token, so a large
 # one multiplies a request's memory (OpenAI's bound, and the HTTP server's: protocol.py).
 MAX_TOP_LOGPROBS_NUM = 20
+NO_IMAGES = "this model reads no images (serve a vision-language model: Idefics3, SmolVLM)"
 # The Python API's image bounds (local files allowed); a server decodes its requests' images
 # with its own (no files, its URL allow-list) before they get here.
 IMAGE_LIMITS = ImageLimits(allow_files=True)
@@ -145,8 +146,7 @@ class RequestIntake:
         if image_data is None:
             return [[] for _ in prompts]
         if self.vision is None:
-            raise InvalidArgumentError("image_data", "<given>", "this model reads no images "
-                                       "(serve a vision-language model: Idefics3, SmolVLM)")
+            raise InvalidArgumentError("image_data", "<given>", NO_IMAGES)
         if single:
             entries = [image_data]
         elif isinstance(image_data, (list, tuple)) and len(image_data) == len(prompts):
