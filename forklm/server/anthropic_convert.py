@@ -44,7 +44,11 @@ _CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 def to_chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat completion request of a Messages request (or of a count_tokens one, which has
     no sampling fields)."""
-    messages = to_messages(body.system, body.messages)
+    try:
+        messages = to_messages(body.system, body.messages)
+    except ValidationError as e:  # a message the chat layer's models refuse
+        first = e.errors()[0]
+        raise InvalidArgumentError("messages", first.get("input"), first["msg"]) from e
     prefill = messages[-1].role == "assistant"  # Anthropic continues a final assistant turn
     if prefill and messages[-1].tool_calls:
         raise InvalidArgumentError("messages", f"<{len(messages)} messages>", "end with a "
