@@ -6,11 +6,17 @@ VENV ?= .venv
 LOCK ?= requirements-lock.txt
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.forklm-setup
+# The native CPU kernels, built once per instruction-set level (kernels/cpu/native_build.py),
+# again when a kernel source changes.
+PREBUILT := kernels/cpu/prebuilt/manifest.json
 PIN := $(if $(LOCK),-c $(LOCK),--upgrade --upgrade-strategy eager)
 
 .PHONY: setup setup-cuda demo test test-fast test-latest lint lock clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(PREBUILT)
+
+$(PREBUILT): $(STAMP) $(wildcard kernels/cpu/*.c kernels/cpu/*.h) kernels/cpu/native_build.py
+	$(PY) -m forklm.kernels.cpu.native_build
 
 # torch is installed first and pinned (a CPU wheel lies on this machine's disk); the project's
 # own requirement admits that version, so pip never reaches for a CUDA build. The project is
@@ -68,4 +74,4 @@ lint: setup
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf .venv .venv-latest .lock-venv *.egg-info
+	rm -rf .venv .venv-latest .lock-venv *.egg-info kernels/cpu/prebuilt

@@ -137,6 +137,31 @@ def _bench(bench_args: list[str]) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """What this machine gives forklm: the CPU level, which native kernels load and from where
+    (prebuilt, compiled here, or off and why), and the dtype `auto` picks."""
+    import platform
+
+    import torch
+
+    from forklm.kernels.cpu import bindings, native_build
+    from forklm.runtime.config import resolved_dtype_name
+
+    level = native_build.best_level()
+    print(f"python {platform.python_version()}, torch {torch.__version__}, "
+          f"{platform.machine()}, {torch.get_num_threads()} torch threads")
+    print(f"CPU level: {level.name if level else 'none known for this architecture'}; "
+          f"dtype auto -> {resolved_dtype_name('auto')}")
+    off = 0
+    for name, state in bindings.status().items():
+        print(f"  {name:18s} {state}")
+        off += state.startswith("off: no native library")
+    if off:
+        print("Some kernels fell back to torch (about 2x slower per token): install forklm from "
+              "a wheel, or a C compiler (GCC 12+ or clang) for a source checkout.")
+    return 1 if off else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forklm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     _add_serve(sub)
     _add_run(sub)
+    doctor = sub.add_parser("doctor", help="which native kernels this machine runs, and why not")
+    doctor.set_defaults(func=_doctor)
     # listed for --help only: main() hands everything after `bench` to the suite's own parser
     sub.add_parser("bench", help="the benchmark suite (forklm bench --help)", add_help=False)
     return parser

@@ -1,6 +1,7 @@
-"""Native CPU kernels, compiled on first use with the system C compiler into a cache keyed by
-the source (with the header the sources share, cpu_kernels.h), the compiler and the CPU, and
-loaded with ctypes: paged decode attention (kernels/cpu/paged_attention.c) and the fused steps
+"""Native CPU kernels, loaded with ctypes from the library built for this CPU's instruction-set
+level when the package was built (native_build.py: wheels and `make setup`), else compiled on
+first use with the system C compiler (-march=native) into a cache keyed by the source (with the
+headers the sources share), the compiler and the CPU: paged decode attention (kernels/cpu/paged_attention.c) and the fused steps
 between a layer's matmuls (kernels/cpu/fused_layer_ops.c, used by runtime/models/fused_layers.py),
 the int4 matrix times a few rows (kernels/cpu/int4_gemv.c, used by quant/linear.py's
 Int4Matrix), the K-quant matmul (kernels/cpu/kquant_vnni.c, used by quant/kquant.py's
@@ -14,7 +15,6 @@ import logging
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,28 +22,22 @@ from pathlib import Path
 
 import torch
 
+from forklm.kernels.cpu import native_build
 from forklm.kernels.cpu.huge_pages import streamed_empty
 from forklm.kernels.cpu.openmp import threads_spin
 
 logger = logging.getLogger(__name__)
 
+# The sources; their compiler flags are native_build.LIBRARIES'. __builtin_shufflevector needs
+# GCC 12 or clang: an older compiler fails and the engine falls back to TorchAttention.
+# int4_gemv.c contracts (without AVX512-BF16 its group sums are fp32 FMAs, like torch's kernel);
+# kquant_vnni.c does not (its row lookup rounds where gguf-py's dequantization does).
 SOURCE = Path(__file__).with_name("paged_attention.c")
-# -march=native: the cache key holds the CPU flags. No -ffast-math: results stay IEEE (gnu11,
-# not c11, keeps GCC's default contraction of a * b + c into FMAs; __builtin_shufflevector
-# needs GCC 12 or clang: an older compiler fails and the engine falls back to TorchAttention).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 FUSED_SOURCE = Path(__file__).with_name("fused_layer_ops.c")
-# No contraction into FMAs: each multiply and add rounds where torch's eager ops round.
-FUSED_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"]
 INT4_SOURCE = Path(__file__).with_name("int4_gemv.c")
-# Contraction on (gnu11): without AVX512-BF16 the group sums are fp32 FMAs, like torch's kernel.
-INT4_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 INT4_MAX_ROWS = 16  # int4_gemv.c's MAX_CALL_ROWS
 KQUANT_SOURCE = Path(__file__).with_name("kquant_vnni.c")
-# No contraction: the row lookup rounds where gguf-py's dequantization does (the matmul's vector
-# steps are explicit intrinsics either way).
-KQUANT_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC",
-                 "-std=gnu11"]
+GREEDY_SOURCE = Path(__file__).with_name("greedy_pick.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 # Multiply-adds above which a call uses all of torch's threads (2 cores, default model). With
@@ -79,11 +73,12 @@ _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c
 
 @dataclass
 class _Loaded:
-    """The compiled library, or why there is none."""
+    """The compiled library, or why there is none; `origin`: where the library came from."""
 
     lib: ctypes.CDLL | None
     reason: str = ""
     dtypes: frozenset[torch.dtype] = frozenset()
+    origin: str = ""
 
 
 # Each library's load, by name, done once (under _lock) on first use.
@@ -213,9 +208,6 @@ def fused_unavailable_reason() -> str:
     return _load_once("fused native layer steps", _build_and_load_fused).reason
 
 
-GREEDY_SOURCE = Path(__file__).with_name("greedy_pick.c")
-
-
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor | None:
     """int64 [B]: each row's argmax, as torch.argmax picks it, of CPU fp32/bf16 logits [B, V]
     whose rows are contiguous; None where the library did not build or the logits are not of
@@ -233,12 +225,12 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor | None:
 
 
 def _build_and_load_greedy() -> _Loaded:
-    lib, reason = _open(GREEDY_SOURCE, FUSED_CFLAGS)
+    lib, reason = _open(GREEDY_SOURCE)
     if lib is None:
         return _Loaded(None, reason)
     lib.greedy_pick.restype = None
     lib.greedy_pick.argtypes = [_i64, _i64, _p, _i64, _int, _p]
-    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)))
+    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)), reason)
 
 
 def _load_once(name: str, build: Callable[[], _Loaded]) -> _Loaded:
@@ -250,15 +242,36 @@ def _load_once(name: str, build: Callable[[], _Loaded]) -> _Loaded:
             state = _loaded.get(name)
             if state is None:
                 state = _loaded[name] = build()
-                if state.lib is None:
+                if state.lib is None and state.reason.startswith(_BUILD_FAILED):
+                    logger.warning("%s off: %s. The torch fallback runs instead, about 2x slower "
+                                   "per token on the CPU; install forklm from a wheel (its "
+                                   "kernels are prebuilt) or a C compiler (GCC 12+ or clang); "
+                                   "`forklm doctor` says what is native", name, state.reason)
+                elif state.lib is None:
                     logger.info("%s off: %s", name, state.reason)
+                else:
+                    logger.debug("%s: %s", name, state.origin)
     return state
 
 
+def status() -> dict[str, str]:
+    """Each native library: where it came from, or why it is off (loading them all)."""
+    loads = {"paged attention": _load, "fused layer steps": lambda: _load_once(
+                 "fused native layer steps", _build_and_load_fused),
+             "int4 matmul": lambda: _load_once("native int4 matmul", _build_and_load_int4),
+             "K-quant matmul": lambda: _load_once("native K-quant matmul", _build_and_load_kquant),
+             "greedy pick": lambda: _load_once("native greedy pick", _build_and_load_greedy)}
+    out = {}
+    for name, load in loads.items():
+        state = load()
+        out[name] = state.origin if state.lib is not None else f"off: {state.reason}"
+    return out
+
+
 def _build_and_load_fused() -> _Loaded:
-    lib, reason = _open(FUSED_SOURCE, FUSED_CFLAGS)
+    lib, origin = _open(FUSED_SOURCE)
     if lib is None:
-        return _Loaded(None, reason)
+        return _Loaded(None, origin)
     lib.fused_add_rms_norm.restype = None
     lib.fused_add_rms_norm.argtypes = [_i64, _i64, _p, _p, _p, _p, _f32, _f32, _int]
     lib.fused_rope_store.restype = None
@@ -267,7 +280,7 @@ def _build_and_load_fused() -> _Loaded:
     lib.fused_max_head_dim.restype = _int
     lib.fused_silu_mul.restype = None
     lib.fused_silu_mul.argtypes = [_i64, _i64, _p, _p, _int]
-    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)))
+    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)), origin)
 
 
 def int4_ops() -> ctypes.CDLL | None:
@@ -401,9 +414,9 @@ def _vnni_call(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: in
 def _build_and_load_int4() -> _Loaded:
     if os.environ.get("FORKLM_NATIVE_INT4", "1") == "0":
         return _Loaded(None, "disabled by FORKLM_NATIVE_INT4=0")
-    lib, reason = _open(INT4_SOURCE, INT4_CFLAGS)
+    lib, origin = _open(INT4_SOURCE)
     if lib is None:
-        return _Loaded(None, reason)
+        return _Loaded(None, origin)
     lib.int4_gemv_bf16.restype = _int
     lib.int4_gemv_bf16.argtypes = [_p, _p, _p, _i64]
     lib.int4_rows_f32.restype = _int
@@ -417,7 +430,7 @@ def _build_and_load_int4() -> _Loaded:
     lib.int8_vnni_repack.argtypes = [_p, _p]
     lib.int8_vnni_bf16.restype = _int
     lib.int8_vnni_bf16.argtypes = [_p, _p, _p, _p, _i64]
-    return _Loaded(lib, "", frozenset((torch.bfloat16,)))
+    return _Loaded(lib, "", frozenset((torch.bfloat16,)), origin)
 
 
 def kquant_ops() -> ctypes.CDLL | None:
@@ -430,9 +443,9 @@ def kquant_ops() -> ctypes.CDLL | None:
 def _build_and_load_kquant() -> _Loaded:
     if os.environ.get("FORKLM_NATIVE_INT4", "1") == "0":
         return _Loaded(None, "disabled by FORKLM_NATIVE_INT4=0")
-    lib, reason = _open(KQUANT_SOURCE, KQUANT_CFLAGS)
+    lib, origin = _open(KQUANT_SOURCE)
     if lib is None:
-        return _Loaded(None, reason)
+        return _Loaded(None, origin)
     if not lib.kquant_available():
         return _Loaded(None, "the CPU lacks AVX512-VNNI, -BW or -BF16")
     lib.kquant_repack.restype = _int
@@ -443,7 +456,7 @@ def _build_and_load_kquant() -> _Loaded:
     lib.kquant_matmul_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _i64, _p, _p, _i64]
     lib.kquant_dequantize_t_bf16.restype = _int
     lib.kquant_dequantize_t_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p]
-    return _Loaded(lib, "", frozenset((torch.bfloat16,)))
+    return _Loaded(lib, "", frozenset((torch.bfloat16,)), origin)
 
 
 def kquant_repack(ggml_type: int, row_addresses: torch.Tensor, out_features: int,
@@ -517,59 +530,70 @@ def kquant_rows(ggml_type: int, records: torch.Tensor, out_features: int, in_fea
     return out
 
 
-def _open(source: Path, cflags: list[str]) -> tuple[ctypes.CDLL | None, str]:
-    """The compiled and loaded library of `source`, or None and why not."""
+# How an _open failure's reason starts when no library could be had at all (the WARNING case).
+_BUILD_FAILED = "no native library: "
+
+
+def _open(source: Path) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library of `source`, where it came from), or (None, why there is none):
+    the prebuilt library of this CPU's level, else one compiled here (-march=native; first with
+    FORKLM_NATIVE_BUILD=native)."""
     if os.environ.get("FORKLM_NATIVE_KERNELS", "1") == "0":
         return None, "disabled by FORKLM_NATIVE_KERNELS=0"
+    stem = source.stem
+    prebuilt = None if _prefer_native_build() else native_build.prebuilt_library(stem)
+    if prebuilt is not None:
+        path, level = prebuilt
+        try:
+            return ctypes.CDLL(str(path)), f"prebuilt for {level}"
+        except OSError as e:
+            logger.warning("prebuilt %s did not load (%s); compiling it here", path.name, e)
     try:
-        return ctypes.CDLL(str(_compiled_library(source, cflags))), ""
+        return ctypes.CDLL(str(_compiled_library(source))), "compiled here (-march=native)"
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return None, str(e)
+        why = ("FORKLM_NATIVE_BUILD=native" if _prefer_native_build() else
+               "none prebuilt for this CPU from these sources" if prebuilt is None
+               else "the prebuilt one did not load")
+        return None, f"{_BUILD_FAILED}{why}, and compiling one failed: {e}"
+
+
+def _prefer_native_build() -> bool:
+    return os.environ.get("FORKLM_NATIVE_BUILD", "") == "native"
 
 
 def _build_and_load() -> _Loaded:
-    lib, reason = _open(SOURCE, CFLAGS)
+    lib, origin = _open(SOURCE)
     if lib is None:
-        return _Loaded(None, reason)
+        return _Loaded(None, origin)
     lib.paged_attention_batch.restype = _int
     lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int, _p, _p]
     lib.paged_attention_threads.restype = _int
     lib.paged_attention_supports.restype = _int
     lib.paged_attention_supports.argtypes = [_int]
     dtypes = frozenset(dt for dt, code in DTYPES.items() if lib.paged_attention_supports(code))
-    return _Loaded(lib, "", dtypes)
+    return _Loaded(lib, "", dtypes, origin)
 
 
-def _compiled_library(source_path: Path, cflags: list[str]) -> Path:
-    """The cached .so for this source, flags, compiler and CPU, compiling it if missing."""
+def _compiled_library(source_path: Path) -> Path:
+    """The cached -march=native .so for this source, flags, compiler and CPU, compiling it if
+    missing (the key reads `cc --version`: this path is a source checkout's, not a wheel's)."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not on PATH)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    # The headers beside the source (cpu_kernels.h, which its #include "..." finds there without
-    # an -I) are part of what it compiles to: an edited header must not reuse a stale library.
-    headers = [h.read_text() for h in sorted(source_path.parent.glob("*.h"))]
-    source = source_path.read_text()
-    key = hashlib.sha256("\0".join([source, *headers, version, " ".join(cflags), _cpu_flags()])
-                         .encode())
+    key = hashlib.sha256("\0".join([native_build.source_key(source_path.stem, NATIVE_TARGET),
+                                    version, _cpu_flags()]).encode())
     cache = Path(os.environ.get("FORKLM_CACHE_DIR") or Path.home() / ".cache/forklm/native")
     target = cache / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    # A private temp name, then an atomic rename: concurrent compilers never see a partial file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *cflags, str(source_path), "-o", tmp, "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    native_build.compile_library(cc, source_path, [*native_build.LIBRARIES[source_path.stem],
+                                                   *NATIVE_TARGET], target)
     return target
+
+
+NATIVE_TARGET = ["-march=native"]
 
 
 def _cpu_flags() -> str:

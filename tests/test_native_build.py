@@ -1,0 +1,106 @@
+"""Native kernels built ahead of time (kernels/cpu/native_build.py): each CPU gets the best level
+it runs, a process without a compiler loads them, a library built from other sources is never
+used, and with neither a prebuilt library nor a compiler the fallback is a WARNING that names
+the cost and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from forklm.kernels.cpu import native_build
+
+STATUS = ("import json, logging; logging.basicConfig(format='%(levelname)s %(message)s'); "
+          "from forklm.kernels.cpu import bindings; print(json.dumps(bindings.status()))")
+
+
+def _status(env: dict[str, str]) -> tuple[dict[str, str], str]:
+    """bindings.status() in a fresh process under `env` (and its stderr)."""
+    done = subprocess.run([sys.executable, "-c", STATUS], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_each_cpu_gets_the_best_level_it_runs():
+    if native_build.levels() != native_build.X86_LEVELS:
+        pytest.skip("the x86-64 levels")  # an aarch64 machine has one level
+    v3 = native_build.X86_LEVELS[2].needs
+    v4 = native_build.X86_LEVELS[1].needs
+    assert native_build.best_level(frozenset()).name == "x86_64"
+    assert native_build.best_level(v3).name == "avx2"
+    assert native_build.best_level(v4).name == "avx512"
+    assert native_build.best_level(v4 | {"avx512_vnni", "avx512_bf16"}).name == "avx512_vnni_bf16"
+    assert native_build.best_level(v4 | {"avx512_vnni"}).name == "avx512"  # no bf16: not that one
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory):
+    """This CPU's level and the plain x86-64 one, built into a folder of their own."""
+    level = native_build.best_level()
+    if level is None:
+        pytest.skip("no instruction-set levels for this architecture")
+    out = tmp_path_factory.mktemp("prebuilt")
+    names = {level.name, native_build.levels()[-1].name}
+    manifest = native_build.build_prebuilt(out, only=tuple(names))
+    assert {entry["level"] for entry in manifest.values()} == names
+    return out, level
+
+
+def test_a_process_without_a_compiler_loads_the_prebuilt_kernels(prebuilt, tmp_path):
+    out, level = prebuilt
+    status, _ = _status({"PATH": str(tmp_path), "FORKLM_PREBUILT_DIR": str(out),
+                         "FORKLM_CACHE_DIR": str(tmp_path / "cache")})
+    assert status == {name: f"prebuilt for {level.name}" for name in status}, status
+    assert not (tmp_path / "cache").exists()  # nothing compiled, not even `cc --version` run
+
+
+def test_the_prebuilt_kernels_compute_what_their_torch_twins_do(prebuilt, tmp_path):
+    out, level = prebuilt
+    check = ("import torch; from forklm.kernels.cpu import bindings; "
+             "x = torch.randn(5, 1000); x[3, 17] = 9.0; "
+             "assert bindings.greedy_pick(x).tolist() == x.argmax(1).tolist(); "
+             "print(bindings.status()['greedy pick'])")
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PATH": str(tmp_path),
+                                            "FORKLM_PREBUILT_DIR": str(out)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"prebuilt for {level.name}"
+
+
+def test_a_library_built_from_other_sources_is_never_used(prebuilt, tmp_path):
+    out, level = prebuilt
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    for path in out.iterdir():
+        (stale / path.name).write_bytes(path.read_bytes())
+    manifest = json.loads((stale / native_build.MANIFEST).read_text())
+    manifest[f"greedy_pick-{level.name}"]["key"] = "0" * 64  # as if greedy_pick.c changed since
+    (stale / native_build.MANIFEST).write_text(json.dumps(manifest))
+    assert native_build.prebuilt_library("greedy_pick", stale)[1] == "x86_64"  # the next level
+    assert native_build.prebuilt_library("paged_attention", stale)[1] == level.name
+    assert native_build.prebuilt_library("greedy_pick", tmp_path) is None  # no manifest
+
+
+def test_no_prebuilt_library_and_no_compiler_is_a_warning_naming_the_fix(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    status, stderr = _status({"PATH": str(tmp_path), "FORKLM_PREBUILT_DIR": str(empty),
+                              "FORKLM_CACHE_DIR": str(tmp_path / "cache")})
+    assert all(state.startswith("off: no native library") for state in status.values()), status
+    assert "no C compiler" in status["paged attention"]
+    assert "WARNING" in stderr and "2x slower" in stderr and "forklm doctor" in stderr
+
+
+def test_forklm_doctor_reports_each_kernel(prebuilt, tmp_path):
+    out, level = prebuilt
+    done = subprocess.run([sys.executable, "-m", "forklm", "doctor"], capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "FORKLM_PREBUILT_DIR": str(out)})
+    assert done.returncode == 0, done.stderr
+    assert f"CPU level: {level.name}" in done.stdout
+    assert done.stdout.count(f"prebuilt for {level.name}") == len(native_build.LIBRARIES)
