@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -24,6 +25,7 @@ class BuildPyWithKernels(build_py):
             "native_build", Path(__file__).parent / "kernels" / "cpu" / "native_build.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)
         out = Path(self.build_lib) / "forklm" / "kernels" / "cpu" / "prebuilt"
         try:
