@@ -157,7 +157,7 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"  {name:18s} {state}")
         off += state.startswith("off: no native library")
     if off:
-        print("Some kernels fell back to torch (about 2x slower per token): install forklm from "
+        print("Some kernels fell back to torch (2-3x slower per token): install forklm from "
               "a wheel, or a C compiler (GCC 12+ or clang) for a source checkout.")
     return 1 if off else 0
 

@@ -93,7 +93,7 @@ def test_no_prebuilt_library_and_no_compiler_is_a_warning_naming_the_fix(tmp_pat
                               "FORKLM_CACHE_DIR": str(tmp_path / "cache")})
     assert all(state.startswith("off: no native library") for state in status.values()), status
     assert "no C compiler" in status["paged attention"]
-    assert "WARNING" in stderr and "2x slower" in stderr and "forklm doctor" in stderr
+    assert "WARNING" in stderr and "2-3x slower" in stderr and "forklm doctor" in stderr
 
 
 def test_forklm_doctor_reports_each_kernel(prebuilt, tmp_path):

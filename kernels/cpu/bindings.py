@@ -243,7 +243,7 @@ def _load_once(name: str, build: Callable[[], _Loaded]) -> _Loaded:
             if state is None:
                 state = _loaded[name] = build()
                 if state.lib is None and state.reason.startswith(_BUILD_FAILED):
-                    logger.warning("%s off: %s. The torch fallback runs instead, about 2x slower "
+                    logger.warning("%s off: %s. The torch fallback runs instead, 2-3x slower "
                                    "per token on the CPU; install forklm from a wheel (its "
                                    "kernels are prebuilt) or a C compiler (GCC 12+ or clang); "
                                    "`forklm doctor` says what is native", name, state.reason)
