@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from forklm.kernels.cpu import bindings as native_kernels
+from forklm.kernels.cpu import native_build
 from forklm.runtime.attention.backends import (
     AttentionLayerSpec,
     TorchAttention,
@@ -329,8 +330,10 @@ def test_kernel_shares_torchs_openmp_runtime():
 
 
 def test_unavailable_reasons(monkeypatch, tmp_path):
-    """Disabled, no compiler, or a failed compile: no library and a reason, never an exception."""
+    """Disabled, no compiler, or a failed compile: no library and a reason, never an exception.
+    (The compile path: FORKLM_NATIVE_BUILD=native passes over the prebuilt libraries.)"""
     monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FORKLM_NATIVE_BUILD", "native")
     monkeypatch.setenv("FORKLM_NATIVE_KERNELS", "0")
     assert "FORKLM_NATIVE_KERNELS=0" in native_kernels._build_and_load().reason
     monkeypatch.delenv("FORKLM_NATIVE_KERNELS")
@@ -340,6 +343,7 @@ def test_unavailable_reasons(monkeypatch, tmp_path):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
     monkeypatch.setattr(native_kernels, "SOURCE", broken)
+    monkeypatch.setitem(native_build.LIBRARIES, "broken", native_build.LIBRARIES["paged_attention"])
     state = native_kernels._build_and_load()
     assert state.lib is None and "failed" in state.reason
     assert not list(tmp_path.glob("*.so"))  # no partial file left in the cache

@@ -581,7 +581,7 @@ def _compiled_library(source_path: Path) -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not on PATH)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([native_build.source_key(source_path.stem, NATIVE_TARGET),
+    key = hashlib.sha256("\0".join([native_build.source_key(source_path, NATIVE_TARGET),
                                     version, _cpu_flags()]).encode())
     cache = Path(os.environ.get("FORKLM_CACHE_DIR") or Path.home() / ".cache/forklm/native")
     target = cache / f"{source_path.stem}-{key.hexdigest()[:16]}.so"

@@ -77,10 +77,10 @@ def levels() -> tuple[Level, ...]:
     return ()
 
 
-def source_key(stem: str, target: tuple[str, ...] | list[str]) -> str:
+def source_key(source: Path, target: tuple[str, ...] | list[str]) -> str:
     """What a library is built from: its source, the headers beside it, its flags."""
-    parts = [(HERE / f"{stem}.c").read_text(), *(h.read_text() for h in sorted(HERE.glob("*.h"))),
-             " ".join([*LIBRARIES[stem], *target])]
+    headers = (h.read_text() for h in sorted(source.parent.glob("*.h")))
+    parts = [source.read_text(), *headers, " ".join([*LIBRARIES[source.stem], *target])]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -113,7 +113,8 @@ def prebuilt_library(stem: str, directory: Path = PREBUILT_DIR,
             continue
         entry = manifest.get(f"{stem}-{level.name}")
         path = directory / f"{stem}-{level.name}.so"
-        if entry and entry.get("key") == source_key(stem, level.target) and path.is_file():
+        key = source_key(HERE / f"{stem}.c", level.target)
+        if entry and entry.get("key") == key and path.is_file():
             return path, level.name
     return None
 
@@ -138,7 +139,7 @@ def build_prebuilt(directory: Path = PREBUILT_DIR, cc: str | None = None,
             except RuntimeError as e:
                 log(f"native_build: {stem} for {level.name} skipped: {str(e)[-300:]}")
                 continue
-            manifest[f"{stem}-{level.name}"] = {"key": source_key(stem, level.target),
+            manifest[f"{stem}-{level.name}"] = {"key": source_key(HERE / f"{stem}.c", level.target),
                                                  "level": level.name}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
