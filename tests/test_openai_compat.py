@@ -111,8 +111,13 @@ def test_sdk_message_keys_are_ignored(http):
 def test_non_text_parts_and_request_typos_stay_400(http):
     image = {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {
         "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}
+    # a text model (vision-language models read them: tests/test_vision.py)
     assert_400(http.post("/v1/chat/completions", json={**CHAT, "messages": [image]}),
-               "messages.0.content", "'image_url'")
+               "messages", "reads no images")
+    audio = {"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": "AAAA", "format": "wav"}}]}
+    assert_400(http.post("/v1/chat/completions", json={**CHAT, "messages": [audio]}),
+               "messages.0.content", "'input_audio'")
     assert_400(http.post("/v1/chat/completions", json={**CHAT, "temprature": 0}),
                "temprature", "Extra inputs")
 

@@ -21,7 +21,7 @@ from forklm.parsers.reasoning import (
     get_reasoning_parser,
 )
 from forklm.runtime.engine.engine_request import EngineRequest
-from forklm.runtime.engine.intake import RequestGroup
+from forklm.runtime.engine.intake import NO_IMAGES, RequestGroup
 from forklm.runtime.engine.results import GenerateOutput, TokenLogprobs
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.runtime.sampling.params import SamplingParams
@@ -142,11 +142,20 @@ def _prepare(service: GenerationService, body: GenerateRequest, caller: Caller) 
         return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
         top_logprobs_num=body.top_logprobs_num, rid=body.rid,
         return_text_in_logprobs=body.return_text_in_logprobs, session_params=body.session_params,
-        lora_path=body.lora_path,
-        image_data=decode_image_data(body.image_data, isinstance(body.text, str),
-                                     image_limits(service.config)))
+        lora_path=body.lora_path, image_data=_images(service, body))
     request = with_caller_session(dataclasses.replace(request, **tenancy(caller, body)), caller)
     return service.engine.prepare(request, stream=body.stream)
+
+
+def _images(service: GenerationService, body: GenerateRequest) -> Any:
+    """The request's image_data decoded under the server's limits (a text model refuses it
+    before anything is decoded)."""
+    if body.image_data is None:
+        return None
+    if not service.engine.reads_images:
+        raise InvalidArgumentError("image_data", "<given>", NO_IMAGES)
+    return decode_image_data(body.image_data, isinstance(body.text, str),
+                             image_limits(service.config))
 
 
 def _drop_nulls(params: dict[str, Any]) -> dict[str, Any]:

@@ -106,6 +106,15 @@ class RequestIntake:
         if stream and len(given) != 1:
             raise InvalidArgumentError("stream", stream, "streaming takes a single prompt")
         name = "prompt" if request.prompt is not None else "input_ids"
+        # The checks that cost nothing first: a bad field never waits for images to encode.
+        params_list = _params_list(request.sampling_params, len(given))
+        rids = self._result_rids(request.rid, params_list)
+        logprobs = _logprob_options(request.logprobs)
+        salt = _check_text("cache_salt", request.cache_salt)
+        adapters = self._adapters(request.lora_path, len(given))
+        tenant = _check_text("tenant", request.tenant) or ""
+        priority = self._priority(request.priority)
+        _check_pooling(request.pooling, params_list, stream)
         images = self._images(request.image_data, given, single)
         prompts, mms = [], []
         for p, prompt_images in zip(given, images):
@@ -116,16 +125,8 @@ class RequestIntake:
                 ids, mm = self._token_ids(p, name), None
             prompts.append(ids)
             mms.append(mm)
-        params_list = _params_list(request.sampling_params, len(prompts))
-        rids = self._result_rids(request.rid, params_list)
-        logprobs = _logprob_options(request.logprobs)
         for ids, params in zip(prompts, params_list):
             self._check_prompt(ids, params, logprobs)
-        salt = _check_text("cache_salt", request.cache_salt)
-        adapters = self._adapters(request.lora_path, len(prompts))
-        tenant = _check_text("tenant", request.tenant) or ""
-        priority = self._priority(request.priority)
-        _check_pooling(request.pooling, params_list, stream)
         reqs: list[Req] = []
         for ids, params, adapter, mm in zip(prompts, params_list, adapters, mms):
             namespace = request_namespace(salt, None if adapter is None else adapter.uid)
