@@ -4,6 +4,7 @@ kernel, on the packed matrices QuantizedLinear builds (4-bit GGUF types, blocks 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from forklm.kernels.cpu import bindings as native_kernels
+from forklm.kernels.cpu import native_build
 from forklm.runtime.quant.linear import KERNEL_GROUP, QuantizedLinear, pack_block_n
 from tests.test_quant import in_features_for, make_weight
 
@@ -119,16 +121,21 @@ def test_pack_reproduces_torch_packing():
 # This CPU (AVX512-BF16 dot products where it has them), AVX-512 (16-float FMAs), AVX2 (8) and
 # plain x86-64 (GCC's lowering of the vector code), in both packings: wherever this CPU runs what
 # they compile to.
-MARCH_NEEDS = {"native": "", "skylake-avx512": "avx512bw", "haswell": "avx2", "x86-64": "sse2"}
+# The prebuilt instruction-set levels (kernels/cpu/native_build.py) and -march=native.
+TARGETS = {"native": (("-march=native",), frozenset()),
+           **{level.name: (level.target, level.needs) for level in native_build.X86_LEVELS}}
 
 
-@pytest.mark.parametrize("march", list(MARCH_NEEDS))
+@pytest.mark.parametrize("target", list(TARGETS))
 @pytest.mark.parametrize("block", [32, 64])
-def test_builds_for_other_cpus_and_packings(march, block):
-    if MARCH_NEEDS[march] and not _cpu_has(MARCH_NEEDS[march]):
-        pytest.skip(f"not an x86 CPU with {MARCH_NEEDS[march]}")
-    flags = [f if f != "-march=native" else f"-march={march}" for f in native_kernels.INT4_CFLAGS]
-    lib = ctypes.CDLL(str(native_kernels._compiled_library(native_kernels.INT4_SOURCE, flags)))
+def test_builds_for_other_cpus_and_packings(target, block, tmp_path):
+    flags, needs = TARGETS[target]
+    if platform.machine() not in ("x86_64", "AMD64") or not needs <= native_build.cpu_flags():
+        pytest.skip(f"not an x86 CPU that runs {target}")
+    library = tmp_path / "int4.so"
+    native_build.compile_library(os.environ.get("CC", "cc"), native_kernels.INT4_SOURCE,
+                                 [*native_build.LIBRARIES["int4_gemv"], *flags], library)
+    lib = ctypes.CDLL(str(library))
     gen = torch.Generator().manual_seed(block)
     n, k, n_out = 208, 96, 200  # blocks, a 16-row tail, padding
     codes = torch.randint(0, 16, (n, k), generator=gen)
@@ -148,16 +155,6 @@ def test_builds_for_other_cpus_and_packings(march, block):
             exact = x.double() @ w.view(n, k)[:n_out].T
             err = (y.double() - exact).abs()
             assert (err <= 2.0**-8 * exact.abs() + 1e-6 * exact.abs().max()).all(), rows
-
-
-def _cpu_has(flag: str) -> bool:
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            return flag in f.read().split()
-    except OSError:
-        return False
 
 
 SPLIT_TYPES = [T.Q8_0, T.Q6_K, T.Q5_0, T.Q5_1, T.Q5_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.Q3_K]

@@ -101,6 +101,27 @@ def test_store_casts_to_pool_dtype():
     assert pool.v_buffer[0, 2].tolist() == [[2.0, 2.0]]
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+def test_a_cpu_pool_is_reserved_not_touched():
+    """A pool sized for the worst case (here 1 GiB) costs resident memory only as tokens fill
+    it, and reads as zeros where nothing was written."""
+    before = _rss_mb()
+    pool = KVPool(num_layers=8, capacity=262143, num_kv_heads=2, head_dim=64,
+                  dtype=torch.bfloat16)
+    assert pool.k_buffer.numel() * 2 * 2 == 1 << 30
+    assert _rss_mb() - before < 64
+    k = torch.randn(3, 2, 64)
+    pool.store(5, torch.tensor([7, 200_000, 262143]), k, -k)
+    assert torch.equal(pool.k_buffer[5, 200_000], k[1].to(torch.bfloat16))
+    assert torch.equal(pool.v_buffer[5, 7], (-k[0]).to(torch.bfloat16))
+    assert not pool.k_buffer[5, 8].any() and not pool.v_buffer[0, 200_000].any()
+    assert _rss_mb() - before < 64  # three rows written: a few pages
+
+
 def test_bytes_per_token():
     assert KVPool.bytes_per_token(30, 3, 64, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
     assert KVPool.bytes_per_token(2, 1, 8, torch.float32) == 2 * 2 * 1 * 8 * 4

@@ -145,7 +145,11 @@ def _install_lora(config: EngineConfig, runner: ModelRunner, dtype: torch.dtype)
 
     batch = LoraBatch()
     slots = install_lora(runner.model, batch)
-    registry = LoraRegistry(slots, dtype, config.device, config.max_loaded_loras)
+    # On the CPU adapters are held and applied in float32 whatever the model's dtype: their
+    # small matmuls cost ~2.5x less there than in bf16 (oneDNN's per-call overhead) and round
+    # less; the update is added in the model's dtype.
+    lora_dtype = torch.float32 if torch.device(config.device).type == "cpu" else dtype
+    registry = LoraRegistry(slots, lora_dtype, config.device, config.max_loaded_loras)
     for name, folder in parse_lora_paths(config.lora_paths).items():
         registry.load(name, folder)
     runner.lora_batch = batch

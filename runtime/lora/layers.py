@@ -75,13 +75,13 @@ class LoraLinear(nn.Module):
             delta = weights.modules.get(self.path)
             if delta is None:  # this adapter leaves this module alone
                 continue
-            xs = x if rows is None else x.index_select(0, rows)
-            update = (xs @ delta.a.t()) @ delta.b.t() * delta.scaling
+            xs = (x if rows is None else x.index_select(0, rows)).to(delta.a.dtype)
+            update = ((xs @ delta.a.t()) @ delta.b.t() * delta.scaling).to(y.dtype)
             y = y + update if rows is None else y.index_add(0, rows, update)
         return y
 
     def _add_stacked(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        stack = self._stack()
+        stack = self._stack(x.dtype)
         if stack is None:  # no adapter of the batch updates this module
             return y
         row_groups = self.batch.row_groups
@@ -90,7 +90,9 @@ class LoraLinear(nn.Module):
         h = (x @ stack.a_t) * torch.where(mine, stack.col_scale, 0.0)
         return y + h @ stack.b_t
 
-    def _stack(self) -> _Stack | None:
+    def _stack(self, dtype: torch.dtype) -> _Stack | None:
+        """The batch's adapters' matrices stacked, in the activations' dtype: these matmuls are
+        wide enough (R = the sum of the ranks) for bf16 to beat float32 on the CPU."""
         key = self.batch.key
         if key in self._stacks:
             self._stacks.move_to_end(key)
@@ -99,9 +101,10 @@ class LoraLinear(nn.Module):
                  if (d := weights.modules.get(self.path)) is not None]
         stack = None
         if parts:
-            a = torch.cat([d.a for _, d in parts])
+            a = torch.cat([d.a for _, d in parts]).to(dtype)
             ranks = [d.a.shape[0] for _, d in parts]
-            stack = _Stack(a.t().contiguous(), torch.cat([d.b for _, d in parts], 1).t().contiguous(),
+            b = torch.cat([d.b for _, d in parts], 1).to(dtype)
+            stack = _Stack(a.t().contiguous(), b.t().contiguous(),
                            torch.tensor([i for (i, _), r in zip(parts, ranks) for _ in range(r)],
                                         device=a.device),
                            torch.tensor([d.scaling for _, d in parts for _ in range(d.a.shape[0])],
