@@ -20,10 +20,8 @@ def decode_image_data(image_data: Any, single: bool, limits: ImageLimits) -> Any
     a list of one entry per prompt (None for a prompt without images)."""
     if image_data is None:
         return None
-    if single:
+    if single or not isinstance(image_data, list):  # not a list: the intake names the shape
         return load_images(image_data, limits)
-    if not isinstance(image_data, list):
-        return load_images(image_data, limits)  # the intake names the shape error
     return [None if entry is None else load_images(entry, limits, f"image_data[{i}]")
             for i, entry in enumerate(image_data)]
 

@@ -12,10 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from forklm.runtime.errors import InvalidArgumentError
 from forklm.server.native_api import service_of
+from forklm.server.protocol import AdapterName
 
 router = APIRouter()
-
-AdapterName = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class LoadLoraRequest(BaseModel):

@@ -581,8 +581,9 @@ def _compiled_library(source_path: Path) -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc!r} not on PATH)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    flags = " ".join(sorted(native_build.cpu_flags()))
     key = hashlib.sha256("\0".join([native_build.source_key(source_path, NATIVE_TARGET),
-                                    version, _cpu_flags()]).encode())
+                                    version, flags]).encode())
     cache = Path(os.environ.get("FORKLM_CACHE_DIR") or Path.home() / ".cache/forklm/native")
     target = cache / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -595,10 +596,3 @@ def _compiled_library(source_path: Path) -> Path:
 
 NATIVE_TARGET = ["-march=native"]
 
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""

@@ -39,7 +39,7 @@ LIBRARIES: dict[str, list[str]] = {
     "paged_attention": _OPENMP,
     "fused_layer_ops": _NO_CONTRACT,  # each multiply and add rounds where torch's eager ops do
     "int4_gemv": _OPENMP,
-    "kquant_vnni": [*_NO_CONTRACT[:1], "-fopenmp", *_NO_CONTRACT[1:]],
+    "kquant_vnni": ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=gnu11"],
     "greedy_pick": _NO_CONTRACT,
 }
 

@@ -75,18 +75,23 @@ class ModelRunner:
     def _set_lora_batch(self, lora: LoraBatch, batch: ScheduledBatch) -> None:
         """Each adapter of the batch with its packed token rows (None: all of them), and with
         several adapters each row's adapter index (-1: the base model)."""
-        rows: dict[int, tuple[LoraWeights, list[int]]] = {}
+        if all(req.lora is None for req in batch.reqs):
+            lora.groups, lora.key, lora.row_groups = [], (), None
+            return
+        index: dict[int, int] = {}  # id(adapter) -> its group
+        rows: list[tuple[LoraWeights, list[int]]] = []
         group_of: list[int] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
-            if req.lora is None:
-                group_of.extend([-1] * n)
-                continue
-            group = rows.setdefault(id(req.lora), (req.lora, []))
-            group_of.extend([list(rows).index(id(req.lora))] * n)
-            group[1].extend(range(len(group_of) - n, len(group_of)))
+            group = -1
+            if req.lora is not None:
+                group = index.setdefault(id(req.lora), len(rows))
+                if group == len(rows):
+                    rows.append((req.lora, []))
+                rows[group][1].extend(range(len(group_of), len(group_of) + n))
+            group_of.extend([group] * n)
         lora.groups = [(weights, None if len(ids) == len(group_of) else
                         torch.tensor(ids, dtype=torch.int64, device=self.device))
-                       for weights, ids in rows.values()]
+                       for weights, ids in rows]
         lora.key = tuple(weights.uid for weights, _ in lora.groups)
         lora.row_groups = (torch.tensor(group_of, dtype=torch.int64, device=self.device)
                            if len(lora.groups) > 1 else None)
@@ -142,7 +147,7 @@ class ModelRunner:
         offset = 0
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.num_computed - n  # KV for [start, start + n) is computed now
-            if req.mm is not None:
+            if req.mm is not None and start < len(req.origin_input_ids):
                 image_positions, features = req.mm.rows_in(start, start + n)
                 if len(image_positions):
                     embed_rows.append(image_positions - start + offset)

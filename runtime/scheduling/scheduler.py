@@ -116,7 +116,8 @@ class Scheduler:
                 self.chunked_req = req
         queue = self._ordered_waiting()
         in_batch: list[list[int]] = []
-        adapters = {r.lora.uid for r in self.running + reqs if r.lora is not None}
+        adapters = ({r.lora.uid for r in [*self.running, *reqs] if r.lora is not None}
+                    if self.config.lora_enabled else set())
         for req, cached in queue:
             full = len(self.running) + len(reqs) >= self.config.max_running_requests
             if full or token_budget <= 0 or self.chunked_req is not None:
