@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from forklm.runtime.models.decoder import EAGER_STEPS, CausalLM, DecoderLayer, LayerSteps
+from forklm.runtime.quant.kquant import keep_matmul_out_of_compiled_graphs
 from forklm.runtime.quant.linear import DENSE_COPY_MIN_ROWS, DENSE_MIN_ROWS
 
 if TYPE_CHECKING:
@@ -144,6 +145,7 @@ def enable_torch_compile(model: CausalLM, max_bs: int,
     replace the fused decode layers (models/fused_layers.py) where the model had them: what a
     user who asks for torch.compile wants to run."""
     _call_packed_linears_as_they_are()
+    keep_matmul_out_of_compiled_graphs()
     compiled = CompiledLayerSteps(max_bs)
     t0 = time.perf_counter()
     with torch.inference_mode():

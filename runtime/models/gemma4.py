@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklm.runtime.attention.backends import AttentionBackend, AttentionLayerSpec
-from forklm.runtime.models.decoder import MLP, CausalLM, _rows
+from forklm.runtime.models.decoder import MLP, CausalLM, _rows, unfilled_embedding
 from forklm.runtime.models.layers import ACTIVATIONS, RMSNorm, RotaryEmbedding
 from forklm.runtime.models.moe import SparseMoE
 from forklm.runtime.models.weights import FusedLinear
@@ -174,7 +174,7 @@ class Gemma4CausalLM(CausalLM):
         if spec.per_layer_input is not None:
             vocab, width = spec.per_layer_input
             packed = spec.num_layers * width
-            self.model.embed_tokens_per_layer = nn.Embedding(vocab, packed)
+            self.model.embed_tokens_per_layer = unfilled_embedding(vocab, packed)
             self.model.per_layer_model_projection = nn.Linear(spec.hidden_size, packed, bias=False)
             self.model.per_layer_projection_norm = RMSNorm(width, spec.norm_eps)
 

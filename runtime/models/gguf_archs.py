@@ -62,20 +62,25 @@ _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
 @dataclass(frozen=True)
 class GGUFArch:
-    """One GGUF architecture: its config class and the fields its metadata adds to the common
+    """One GGUF architecture: its config class (named: importing one costs ~0.9 s, which a cached
+    config skips) and the fields its metadata adds to the common
     ones; `tensor_config`: fields told by which tensors the file has (biases, optional norms);
     `eps_field`: the config field of the norms' epsilon (LayerNorm families read llama.cpp's
     `attention.layer_norm_epsilon`, the others `attention.layer_norm_rms_epsilon`);
     `permuted_qk`: llama.cpp interleaved each q/k head's rotary halves; `norm_plus_one`:
     llama.cpp stored Gemma's RMSNorm weights as 1 + w (Hugging Face stores w)."""
 
-    config_class: type
+    config_class_name: str
     extra_config: Callable[[Key, int, int], dict[str, Any]] = lambda key, hidden, heads: {}
     layer_names: Mapping[str, str] = field(default_factory=lambda: LAYER_NAMES)
     tensor_config: Callable[[set[str]], dict[str, Any]] = lambda names: {}
     eps_field: str = "rms_norm_eps"
     permuted_qk: bool = False
     norm_plus_one: bool = False
+
+    @property
+    def config_class(self) -> type[transformers.PretrainedConfig]:
+        return getattr(transformers, self.config_class_name)
 
 
 def _head_dim(key: Key, hidden: int, heads: int) -> dict[str, Any]:
@@ -279,63 +284,63 @@ _GPT_OSS_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernor
 _FALCON_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"}
 # Falcon 40B's two norms: llama.cpp calls the MLP's (ln_mlp) attn_norm, the attention's (ln_attn)
 # attn_norm_2; Falcon 7B's one norm (attn_norm) feeds both.
-FALCON_TWO_NORMS = GGUFArch(transformers.FalconConfig, _falcon,
+FALCON_TWO_NORMS = GGUFArch("FalconConfig", _falcon,
                             {**_FALCON_NAMES, "attn_norm": "pre_feedforward_layernorm",
                              "attn_norm_2": "input_layernorm"},
                             tensor_config=_falcon_tensors, eps_field="layer_norm_epsilon")
 
 # llama.cpp writes Mixtral as `llama` whose layers have experts (`llama.expert_count`).
-LLAMA_WITH_EXPERTS = GGUFArch(transformers.MixtralConfig, _mixtral,
+LLAMA_WITH_EXPERTS = GGUFArch("MixtralConfig", _mixtral,
                               {**LAYER_NAMES, "ffn_gate_inp": "mlp.gate"}, permuted_qk=True)
 
 GGUF_ARCHS = {
-    "llama": GGUFArch(transformers.LlamaConfig, _head_dim, permuted_qk=True),
-    "qwen2": GGUFArch(transformers.Qwen2Config),
-    "qwen3": GGUFArch(transformers.Qwen3Config, _head_dim),
-    "qwen2moe": GGUFArch(transformers.Qwen2MoeConfig, lambda key, hidden, heads: _moe(key, False),
+    "llama": GGUFArch("LlamaConfig", _head_dim, permuted_qk=True),
+    "qwen2": GGUFArch("Qwen2Config"),
+    "qwen3": GGUFArch("Qwen3Config", _head_dim),
+    "qwen2moe": GGUFArch("Qwen2MoeConfig", lambda key, hidden, heads: _moe(key, False),
                          {**LAYER_NAMES, **_MOE_NAMES}),
-    "qwen3moe": GGUFArch(transformers.Qwen3MoeConfig,
+    "qwen3moe": GGUFArch("Qwen3MoeConfig",
                          lambda key, hidden, heads: {**_head_dim(key, hidden, heads),
                                                      **_moe(key, True)},
                          {**LAYER_NAMES, **_MOE_NAMES}),
-    "gemma2": GGUFArch(transformers.Gemma2Config, _gemma2, {**LAYER_NAMES, **_GEMMA_NAMES},
+    "gemma2": GGUFArch("Gemma2Config", _gemma2, {**LAYER_NAMES, **_GEMMA_NAMES},
                        norm_plus_one=True),
-    "gemma3": GGUFArch(transformers.Gemma3TextConfig, _gemma3, {**LAYER_NAMES, **_GEMMA_NAMES},
+    "gemma3": GGUFArch("Gemma3TextConfig", _gemma3, {**LAYER_NAMES, **_GEMMA_NAMES},
                        norm_plus_one=True),
     # Gemma 4's norms are stored as they are (w, not 1 + w).
-    "gemma4": GGUFArch(transformers.Gemma4TextConfig, _gemma4, {**LAYER_NAMES, **_GEMMA4_NAMES},
+    "gemma4": GGUFArch("Gemma4TextConfig", _gemma4, {**LAYER_NAMES, **_GEMMA4_NAMES},
                        tensor_config=_gemma4_tensors),
-    "phi3": GGUFArch(transformers.Phi3Config, _partial_rotary, {**LAYER_NAMES, **_PHI3_NAMES}),
-    "smollm3": GGUFArch(transformers.SmolLM3Config, _smollm3, permuted_qk=True),
-    "granite": GGUFArch(transformers.GraniteConfig, _granite, permuted_qk=True),
-    "olmo2": GGUFArch(transformers.Olmo2Config, _head_dim, {**LAYER_NAMES, **_POST_NORM_NAMES}),
+    "phi3": GGUFArch("Phi3Config", _partial_rotary, {**LAYER_NAMES, **_PHI3_NAMES}),
+    "smollm3": GGUFArch("SmolLM3Config", _smollm3, permuted_qk=True),
+    "granite": GGUFArch("GraniteConfig", _granite, permuted_qk=True),
+    "olmo2": GGUFArch("Olmo2Config", _head_dim, {**LAYER_NAMES, **_POST_NORM_NAMES}),
     # StableLM's per-head q/k norms arrive stacked, [heads, head_dim]: forklm's own layout.
-    "stablelm": GGUFArch(transformers.StableLmConfig, _partial_rotary,
+    "stablelm": GGUFArch("StableLmConfig", _partial_rotary,
                          tensor_config=_stablelm_tensors, eps_field="layer_norm_eps"),
     # llama.cpp reads no sliding window for StarCoder 2: every layer attends to all keys.
-    "starcoder2": GGUFArch(transformers.Starcoder2Config,
+    "starcoder2": GGUFArch("Starcoder2Config",
                            tensor_config=lambda names: {"use_bias": "blk.0.attn_q.bias" in names,
                                                         "sliding_window": None},
                            eps_field="norm_epsilon"),
     # llama.cpp's converter stores Nemotron's LayerNorm1P weights w - 1 as w (adds the 1).
-    "nemotron": GGUFArch(transformers.NemotronConfig, _nemotron, tensor_config=_mlp_bias,
+    "nemotron": GGUFArch("NemotronConfig", _nemotron, tensor_config=_mlp_bias,
                          eps_field="norm_eps", norm_plus_one=True),
     # llama.cpp's converter transposed GPT-2's Conv1D matrices; q/k/v stay fused as in its
     # checkpoints; the learned positions are position_embd.
-    "gpt2": GGUFArch(transformers.GPT2Config, _gpt2,
+    "gpt2": GGUFArch("GPT2Config", _gpt2,
                      {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj"},
                      eps_field="layer_norm_epsilon"),
-    "gpt-oss": GGUFArch(transformers.GptOssConfig, _gpt_oss, _GPT_OSS_NAMES),
+    "gpt-oss": GGUFArch("GptOssConfig", _gpt_oss, _GPT_OSS_NAMES),
     # GELU: llama.cpp's Falcon takes ggml's tanh approximation, transformers (and forklm) the
     # exact GELU Falcon's config names.
-    "falcon": GGUFArch(transformers.FalconConfig, _falcon, _FALCON_NAMES,
+    "falcon": GGUFArch("FalconConfig", _falcon, _FALCON_NAMES,
                        tensor_config=_falcon_tensors, eps_field="layer_norm_epsilon"),
     # llama.cpp's converter regrouped BLOOM's per-head q/k/v rows as all q, all k, all v:
     # forklm's fused order. ALiBi, the MLP width (4 * hidden) and GELU come from the family.
-    "bloom": GGUFArch(transformers.BloomConfig, layer_names=_FALCON_NAMES,
+    "bloom": GGUFArch("BloomConfig", layer_names=_FALCON_NAMES,
                       tensor_config=_bloom_tensors, eps_field="layer_norm_epsilon"),
     # MPT's Wqkv is q, k, v in order; its head is the embedding (spec.py ties it).
-    "mpt": GGUFArch(transformers.MptConfig, _mpt, _FALCON_NAMES, eps_field="layer_norm_epsilon"),
+    "mpt": GGUFArch("MptConfig", _mpt, _FALCON_NAMES, eps_field="layer_norm_epsilon"),
 }
 
 

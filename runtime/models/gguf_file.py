@@ -22,6 +22,7 @@ _DEFAULT_ALIGNMENT = 32
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q")  # a string's byte length
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 # Unquantized tensor types and their element dtype (the others are rows of blocks, as uint8).
@@ -106,7 +107,25 @@ class GGUFFile:
             array = np.frombuffer(self._buf[self._pos:end], dtype=dtype)
             self._pos = end
             return array
+        if item_kind == _STRING:
+            return self._strings(count)
         return [self._value(item_kind) for _ in range(count)]
+
+    def _strings(self, count: int) -> list[str]:
+        """An array of `count` strings: _string's loop inlined (a vocabulary and its merges are
+        ~100k strings for the default model, read at every start)."""
+        data, pos, size = self._mmap, self._pos, len(self._buf)
+        length_at = _LENGTH.unpack_from
+        strings = []
+        for _ in range(count):
+            (length,) = length_at(data, pos) if pos + 8 <= size else (size,)
+            pos += 8
+            if pos + length > size:
+                raise ValueError(f"{self.path}: header ends early (truncated file?)")
+            strings.append(data[pos:pos + length].decode("utf-8", errors="replace"))
+            pos += length
+        self._pos = pos
+        return strings
 
     def _tensor(self, name: str, dims: tuple[int, ...], kind: GGMLQuantizationType,
                 start: int) -> GGUFTensor:

@@ -124,7 +124,6 @@ class KQuantMatrix(nn.Module):
         return (rows >= DEQUANTIZE_MIN_ROWS
                 and self.out_features * self.in_features <= DEQUANTIZE_MAX_ELEMENTS)
 
-    @torch.compiler.disable  # a ctypes call: compiled graphs break around it
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16."""
         if self.dequantizes(x.shape[0]):
@@ -173,3 +172,13 @@ def _row_addresses(part: GGUFWeight) -> np.ndarray:
     assert data.strides[1] == 1, "a part's rows must be contiguous bytes"
     base = data.__array_interface__["data"][0]
     return base + np.arange(data.shape[0], dtype=np.int64) * data.strides[0]
+
+
+def keep_matmul_out_of_compiled_graphs() -> None:
+    """Make compiled graphs break around KQuantMatrix.matmul (a ctypes call). Done when
+    torch.compile is turned on rather than by a decorator: torch.compiler.disable imports
+    torch._dynamo, ~0.5 s of every start-up."""
+    if not getattr(KQuantMatrix.matmul, "_forklm_eager_only", False):
+        eager = torch.compiler.disable(KQuantMatrix.matmul)
+        eager._forklm_eager_only = True  # type: ignore[attr-defined]
+        KQuantMatrix.matmul = eager  # type: ignore[method-assign]

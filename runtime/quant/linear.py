@@ -351,7 +351,8 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """float32 [out, in]: the weight the kernel multiplies with."""
-        return torch.cat([s.rows(torch.arange(s.out_features)) for s in self.matrices])
+        parts = [s.rows(torch.arange(s.out_features)) for s in self.matrices]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # cat would copy a lone part
 
     @property
     def nbytes(self) -> int:

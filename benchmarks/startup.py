@@ -1,0 +1,175 @@
+"""Start-up (issue 39): launch -> ready and launch -> first token for `forklm serve` and
+llama.cpp's `llama-server` on the same GGUF, runs alternating between them.
+
+- ready: from starting the process to the first `GET /health` that answers 200 (polled every
+  10 ms);
+- first token: from starting the process to the first streamed token of a completion sent the
+  moment it is ready (what a harness that starts a server per task feels);
+- first / later TTFT: the first request's time to first token against the median of the next
+  ones (the first request must not pay for warm-up).
+
+Also `Engine()` in process (the engine alone, after its imports) and, with `--importtime`, the
+slowest imports of `forklm serve`'s start-up path (`python -X importtime`).
+
+Run: `python -m benchmarks.startup [--model FILE] [--runs 5] [--llama-server PATH] [--importtime]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from benchmarks.report import machine
+from benchmarks.servers import default_gguf
+from forklm.runtime.child_process import forklm_command, free_port
+
+POLL_S = 0.01
+PROMPT = "Once upon a time, in a small village by the sea,"
+LATER_REQUESTS = 5
+
+
+@dataclass
+class StartupRun:
+    ready_s: float
+    first_token_s: float
+    first_ttft_s: float
+    later_ttft_s: float
+
+
+@dataclass
+class SystemRuns:
+    name: str
+    runs: list[StartupRun] = field(default_factory=list)
+
+    def median(self, attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in self.runs)
+
+
+def _ttft(base_url: str, model: str) -> float:
+    """Seconds to the first streamed token of one completion."""
+    body = {"model": model,  "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            # the first chunk with a token, decoded or not
+            if (line.startswith("data: ") and line != "data: [DONE]"
+                    and json.loads(line[6:]).get("choices")):
+                return time.perf_counter() - t0
+    raise RuntimeError(f"{base_url}: no token streamed")
+
+
+def launch_once(command: list[str], port: int, env: dict[str, str]) -> StartupRun:
+    base_url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise RuntimeError(f"{command[0]} exited with {proc.returncode}:\n"
+                                       f"{log.read()[-2000:]}")
+                try:
+                    if httpx.get(base_url + "/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(POLL_S)
+            ready = time.perf_counter() - t0
+            model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
+            first_ttft = _ttft(base_url, model)
+            first_token = time.perf_counter() - t0
+            later = statistics.median(_ttft(base_url, model) for _ in range(LATER_REQUESTS))
+            return StartupRun(ready, first_token, first_ttft, later)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def forklm_command_for(model: str, port: int) -> list[str]:
+    return forklm_command("serve", "--model-path", model, "--host", "127.0.0.1",
+                          "--port", str(port))
+
+
+def llama_server_command(binary: str, model: str, port: int) -> list[str]:
+    return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+            "-tb", "2", "-np", "8", "-c", str(8 * 2048), "--no-webui"]
+
+
+def engine_in_process(model: str) -> float:
+    """Seconds of `Engine(model_path=model)` in a fresh process, after its imports."""
+    code = ("import time; from forklm import Engine; t = time.perf_counter(); "
+            f"e = Engine(model_path={model!r}); print(time.perf_counter() - t); e.shutdown()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def slowest_imports(top: int = 12) -> list[tuple[float, str]]:
+    """(cumulative seconds, module) of the slowest imports of the server's start-up path."""
+    code = "import forklm.cli, forklm.server.app"
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True,
+                         text=True, check=True)
+    rows = []
+    for line in out.stderr.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit():
+            rows.append((int(parts[1]) / 1e6, parts[2].rstrip()))
+    return sorted(rows, reverse=True)[:top]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(default_gguf()), help="GGUF file (default model)")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--llama-server", default="/tmp/llama-server-build/bin/llama-server")
+    ap.add_argument("--importtime", action="store_true")
+    args = ap.parse_args()
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    systems = {"forklm serve": lambda port: forklm_command_for(args.model, port)}
+    if pathlib.Path(args.llama_server).exists():
+        systems["llama-server -np 8"] = lambda port: llama_server_command(
+            args.llama_server, args.model, port)
+    else:
+        print(f"(no llama-server at {args.llama_server}: forklm only)")
+    results = {name: SystemRuns(name) for name in systems}
+    warm_port = free_port()  # one unmeasured start fills the caches (config, kernels, pages)
+    launch_once(forklm_command_for(args.model, warm_port), warm_port, env)
+    for _ in range(args.runs):
+        for name, command in systems.items():
+            port = free_port()
+            results[name].runs.append(launch_once(command(port), port, env))
+    engine_s = [engine_in_process(args.model) for _ in range(3)]
+    print(f"# start-up, {pathlib.Path(args.model).name}; {machine()}; medians of {args.runs} "
+          "alternating runs, warm caches\n")
+    print("| system | launch -> /health 200 (s) | launch -> first token (s) | first TTFT (ms) "
+          "| later TTFT (ms) |")
+    print("|---|---|---|---|---|")
+    for runs in results.values():
+        print(f"| {runs.name} | {runs.median('ready_s'):.2f} | {runs.median('first_token_s'):.2f} "
+              f"| {1000 * runs.median('first_ttft_s'):.0f} "
+              f"| {1000 * runs.median('later_ttft_s'):.0f} |")
+    print(f"\nEngine() in process, after its imports: {statistics.median(engine_s):.2f} s "
+          f"(runs: {', '.join(f'{s:.2f}' for s in engine_s)})")
+    if args.importtime:
+        print("\nslowest imports of `forklm serve` (cumulative s):")
+        for seconds, module in slowest_imports():
+            print(f"  {seconds:6.3f}  {module}")
+
+
+if __name__ == "__main__":
+    main()
