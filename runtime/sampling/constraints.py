@@ -13,13 +13,14 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from forklm.runtime.errors import GrammarCompileTimeoutError, InvalidArgumentError
 from forklm.runtime.sampling.checks import shorten
 from forklm.runtime.sampling.grammar_pool import CompileJob, CompilePool
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
+
     from forklm.runtime.sampling.params import Constraint
     from forklm.runtime.scheduling.request import Req
 
@@ -65,7 +66,7 @@ class GrammarBackend:
         """vocab_size is the model's logits width (it may exceed the tokenizer's length); the
         stop tokens are the ones a finished grammar allows (the model's EOS ids)."""
         stops = sorted(stop_token_ids) or None  # None: xgrammar takes the tokenizer's EOS
-        return cls(lambda: xgr.TokenizerInfo.from_huggingface(
+        return cls(lambda: _xgrammar().TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=stops), tokenizer, jump_forward,
             compile_timeout_s)
 
@@ -91,7 +92,7 @@ class GrammarBackend:
         for req in reqs:
             constraint = req.sampling_params.constraint
             if constraint is not None:
-                req.grammar = xgr.GrammarMatcher(compiling[constraint].result())
+                req.grammar = _xgrammar().GrammarMatcher(compiling[constraint].result())
 
     def close(self) -> None:
         self._pool.close()
@@ -152,9 +153,15 @@ class GrammarBackend:
         with self._lock:
             if self._compiler is None:
                 # Our cache is the one cache: xgrammar's own would keep every grammar forever.
-                self._compiler = xgr.GrammarCompiler(self._make_info(), max_threads=XGRAMMAR_THREADS,
-                                                     cache_enabled=False)
+                self._compiler = _xgrammar().GrammarCompiler(
+                    self._make_info(), max_threads=XGRAMMAR_THREADS, cache_enabled=False)
             return self._compiler
+
+    def warm_up(self) -> None:
+        """Import xgrammar and read the vocabulary now (~0.5 s for a 49k-token vocabulary), so
+        the first constrained request does not pay for it: a server calls this on a background
+        thread once it is loaded."""
+        self._get_compiler()
 
     def _compile(self, constraint: Constraint) -> xgr.CompiledGrammar:
         compiler = self._get_compiler()
@@ -190,13 +197,13 @@ class GrammarBackend:
         masked = [i for i, m in rows if m.fill_next_token_bitmask(bitmask, i)]
         if masked:
             bitmask = bitmask.to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
+            _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1],
                                             indices=masked)
 
     def _bitmask_rows(self, num_rows: int, vocab_size: int) -> torch.Tensor:
         """The reused bitmask buffer with at least num_rows rows (reallocated only to grow)."""
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
-            self._bitmask = xgr.allocate_token_bitmask(num_rows, vocab_size)  # [rows, ceil(V/32)]
+            self._bitmask = _xgrammar().allocate_token_bitmask(num_rows, vocab_size)  # [rows, ceil(V/32)]
         return self._bitmask
 
     # -- jump-forward (engine thread) ----------------------------------------------------------
@@ -231,6 +238,14 @@ class GrammarBackend:
         if num_accepted:
             matcher.rollback(num_accepted)
         return ids[:num_accepted]
+
+
+def _xgrammar() -> Any:
+    """The xgrammar module, imported on first use: its import (~0.4 s, with its FFI runtime) is
+    kept off the engine's start-up path."""
+    import xgrammar
+
+    return xgrammar
 
 
 def choices_ebnf(choices: Sequence[str]) -> str:
