@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 # The quantized part key of a checkpoint matrix that fills a whole (possibly fused) layer.
 _WHOLE = -1
+BUILD_THREADS = 2  # threads building quantized matrices at load (their C repacks)
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,7 @@ class WeightLoader:
         assert self.quantized_factory is not None or not (self.quantized or self.quantized_experts)
         for path, experts in self.quantized_experts.items():
             self._build_quantized_experts(path, experts)
+        jobs = []
         for path, parts in self.quantized.items():
             module = self.model.get_submodule(path)
             expected = len(module.part_sizes) if isinstance(module, FusedLinear) else 1
@@ -179,9 +182,14 @@ class WeightLoader:
             if bias is not None and (bias.is_meta or len(bias_parts) != expected):
                 raise ModelNotFoundError(f"{path}.bias is missing from the checkpoint")
             assert self.quantized_factory is not None
-            new = self.quantized_factory(ordered, bias, self.dtype)
-            parent, _, child = path.rpartition(".")
-            setattr(self.model.get_submodule(parent) if parent else self.model, child, new)
+            jobs.append((path, ordered, bias))
+        # Each factory call is mostly one C repack that lets go of the GIL: two threads build
+        # two matrices at once (a 1B model's 800 MB of K-quant records in about half the time).
+        with ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="forklm-weights") as pool:
+            built = pool.map(lambda job: self.quantized_factory(job[1], job[2], self.dtype), jobs)
+            for (path, _, _), new in zip(jobs, built):
+                parent, _, child = path.rpartition(".")
+                setattr(self.model.get_submodule(parent) if parent else self.model, child, new)
 
     def _build_quantized_experts(self, path: str,
                                  experts: dict[tuple[str, int], dict[int, Any]]) -> None:
