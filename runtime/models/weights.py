@@ -181,12 +181,15 @@ class WeightLoader:
             bias_parts = self.filled.pop((path, "bias"), set())  # its module is replaced below
             if bias is not None and (bias.is_meta or len(bias_parts) != expected):
                 raise ModelNotFoundError(f"{path}.bias is missing from the checkpoint")
-            assert self.quantized_factory is not None
             jobs.append((path, ordered, bias))
+        if not jobs:
+            return
+        factory = self.quantized_factory
+        assert factory is not None
         # Each factory call is mostly one C repack that lets go of the GIL: two threads build
         # two matrices at once (a 1B model's 800 MB of K-quant records in about half the time).
         with ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="forklm-weights") as pool:
-            built = pool.map(lambda job: self.quantized_factory(job[1], job[2], self.dtype), jobs)
+            built = pool.map(lambda job: factory(job[1], job[2], self.dtype), jobs)
             for (path, _, _), new in zip(jobs, built):
                 parent, _, child = path.rpartition(".")
                 setattr(self.model.get_submodule(parent) if parent else self.model, child, new)
