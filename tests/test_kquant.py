@@ -88,6 +88,33 @@ def test_records_hold_the_file_weight_exactly(ggml_type, realistic):
         matrix.rows(torch.tensor([40]))
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("repack_rows", [16, 32, 48])
+def test_records_built_a_run_of_rows_at_a_time_equal_the_whole(ggml_type, repack_rows,
+                                                                monkeypatch):
+    """Rows repacked REPACK_ROWS at a time (runs crossing parts, the last one padded) give the
+    records of one pass, and every row of a part is let go exactly once: a whole-tensor part
+    run by run, another once its last rows are in."""
+    import dataclasses
+
+    from forklm.runtime.quant import kquant
+
+    parts = [weight_of(ggml_type, 40, seed=11), weight_of(ggml_type, 24, seed=12),
+             weight_of(ggml_type, 9, seed=13)]  # 73 rows: the last block padded
+    released: list[list[tuple[int, int]]] = [[], [], []]
+    tracked = [dataclasses.replace(part, release_rows=lambda first, count, log=log:
+                                   log.append((first, count)))
+               for part, log in zip(parts, released)]
+    tracked[2] = dataclasses.replace(parts[2], release=lambda: released[2].append((0, 9)))
+    whole = KQuantMatrix.from_gguf(parts)
+    monkeypatch.setattr(kquant, "REPACK_ROWS", repack_rows)
+    in_runs = KQuantMatrix.from_gguf(tracked)
+    assert torch.equal(in_runs.records, whole.records)
+    for part, log in zip(parts, released):
+        rows = [r for first, count in log for r in range(first, first + count)]
+        assert sorted(rows) == list(range(part.shape[0]))
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_records_are_about_the_file_size(ggml_type):
     weight = weight_of(ggml_type, 64, in_features=1024)

@@ -461,17 +461,19 @@ def _build_and_load_kquant() -> _Loaded:
 
 def kquant_repack(ggml_type: int, row_addresses: torch.Tensor, out_features: int,
                   padded_rows: int, in_features: int, record_bytes: int,
-                  record_k: int) -> torch.Tensor | None:
+                  record_k: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """The records (uint8, kquant_vnni.c's layout: record_bytes for each 16 rows x record_k) of a
     matrix whose row r's file bytes start at row_addresses[r] (int64 [out_features]; the caller
-    keeps them mapped), padded with zero rows to padded_rows (a multiple of 16); None where the
-    library is off."""
+    keeps them mapped), padded with zero rows to padded_rows (a multiple of 16), written into
+    `out` when given (a 16-row block's records depend on its rows alone, so a matrix may be
+    built a run of blocks at a time); None where the library is off."""
     lib = kquant_ops()
     if lib is None:
         return None
     assert row_addresses.dtype == torch.int64 and row_addresses.numel() == out_features
-    records = streamed_empty((padded_rows // 16 * (in_features // record_k) * record_bytes,),
-                             torch.uint8)
+    num_bytes = padded_rows // 16 * (in_features // record_k) * record_bytes
+    records = streamed_empty((num_bytes,), torch.uint8) if out is None else out
+    assert records.dtype == torch.uint8 and records.numel() == num_bytes and records.is_contiguous()
     rc = lib.kquant_repack(ggml_type, row_addresses.data_ptr(), out_features, padded_rows,
                            in_features, records.data_ptr())
     assert rc == 0, f"kquant_repack rejected type {ggml_type}, {out_features}x{in_features}"

@@ -122,11 +122,13 @@ class GGUFModel:
             rows = self._qk_row_order(name, shape[0])
             if supported is not None and len(shape) == 2 and supported(tensor.tensor_type):
                 if rows is None:  # the mapped blocks: their pages are let go once packed
+                    release = functools.partial(self.file.release, tensor)
                     yield name, GGUFWeight(tensor.data, tensor.tensor_type, (shape[0], shape[1]),
-                                           release=functools.partial(self.file.release, tensor))
-                else:
-                    yield name, GGUFWeight(np.ascontiguousarray(tensor.data[rows.numpy()]),
-                                           tensor.tensor_type, (shape[0], shape[1]))
+                                           release=release, release_rows=release)
+                else:  # reordered rows: a copy, so the mapped pages can go at once
+                    reordered = np.ascontiguousarray(tensor.data[rows.numpy()])
+                    self.file.release(tensor)
+                    yield name, GGUFWeight(reordered, tensor.tensor_type, (shape[0], shape[1]))
                 continue
             if (supported is not None and len(shape) == 3 and "{expert}" in name
                     and supported(tensor.tensor_type)):  # a stack of experts: one matrix each

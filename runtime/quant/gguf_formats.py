@@ -25,6 +25,10 @@ class GGUFWeight:
     # Called once the blocks are converted: lets go of a memory-mapped file's pages (their
     # data stay readable; see gguf_file.GGUFFile.release)
     release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
+    # release_rows(first, count): the same for rows [first, first + count) only, where the
+    # matrix is a whole tensor of the file (a converter then lets go of it as it goes)
+    release_rows: Callable[[int, int], None] | None = field(default=None, compare=False,
+                                                            repr=False)
 
     def __post_init__(self) -> None:
         block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]

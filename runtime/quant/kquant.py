@@ -25,9 +25,11 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from forklm.kernels.cpu import bindings as native_kernels
+from forklm.kernels.cpu.huge_pages import streamed_empty
 from forklm.runtime.quant.gguf_formats import GGUFWeight
 
 ROWS = 16  # weight rows per record block
+REPACK_ROWS = 2048  # rows repacked at a time at load (a multiple of ROWS)
 _K_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 # kquant_vnni.c's records: K-quants 16 rows x 256 k (a 320-byte header, 8 groups of codes), the
 # legacy types 16 rows x 32 k (the rows' 16 fp16 steps, one group of codes)
@@ -90,16 +92,29 @@ class KQuantMatrix(nn.Module):
         ggml_type = parts[0].ggml_type
         assert all(p.ggml_type == ggml_type for p in parts) and ggml_type in KQUANT_TYPES
         in_features = parts[0].shape[1]
-        addresses = np.concatenate([_row_addresses(p) for p in parts])
+        addresses = torch.from_numpy(np.concatenate([_row_addresses(p) for p in parts]))
         out_features = len(addresses)
         padded = out_features + -out_features % ROWS
-        records = native_kernels.kquant_repack(int(ggml_type), torch.from_numpy(addresses),
-                                               out_features, padded, in_features,
-                                               RECORD_BYTES[ggml_type], RECORD_K[ggml_type])
-        assert records is not None, "KQuantMatrix needs the K-quant library (see holds())"
-        for part in parts:
-            if part.release is not None:
-                part.release()
+        block_bytes = in_features // RECORD_K[ggml_type] * RECORD_BYTES[ggml_type]  # 16 rows'
+        records = streamed_empty((padded // ROWS * block_bytes,), torch.uint8)
+        part_starts = np.cumsum([0] + [p.shape[0] for p in parts])
+        # A run of rows at a time, each part's pages let go as soon as its rows in the run are
+        # repacked: the file's bytes are not held beside the records (a 1B model's 215 MB
+        # embedding would otherwise be, at the top of the load's RSS).
+        for start in range(0, out_features, REPACK_ROWS):
+            stop = min(start + REPACK_ROWS, out_features)
+            run_padded = (padded if stop == out_features else stop) - start
+            done = native_kernels.kquant_repack(
+                int(ggml_type), addresses[start:stop], stop - start, run_padded, in_features,
+                RECORD_BYTES[ggml_type], RECORD_K[ggml_type],
+                out=records[start // ROWS * block_bytes:(start + run_padded) // ROWS * block_bytes])
+            assert done is not None, "KQuantMatrix needs the K-quant library (see holds())"
+            for part, first in zip(parts, part_starts):
+                lo, hi = max(start, first), min(stop, first + part.shape[0])
+                if part.release_rows is not None and lo < hi:
+                    part.release_rows(lo - first, hi - lo)
+                elif part.release is not None and lo < hi == first + part.shape[0]:
+                    part.release()  # its last rows are in: all of it
         return cls(records, ggml_type, out_features, in_features)
 
     @property
