@@ -39,9 +39,11 @@ def test_an_engine_on_a_cached_gguf_skips_the_heavy_imports(tmp_path):
 
 
 def test_grammar_warm_up_readies_the_compiler_once(make_engine):
+    from forklm.server.launch import _warm_up_grammar_when_idle
+
     engine: Engine = make_engine()
     grammar = engine.parts.grammar
-    grammar.warm_up()
+    _warm_up_grammar_when_idle(engine, idle_s=0.05)  # an idle engine: at once
     compiler = grammar._compiler
     assert compiler is not None
     grammar.warm_up()
@@ -49,3 +51,33 @@ def test_grammar_warm_up_readies_the_compiler_once(make_engine):
     out = engine.generate("Pick one:", {"max_new_tokens": 8, "temperature": 0,
                                                 "regex": "(yes|no)"})
     assert out["text"] in ("yes", "no")
+
+
+def test_grammar_warm_up_waits_for_a_quiet_engine_and_ends_with_it(monkeypatch):
+    """Requests in flight hold the warm-up back (it would hold the GIL beside them); an engine
+    shut down meanwhile ends it without one."""
+    import threading
+    import time
+
+    from forklm.server.launch import _warm_up_grammar_when_idle
+
+    engine = Engine(dtype="float32", max_total_tokens=2048)
+    calls: list[float] = []
+    done: list[float] = []
+    monkeypatch.setattr(engine.parts.grammar, "warm_up", lambda: calls.append(time.monotonic()))
+
+    def busy() -> None:
+        engine.generate("Tell me a long story.", {"max_new_tokens": 40, "temperature": 0,
+                                                  "ignore_eos": True})
+        done.append(time.monotonic())
+
+    request = threading.Thread(target=busy)
+    request.start()
+    while engine.stats()["running"] == 0 and request.is_alive():
+        time.sleep(0.005)
+    _warm_up_grammar_when_idle(engine, idle_s=0.1)
+    request.join()
+    assert len(calls) == 1 and calls[0] > done[0]  # after the request, not beside it
+    engine.shutdown()
+    _warm_up_grammar_when_idle(engine, idle_s=0.05)  # returns: nothing to wait for
+    assert len(calls) == 1
