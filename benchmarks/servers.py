@@ -29,6 +29,7 @@ class ServerProcess:
     port: int
     health_path: str = "/health"
     startup_timeout_s: float = 600.0
+    poll_s: float = 0.5  # between health checks
     env: dict[str, str | None] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
@@ -86,7 +87,7 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(self.poll_s)
         raise RuntimeError(f"server did not answer {url} within {self.startup_timeout_s:.0f} s\n"
                            f"{self.log_tail()}")
 

@@ -1,8 +1,8 @@
 """Start-up (issue 39): launch -> ready and launch -> first token for `forklm serve` and
 llama.cpp's `llama-server` on the same GGUF, runs alternating between them.
 
-- ready: from starting the process to the first `GET /health` that answers 200 (polled every
-  10 ms);
+- ready: from starting the process (benchmarks/servers.py's ServerProcess, with the servers'
+  usual flags) to the first `GET /health` that answers 200 (polled every 10 ms);
 - first token: from starting the process to the first streamed token of a completion sent the
   moment it is ready (what a harness that starts a server per task feels);
 - first / later TTFT: the first request's time to first token against the median of the next
@@ -18,22 +18,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
 from benchmarks.report import machine
-from benchmarks.servers import default_gguf
-from forklm.runtime.child_process import forklm_command, free_port
+from benchmarks.servers import ServerProcess, default_gguf, forklm_server, llama_server
 
-POLL_S = 0.01
+POLL_S = 0.01  # between health checks
 PROMPT = "Once upon a time, in a small village by the sea,"
 LATER_REQUESTS = 5
 
@@ -69,46 +66,17 @@ def _ttft(base_url: str, model: str) -> float:
     raise RuntimeError(f"{base_url}: no token streamed")
 
 
-def launch_once(command: list[str], port: int, env: dict[str, str]) -> StartupRun:
-    base_url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile("w+") as log:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    raise RuntimeError(f"{command[0]} exited with {proc.returncode}:\n"
-                                       f"{log.read()[-2000:]}")
-                try:
-                    if httpx.get(base_url + "/health", timeout=1.0).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(POLL_S)
-            ready = time.perf_counter() - t0
-            model = httpx.get(base_url + "/v1/models").json()["data"][0]["id"]
-            first_ttft = _ttft(base_url, model)
-            first_token = time.perf_counter() - t0
-            later = statistics.median(_ttft(base_url, model) for _ in range(LATER_REQUESTS))
-            return StartupRun(ready, first_token, first_ttft, later)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def forklm_command_for(model: str, port: int) -> list[str]:
-    return forklm_command("serve", "--model-path", model, "--host", "127.0.0.1",
-                          "--port", str(port))
-
-
-def llama_server_command(binary: str, model: str, port: int) -> list[str]:
-    return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-            "-tb", "2", "-np", "8", "-c", str(8 * 2048), "--no-webui"]
+def launch_once(server: ServerProcess) -> StartupRun:
+    """Start `server`, time it to ready and to its first token, stop it."""
+    server.poll_s = POLL_S
+    t0 = time.perf_counter()
+    with server:  # returns once /health answers 200
+        ready = time.perf_counter() - t0
+        model = httpx.get(server.base_url + "/v1/models").json()["data"][0]["id"]
+        first_ttft = _ttft(server.base_url, model)
+        first_token = time.perf_counter() - t0
+        later = statistics.median(_ttft(server.base_url, model) for _ in range(LATER_REQUESTS))
+    return StartupRun(ready, first_token, first_ttft, later)
 
 
 def engine_in_process(model: str) -> float:
@@ -139,20 +107,17 @@ def main() -> None:
     ap.add_argument("--llama-server", default="/tmp/llama-server-build/bin/llama-server")
     ap.add_argument("--importtime", action="store_true")
     args = ap.parse_args()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    systems = {"forklm serve": lambda port: forklm_command_for(args.model, port)}
+    systems = {"forklm serve": lambda: forklm_server(["--model-path", args.model])}
     if pathlib.Path(args.llama_server).exists():
-        systems["llama-server -np 8"] = lambda port: llama_server_command(
-            args.llama_server, args.model, port)
+        systems["llama-server -np 8"] = lambda: llama_server(args.llama_server, 8,
+                                                             model=args.model)
     else:
         print(f"(no llama-server at {args.llama_server}: forklm only)")
     results = {name: SystemRuns(name) for name in systems}
-    warm_port = free_port()  # one unmeasured start fills the caches (config, kernels, pages)
-    launch_once(forklm_command_for(args.model, warm_port), warm_port, env)
+    launch_once(systems["forklm serve"]())  # unmeasured: fills the caches (config, kernels, pages)
     for _ in range(args.runs):
-        for name, command in systems.items():
-            port = free_port()
-            results[name].runs.append(launch_once(command(port), port, env))
+        for name, server in systems.items():
+            results[name].runs.append(launch_once(server()))
     engine_s = [engine_in_process(args.model) for _ in range(3)]
     print(f"# start-up, {pathlib.Path(args.model).name}; {machine()}; medians of {args.runs} "
           "alternating runs, warm caches\n")

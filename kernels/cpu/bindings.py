@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from forklm.kernels.cpu import native_build
-from forklm.kernels.cpu.huge_pages import streamed_empty
 from forklm.kernels.cpu.openmp import threads_spin
 
 logger = logging.getLogger(__name__)
@@ -460,24 +459,23 @@ def _build_and_load_kquant() -> _Loaded:
 
 
 def kquant_repack(ggml_type: int, row_addresses: torch.Tensor, out_features: int,
-                  padded_rows: int, in_features: int, record_bytes: int,
-                  record_k: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The records (uint8, kquant_vnni.c's layout: record_bytes for each 16 rows x record_k) of a
-    matrix whose row r's file bytes start at row_addresses[r] (int64 [out_features]; the caller
-    keeps them mapped), padded with zero rows to padded_rows (a multiple of 16), written into
-    `out` when given (a 16-row block's records depend on its rows alone, so a matrix may be
-    built a run of blocks at a time); None where the library is off."""
+                  padded_rows: int, in_features: int, record_bytes: int, record_k: int,
+                  out: torch.Tensor) -> torch.Tensor | None:
+    """Write into `out` (uint8) the records (kquant_vnni.c's layout: record_bytes for each 16
+    rows x record_k) of a matrix whose row r's file bytes start at row_addresses[r] (int64
+    [out_features]; the caller keeps them mapped), padded with zero rows to padded_rows (a
+    multiple of 16). A 16-row block's records depend on its rows alone, so a matrix may be built
+    a run of blocks at a time. Returns `out`; None where the library is off."""
     lib = kquant_ops()
     if lib is None:
         return None
     assert row_addresses.dtype == torch.int64 and row_addresses.numel() == out_features
     num_bytes = padded_rows // 16 * (in_features // record_k) * record_bytes
-    records = streamed_empty((num_bytes,), torch.uint8) if out is None else out
-    assert records.dtype == torch.uint8 and records.numel() == num_bytes and records.is_contiguous()
+    assert out.dtype == torch.uint8 and out.numel() == num_bytes and out.is_contiguous()
     rc = lib.kquant_repack(ggml_type, row_addresses.data_ptr(), out_features, padded_rows,
-                           in_features, records.data_ptr())
+                           in_features, out.data_ptr())
     assert rc == 0, f"kquant_repack rejected type {ggml_type}, {out_features}x{in_features}"
-    return records
+    return out
 
 
 def kquant_matmul(ggml_type: int, records: torch.Tensor, padded_rows: int, out_features: int,

@@ -91,6 +91,7 @@ def attach_dense_copies(model: nn.Module, max_bytes: int = MAX_DENSE_COPY_BYTES)
     total = sum(m.out_features * m.in_features * 2 for m in quantized)
     if not quantized or total > max_bytes:
         return 0
+
     def attach(module: QuantizedLinear) -> None:
         module.dense = OneDNNLinear(module.dequantize().to(torch.bfloat16), None)
 
