@@ -16,6 +16,8 @@ QUANTIZATION_CHOICES = (None, "gguf", "none")
 # How embedding requests pool their prompt's hidden states (EngineConfig.pooling).
 POOLING_MODES = ("last", "mean", "cls")
 SPECULATIVE_ALGORITHMS = (None, "NGRAM")
+# SGLang's --kv-cache-dtype names -> the torch dtype the KV pool then holds ("auto": the model's).
+KV_CACHE_DTYPES = {"fp8_e5m2": "float8_e5m2", "fp8_e4m3": "float8_e4m3fn"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,12 @@ class EngineConfig:
     # 3x faster matmuls than fp32), else float32 (on an AVX2-only CPU bf16 matmuls are emulated and
     # 2.6-5x slower than fp32 at batch 16-512).
     dtype: str = "auto"
+    # SGLang's --kv-cache-dtype: "auto" = the model's dtype; "fp8_e5m2" / "fp8_e4m3" = an 8-bit
+    # pool (runtime/kvcache/pool.py): twice the tokens per GB and half the bytes decode attention
+    # reads, each K/V value rounded to 2 / 3 mantissa bits (no scales; benchmarks/kv_dtype.py
+    # measures what that costs in agreement with the 16-bit cache). Read by the CPU attention
+    # backends (native and torch), not by the Triton kernels.
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     # KV capacity in tokens; None = sized from the device's memory (mem_fraction_static of a GPU,
     # max_total_tokens_fraction of free RAM on the CPU), capped by what max_running_requests
@@ -170,6 +178,15 @@ class EngineConfig:
                     "model's own)")
         check_field(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                "expected one of auto, float32, bfloat16, float16")
+        check_field(self.kv_cache_dtype == "auto" or self.kv_cache_dtype in KV_CACHE_DTYPES,
+                    "kv_cache_dtype", self.kv_cache_dtype,
+                    f"expected auto, {', '.join(KV_CACHE_DTYPES)}")
+        triton = self.attention_backend == "triton" or (self.attention_backend == "auto"
+                                                        and self.device.startswith("cuda"))
+        check_field(self.kv_cache_dtype == "auto" or not triton,
+                    "kv_cache_dtype", self.kv_cache_dtype,
+                    "8-bit KV pools are read by the CPU attention backends (native, torch); the "
+                    "Triton kernels read the model's dtype: leave kv_cache_dtype at auto")
         check_field(self.quantization in QUANTIZATION_CHOICES, "quantization",
                     self.quantization, "expected one of gguf, none (or unset for auto)")
         check_field(self.quantization != "gguf" or self.device == "cpu", "quantization",
@@ -302,6 +319,11 @@ class EngineConfig:
     @property
     def torch_dtype_name(self) -> str:
         return resolved_dtype_name(self.dtype, self.device)
+
+    @property
+    def kv_torch_dtype_name(self) -> str:
+        """The torch dtype (by name) the KV pool holds: the model's, or an 8-bit float."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype_name)
 
     @property
     def resolved_attention_backend(self) -> str:

@@ -22,8 +22,10 @@ from forklm.runtime.models.layers import RMSNorm, RotaryEmbedding
 pytestmark = pytest.mark.skipif(native_kernels.fused_ops() is None,
                                 reason=f"no native build: {native_kernels.fused_unavailable_reason()}")
 
-CODES = {torch.float32: 0, torch.bfloat16: 1}
+# bindings.DTYPES' codes; the 8-bit ones are KV-pool formats only (--kv-cache-dtype)
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e5m2: 3, torch.float8_e4m3fn: 4}
 DTYPES = [torch.float32, torch.bfloat16]
+FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
 
 
 def lib():
@@ -62,20 +64,55 @@ def test_add_rms_norm_matches_eager(dtype, dim, offset, add):
         assert (out != expected).float().mean() < 0.01
 
 
+def rope_store(qkv, heads, kv_heads, d, cos, sin, out_slots, pool, norm_ptrs=(None, None)):
+    """fused_rope_store of qkv [tokens, (heads + 2 kv_heads) d] into layer 0 of `pool` (its
+    dtype and kv_dtype as the kernel's last two codes); returns the rotated q."""
+    tokens = qkv.shape[0]
+    q_out = torch.empty(tokens, heads * d, dtype=qkv.dtype)
+    lib().fused_rope_store(tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
+                           cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
+                           pool.k_buffer[0].data_ptr(), pool.v_buffer[0].data_ptr(),
+                           q_out.data_ptr(), *norm_ptrs, 1e-6, 0.0, CODES[pool.dtype],
+                           CODES[pool.kv_dtype])
+    return q_out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def filled_pools(gen, n, slots, kv_heads, d, dtype, kv_dtype=None):
+    """n one-layer pools holding the same random K/V rows."""
+    pools = [KVPool(1, slots, kv_heads, d, dtype, kv_dtype=kv_dtype) for _ in range(n)]
+    for buf in ("k_buffer", "v_buffer"):
+        fill = torch.randn(getattr(pools[0], buf).shape, generator=gen).to(pools[0].kv_dtype)
+        for pool in pools:
+            getattr(pool, buf).copy_(fill)
+    return pools
+
+
+@pytest.mark.parametrize("kv_dtype", [None, *FP8], ids=["model-dtype", "e5m2", "e4m3"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_store_is_bit_exact(dtype, qk_norm):
+def test_rope_store_is_bit_exact(dtype, qk_norm, kv_dtype):
     """Rotated q into its buffer, rotated k and v into the pool rows out_slots, bit-equal to
     RotaryEmbedding.rotate and KVPool.store; every other pool row untouched. With Qwen3's
-    per-head q/k norms first: the heads within the norm's few ulps (see above)."""
+    per-head q/k norms first: the heads within the norm's few ulps (see above). Into an 8-bit
+    pool (kv_dtype), over values from its subnormals to past its largest: k rotated and rounded
+    to the model's dtype, then k and v rounded to 8 bits as KVPool(kv_dtype=...).store rounds
+    them, bit for bit (with the norms: as the pool rounds the kernel's own model-dtype k)."""
     gen = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, d, slots = 5, 9, 3, 64, 300
     rotary = RotaryEmbedding(None, {"rope_type": "default", "rope_theta": 10000.0}, d, 512)
     positions = torch.tensor([0, 7, 50, 3, 511])
     cos, sin = rotary.tables_for(positions, dtype)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
+    if kv_dtype is not None:  # 2^-18 (below e5m2's subnormals) to 2^17 (past its max)
+        qkv = qkv * 2.0 ** torch.randint(-18, 18, qkv.shape, generator=gen)
+    qkv = qkv.to(dtype)
     q, k, v = qkv.split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
     q, k = q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d)
+    v = v.reshape(tokens, kv_heads, d)
     norms = [RMSNorm(d, 1e-6).to(dtype) for _ in "qk"]
     for norm in norms:
         norm.weight.data = torch.randn(d, generator=gen).to(dtype)
@@ -84,29 +121,110 @@ def test_rope_store_is_bit_exact(dtype, qk_norm):
             q, k = norms[0](q), norms[1](k)
         q_ref, k_ref = rotary.rotate(q, k, cos, sin)
     norm_ptrs = [n.weight.data_ptr() if qk_norm else None for n in norms]
-    pool = KVPool(1, slots, kv_heads, d, dtype)
-    pool.k_buffer.normal_(generator=gen)
-    pool.v_buffer.normal_(generator=gen)
-    reference = KVPool(1, slots, kv_heads, d, dtype)
-    reference.k_buffer.copy_(pool.k_buffer)
-    reference.v_buffer.copy_(pool.v_buffer)
+    pool, reference = filled_pools(gen, 2, slots, kv_heads, d, dtype, kv_dtype)
     out_slots = torch.tensor([10, 299, 0, 42, 11])
-    reference.store(0, out_slots, k_ref, v.reshape(tokens, kv_heads, d))
-    q_out = torch.empty(tokens, heads * d, dtype=dtype)
+    reference.store(0, out_slots, k_ref, v)
     cos, sin = cos.contiguous(), sin.contiguous()
-    lib().fused_rope_store(tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
-                           cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
-                           pool.k_buffer[0].data_ptr(), pool.v_buffer[0].data_ptr(),
-                           q_out.data_ptr(), *norm_ptrs, 1e-6, 0.0, CODES[dtype])
-    assert torch.equal(pool.v_buffer, reference.v_buffer)
+    q_out = rope_store(qkv, heads, kv_heads, d, cos, sin, out_slots, pool, norm_ptrs)
+    assert pool.k_buffer.dtype == (kv_dtype or dtype)
+    assert same_bits(pool.v_buffer, reference.v_buffer)
     if not qk_norm:
         assert torch.equal(q_out.view(tokens, heads, d), q_ref)
-        assert torch.equal(pool.k_buffer, reference.k_buffer)
+        assert same_bits(pool.k_buffer, reference.k_buffer)
         return
     # a norm 1 ulp off, then the rotation's roundings: a few ulps of the largest value
-    for got, want in ((q_out.view(tokens, heads, d), q_ref), (pool.k_buffer, reference.k_buffer)):
-        tol = (2e-6 if dtype == torch.float32 else 1.6e-2) * float(want.abs().max())
-        torch.testing.assert_close(got, want, atol=tol, rtol=0)
+    tol = (2e-6 if dtype == torch.float32 else 1.6e-2) * float(q_ref.abs().max())
+    torch.testing.assert_close(q_out.view(tokens, heads, d), q_ref, atol=tol, rtol=0)
+    if kv_dtype is None:
+        tol = (2e-6 if dtype == torch.float32 else 1.6e-2) * float(reference.k_buffer.abs().max())
+        torch.testing.assert_close(pool.k_buffer, reference.k_buffer, atol=tol, rtol=0)
+        return
+    wide = filled_pools(gen, 1, slots, kv_heads, d, dtype)[0]  # the same kernel, no 8 bits
+    assert torch.equal(rope_store(qkv, heads, kv_heads, d, cos, sin, out_slots, wide, norm_ptrs),
+                       q_out)
+    reference.store(0, out_slots, wide.k_buffer[0, out_slots], v)
+    assert same_bits(pool.k_buffer, reference.k_buffer)
+
+
+FP8_MAX = {torch.float8_e5m2: 57344.0, torch.float8_e4m3fn: 448.0}
+
+
+def finite_fp8_values(kv_dtype) -> torch.Tensor:
+    """Every finite value of the 8-bit format, ascending (-0 and 0 both), as float32."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(kv_dtype).float()
+    return values[values.isfinite()].sort().values
+
+
+def store_as_v(values: torch.Tensor, kv_dtype) -> torch.Tensor:
+    """`values` (bf16 or fp32) as the V part of a qkv through fused_rope_store into a pool of
+    kv_dtype, at shuffled slots: the stored bytes, in the order of `values`."""
+    kv_heads, d, heads = 4, 64, 1
+    row = kv_heads * d
+    tokens = -(-values.numel() // row)
+    v = torch.zeros(tokens * row, dtype=values.dtype)
+    v[: values.numel()] = values
+    qkv = torch.cat((torch.zeros(tokens, (heads + kv_heads) * d, dtype=values.dtype),
+                     v.view(tokens, row)), dim=1)
+    rotary = RotaryEmbedding(None, {"rope_type": "default", "rope_theta": 10000.0}, d, 512)
+    cos, sin = rotary.tables_for(torch.arange(tokens) % 512, values.dtype)
+    pool = KVPool(1, tokens + 7, kv_heads, d, values.dtype, kv_dtype=kv_dtype)
+    out_slots = torch.randperm(tokens + 7, generator=torch.Generator().manual_seed(6))[:tokens]
+    rope_store(qkv, heads, kv_heads, d, cos.contiguous(), sin.contiguous(), out_slots, pool)
+    return pool.v_buffer[0].view(torch.uint8)[out_slots].reshape(-1)[: values.numel()]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e5m2", "e4m3"])
+def test_rope_store_rounds_every_bf16_value_like_torch(kv_dtype):
+    """Every finite bf16 value (65280: V of 255 tokens x 4 heads x 64) stored into an 8-bit pool
+    is bit-equal to torch's x.clamp(-max, max).to(kv_dtype): ties to even, the format's
+    subnormals, signed zeros and tiny values, and everything past its largest value saturated
+    to it (never inf or NaN). Every finite 8-bit value occurs (each is a bf16 value)."""
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[values.isfinite()]
+    assert values.numel() == 65280
+    got = store_as_v(values, kv_dtype)
+    limit = FP8_MAX[kv_dtype]
+    assert torch.finfo(kv_dtype).max == limit
+    want = values.clamp(-limit, limit).to(kv_dtype).view(torch.uint8)
+    assert torch.equal(got, want)
+    widened = got.view(kv_dtype).float()
+    assert widened.isfinite().all()
+    past_max = values.float().abs() > limit
+    assert past_max.sum() > 10000 and (widened[past_max].abs() == limit).all()
+    assert torch.unique(got).numel() == finite_fp8_values(kv_dtype).numel()
+    tiny = torch.finfo(kv_dtype).smallest_normal
+    assert ((widened != 0) & (widened.abs() < tiny)).sum() > 0  # subnormals were produced
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e5m2", "e4m3"])
+def test_rope_store_rounds_fp32_ties_to_even(kv_dtype):
+    """An fp32 model's V: every 8-bit value, every midpoint between two neighbours (exact ties,
+    subnormal ones and the one past the largest value too), the fp32 values just either side of
+    each midpoint, all negated too, and random values over 2^-24..2^21: bit-equal to torch's
+    clamp-and-cast, and each tie rounded to the neighbour with the even bit pattern."""
+    values = finite_fp8_values(kv_dtype)
+    values = values[values >= 0].unique()  # 0, the subnormals, ..., max
+    limit = FP8_MAX[kv_dtype]
+    beyond = torch.tensor([2 * limit - float(values[-2])])  # the next step past max
+    upper = torch.cat((values[1:], beyond))
+    ties = (values + upper) / 2
+    assert torch.equal(ties * 2, values + upper)  # exact in fp32
+    inf = torch.full_like(ties, float("inf"))
+    near = torch.cat((torch.nextafter(ties, inf), torch.nextafter(ties, -inf)))
+    gen = torch.Generator().manual_seed(7)
+    randoms = torch.randn(20000, generator=gen) * 2.0 ** torch.randint(-24, 21, (20000,),
+                                                                      generator=gen)
+    positive = torch.cat((values, ties, near))
+    data = torch.cat((positive, -positive, randoms))
+    got = store_as_v(data, kv_dtype)
+    want = data.clamp(-limit, limit).to(kv_dtype).view(torch.uint8)
+    assert torch.equal(got, want)
+    tie_bits = got[values.numel() : values.numel() + ties.numel()]
+    below = values.to(kv_dtype).view(torch.uint8)
+    # a tie goes to whichever neighbour's pattern is even (the one past max: saturated to max)
+    expected = torch.where(below % 2 == 0, below, below + 1)
+    expected[-1] = below[-1]
+    assert torch.equal(tie_bits, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -127,6 +127,75 @@ def test_bytes_per_token():
     assert KVPool.bytes_per_token(2, 1, 8, torch.float32) == 2 * 2 * 1 * 8 * 4
 
 
+FP8 = pytest.mark.parametrize("kv_dtype", [torch.float8_e5m2, torch.float8_e4m3fn],
+                              ids=["e5m2", "e4m3"])
+
+
+@FP8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_fp8_pool_stores_rounded_and_reads_widened(dtype, kv_dtype):
+    """An 8-bit pool (--kv-cache-dtype) holds kv_dtype; read_k / read_v give the model's dtype,
+    exactly x.clamp(-max, max).to(kv_dtype).to(dtype) of what was stored, from values below the
+    format's subnormals to past its largest; the rows not stored read as zeros."""
+    pool = KVPool(num_layers=2, capacity=9, num_kv_heads=2, head_dim=16, dtype=dtype,
+                  kv_dtype=kv_dtype)
+    assert (pool.dtype, pool.kv_dtype, pool.narrow) == (dtype, kv_dtype, True)
+    assert pool.k_buffer.dtype == pool.v_buffer.dtype == kv_dtype
+    assert pool.k_buffer.shape == (2, 10, 2, 16)
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(4, 2, 16, generator=gen) * 2.0 ** torch.randint(-20, 18, (4, 2, 16),
+                                                                        generator=gen)
+            for _ in "kv")
+    k, v = k.to(dtype), v.to(dtype)
+    slots = torch.tensor([7, 0, 3, 9])  # 9: the scratch row past the allocatable slots
+    pool.store(1, slots, k, v)
+    limit = torch.finfo(kv_dtype).max
+    for read, x in ((pool.read_k, k), (pool.read_v, v)):
+        got = read(1, slots)
+        assert got.dtype == dtype
+        assert torch.equal(got, x.clamp(-limit, limit).to(kv_dtype).to(dtype))
+    assert (k.float().abs() > limit).any() and (k.float().abs() < 2.0**-16).any()
+    others = torch.tensor([1, 2, 4, 5, 6, 8])
+    for layer, rows in ((1, others), (0, torch.arange(10))):
+        assert not pool.read_k(layer, rows).any() and not pool.read_v(layer, rows).any()
+        assert not pool.k_buffer[layer].view(torch.uint8)[rows].any()
+
+
+@FP8
+def test_an_fp8_pool_saturates_instead_of_overflowing(kv_dtype):
+    """Values past the format's largest become +-max (448 for e4m3, 57344 for e5m2), never inf
+    or NaN (e4m3fn has no inf; e5m2's would turn a softmax into NaN)."""
+    limit = {torch.float8_e5m2: 57344.0, torch.float8_e4m3fn: 448.0}[kv_dtype]
+    pool = KVPool(1, 4, 1, 4, torch.float32, kv_dtype=kv_dtype)
+    big = torch.tensor([[[1e6, -1e6, 3e38, -limit * 1.05]]])
+    pool.store(0, torch.tensor([2]), big, -big)
+    assert pool.read_k(0, torch.tensor([2])).tolist() == [[[limit, -limit, limit, -limit]]]
+    assert pool.read_v(0, torch.tensor([2])).tolist() == [[[-limit, limit, -limit, limit]]]
+    assert pool.k_buffer.float().isfinite().all() and pool.v_buffer.float().isfinite().all()
+
+
+def test_an_fp8_pool_takes_half_the_bytes_per_token():
+    """bytes_per_token of the buffers' dtype: an 8-bit pool's is half a bf16 pool's (twice the
+    tokens in the same memory), and what its buffers allocate."""
+    bf16 = KVPool.bytes_per_token(30, 3, 64, torch.bfloat16)
+    for kv_dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
+        assert KVPool.bytes_per_token(30, 3, 64, kv_dtype) * 2 == bf16
+        pool = KVPool(30, 100, 3, 64, torch.bfloat16, kv_dtype=kv_dtype)
+        allocated = pool.k_buffer.untyped_storage().nbytes() * 2
+        assert allocated == (100 + 1) * KVPool.bytes_per_token(30, 3, 64, kv_dtype)
+
+
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.bfloat16, torch.int8),
+                                                 (torch.float32, torch.uint8),
+                                                 (torch.bfloat16, torch.float16),
+                                                 (torch.float32, torch.bfloat16)])
+def test_a_pool_holds_the_model_dtype_or_an_fp8_one(dtype, kv_dtype):
+    with pytest.raises(AssertionError, match="8-bit float"):
+        KVPool(1, 4, 1, 8, dtype, kv_dtype=kv_dtype)
+    same = KVPool(1, 4, 1, 8, dtype, kv_dtype=dtype)  # the model's own: a plain pool
+    assert same.k_buffer.dtype == dtype and not same.narrow
+
+
 CAPACITY = 16
 
 

@@ -150,6 +150,104 @@ def test_kernel_attention_sinks(dtype, window, with_alibi):
     assert not torch.allclose(ref, plain, atol=1e-2), "the sinks should change the output"
 
 
+FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
+FP8_IDS = ["e5m2", "e4m3"]
+
+
+def fp8_pools(gen, shape, kv_dtype, k_scale=1.0, v_scale=1.0):
+    """Random K and V rows rounded to an 8-bit format, as KVPool.store rounds (saturated)."""
+    limit = torch.finfo(kv_dtype).max
+    return tuple((torch.randn(shape, generator=gen) * scale).clamp(-limit, limit).to(kv_dtype)
+                 for scale in (k_scale, v_scale))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64), (8, 4, 96), (6, 2, 128)])
+@pytest.mark.parametrize(("kv_lens", "q_lens"),
+                         [([3, 1, 130, 700], [1, 1, 1, 1]), ([5, 9, 60], [5, 1, 3])],
+                         ids=["decode", "extend"])
+def test_kernel_over_an_fp8_pool_matches_float64_reference(kv_dtype, dtype, num_heads,
+                                                           num_kv_heads, head_dim, kv_lens,
+                                                           q_lens):
+    """q of the model's dtype over an 8-bit pool (--kv-cache-dtype), GQA groups, the specialized
+    head sizes and another: the float64 reference on the pool's values widened, within the
+    tolerances of a pool of q's dtype (the kernel widens each 8-bit value exactly)."""
+    if not native_kernels.available(dtype, kv_dtype):
+        pytest.skip(f"this build has no {dtype} over {kv_dtype} kernel")
+    gen = torch.Generator().manual_seed(sum(kv_lens) + head_dim)
+    capacity = 4 * sum(kv_lens) + 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity)
+    k_pool, v_pool = fp8_pools(gen, (capacity + 1, num_kv_heads, head_dim), kv_dtype)
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    native_kernels.paged_attention(q, k_pool, v_pool, out, batch.slot_table, tok_req, tok_end,
+                                   scale, None, None)
+    ref = attention_ref(q, k_pool.double(), v_pool.double(), batch.slot_table, tok_req, tok_end,
+                        scale)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_over_fp8_subnormals_and_large_values(kv_dtype, dtype):
+    """Keys mostly among the format's subnormals (q scaled up to make their scores O(1)) and
+    values near its largest: still the float64 reference on the widened pool."""
+    if not native_kernels.available(dtype, kv_dtype):
+        pytest.skip(f"this build has no {dtype} over {kv_dtype} kernel")
+    gen = torch.Generator().manual_seed(8)
+    kv_lens, q_lens = [3, 300, 60, 9], [1, 4, 2, 5]
+    capacity = 4 * sum(kv_lens) + 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity)
+    tiny = torch.finfo(kv_dtype).smallest_normal
+    k_pool, v_pool = fp8_pools(gen, (capacity + 1, 2, 64), kv_dtype, k_scale=tiny / 2,
+                               v_scale=torch.finfo(kv_dtype).max / 4)
+    subnormal = (k_pool.float() != 0) & (k_pool.float().abs() < tiny)
+    assert subnormal.float().mean() > 0.6
+    assert (v_pool.float().abs() == torch.finfo(kv_dtype).max).any()  # some saturated
+    q = (torch.randn(batch.num_tokens, 8, 64, generator=gen) / tiny).to(dtype)
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_pool, v_pool, out, batch.slot_table, tok_req, tok_end,
+                                   0.125, None, None)
+    ref = attention_ref(q, k_pool.double(), v_pool.double(), batch.slot_table, tok_req, tok_end,
+                        0.125)
+    # V rows of 1e4 (e5m2) partly cancel: fp32's rounding is relative to them, not to the output
+    tol = {**TOLERANCES[dtype], "atol": 1e-6 * float(v_pool.float().abs().max())}
+    torch.testing.assert_close(out.double(), ref, **tol)
+    flat = attention_ref(q, k_pool.double() * 0, v_pool.double(), batch.slot_table, tok_req,
+                         tok_end, 0.125)
+    assert not torch.allclose(ref, flat, rtol=0.05)  # the subnormal keys do shape the softmax
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.float32, 96),
+                                                 (torch.bfloat16, 128)])
+def test_kernel_widens_every_fp8_value_exactly(kv_dtype, dtype, head_dim):
+    """Each query attends to one key, so its output is that key's V row: every finite 8-bit
+    value (subnormals and +-max included) comes out as torch widens it, exactly (-0 as +0: the
+    kernel's sums start at +0)."""
+    if not native_kernels.available(dtype, kv_dtype):
+        pytest.skip(f"this build has no {dtype} over {kv_dtype} kernel")
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    patterns = patterns[patterns.view(kv_dtype).float().isfinite()]
+    n = -(-patterns.numel() // head_dim)
+    v_pool = torch.zeros(n * head_dim, dtype=torch.uint8)
+    v_pool[: patterns.numel()] = patterns
+    v_pool = v_pool.view(n, 1, head_dim).view(kv_dtype)
+    k_pool = torch.randn(n, 1, head_dim, generator=torch.Generator().manual_seed(9)).to(kv_dtype)
+    q = torch.randn(n, 1, head_dim, generator=torch.Generator().manual_seed(10)).to(dtype)
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_pool, v_pool, out, torch.arange(n).view(n, 1),
+                                   torch.arange(n), torch.ones(n, dtype=torch.int64), 1.0, None,
+                                   None)
+    want = v_pool.float().to(dtype)
+    assert torch.equal(out, want)  # equal values: equal bits, but for the zeros' signs
+
+
 def test_token_map_of_packed_extends():
     """Request b's i-th new token sees keys [0, kv_len_b - q_len_b + i + 1)."""
     batch = make_forward_batch(torch.Generator().manual_seed(0), [4, 6, 2], [2, 1, 2], 64)
@@ -261,6 +359,56 @@ def test_alibi_backends_agree(dtype, kv_lens, q_lens, shared):
                             batch.slot_table, tok_req, tok_end, head_dim**-0.5, window=window,
                             alibi=torch.tensor(slopes), sinks=layer_sinks)
         torch.testing.assert_close(outs[0].double(), ref.view(n, -1), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_lens", "q_lens", "shared"),
+                         [([7, 1, 130], [1, 1, 1], 0), ([5, 1, 90, 40], [2, 1, 5, 3], 0),
+                          ([130 + i for i in range(16)], [1] * 16, 100)],
+                         ids=["decode", "extend", "shared-prefix"])
+def test_native_backend_matches_torch_backend_over_an_fp8_pool(kv_dtype, dtype, kv_lens, q_lens,
+                                                               shared):
+    """Two 8-bit pools holding the same bytes, plain, windowed (with sinks) and soft-capped
+    layers: NativeAttention (the kernel widening in place) and TorchAttention (read_k / read_v
+    widening to the model's dtype; its shared-prefix split on the plain layers' batch) give the
+    same outputs and write the same bytes."""
+    if not native_kernels.available(dtype, kv_dtype):
+        pytest.skip(f"this build has no {dtype} over {kv_dtype} kernel")
+    gen = torch.Generator().manual_seed(len(kv_lens))
+    capacity, num_heads, num_kv_heads, head_dim = 2 * sum(kv_lens), 9, 3, 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity, shared)
+    pools = [KVPool(3, capacity, num_kv_heads, head_dim, dtype, kv_dtype=kv_dtype)
+             for _ in range(2)]
+    for buf in ("k_buffer", "v_buffer"):
+        fill = torch.randn(pools[0].k_buffer.shape, generator=gen).to(kv_dtype)
+        for pool in pools:
+            getattr(pool, buf).copy_(fill)
+    layers = [AttentionLayerSpec(),
+              AttentionLayerSpec(sliding_window=20, sinks=torch.linspace(-1.0, 2.0, num_heads)),
+              AttentionLayerSpec(softcap=20.0, scale=0.1)]
+    if shared:
+        layers = [AttentionLayerSpec(), AttentionLayerSpec(scale=0.1), AttentionLayerSpec()]
+    backends = [TorchAttention(pools[0], num_heads, num_kv_heads, head_dim, layers),
+                create_attention_backend("native", pools[1], num_heads, num_kv_heads, head_dim,
+                                         layers)]
+    assert isinstance(backends[1], NativeAttention) and backends[1].enabled
+    prepared = [backend.prepare(batch) for backend in backends]
+    assert isinstance(prepared[1].attn_meta, NativeAttentionMeta)
+    if shared:
+        assert prepared[0].attn_meta.shared_slots is not None
+    n = batch.num_tokens
+    for layer_id in range(3):
+        q = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
+        outs = [b.forward(layer_id, q, k, v, p) for b, p in zip(backends, prepared)]
+        assert outs[1].dtype == dtype
+        atol = 1e-5 if dtype == torch.float32 else 2e-2  # torch's bf16 path rounds in between
+        torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=0)
+    for buf in ("k_buffer", "v_buffer"):
+        assert getattr(pools[1], buf).dtype == kv_dtype
+        assert torch.equal(getattr(pools[1], buf).view(torch.uint8),
+                           getattr(pools[0], buf).view(torch.uint8))
 
 
 def test_native_backend_defers_long_extends_and_odd_heads():

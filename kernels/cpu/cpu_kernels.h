@@ -6,11 +6,40 @@
 #ifndef FORKLM_CPU_KERNELS_H
 #define FORKLM_CPU_KERNELS_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-/* A tensor's dtype as the bindings pass it (bindings.py's DTYPES). */
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
+/* A tensor's dtype as the bindings pass it (bindings.py's DTYPES). The two 8-bit floats are
+ * KV-pool formats only (--kv-cache-dtype): torch's float8_e5m2 and float8_e4m3fn. */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_FP8_E5M2 = 3, DTYPE_FP8_E4M3 = 4 };
+
+static inline int64_t dtype_bytes(int dtype) {
+    return dtype == DTYPE_F32 ? 4 : dtype >= DTYPE_FP8_E5M2 ? 1 : 2;
+}
+
+/* The largest finite value of an 8-bit KV format: stores saturate to it (the pool clamps the
+ * same way on the torch path, so an outlier never becomes inf or NaN). */
+static inline float fp8_max(int dtype) { return dtype == DTYPE_FP8_E4M3 ? 448.0f : 57344.0f; }
+
+/* fp32 -> e5m2 / e4m3fn, saturated to fp8_max, rounded to nearest even: bit-equal to torch's
+ * x.clamp(-max, max).to(float8_*) (tests/test_fused_layers.py checks every bf16 value). */
+static inline uint8_t fp8_from_f32(float f, int dtype) {
+    const int mant_bits = dtype == DTYPE_FP8_E4M3 ? 3 : 2;
+    const int bias = dtype == DTYPE_FP8_E4M3 ? 7 : 15;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return sign | 0x7f; /* NaN */
+    float a = fabsf(f);
+    if (a > fp8_max(dtype)) a = fp8_max(dtype);
+    if (a < ldexpf(1.0f, 1 - bias)) /* subnormal: a multiple of 2^(1 - bias - mant_bits) */
+        return sign | (uint8_t)nearbyintf(a * ldexpf(1.0f, bias - 1 + mant_bits));
+    memcpy(&u, &a, 4);
+    const int shift = 23 - mant_bits; /* drop the low mantissa bits, ties to even */
+    u += ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u);
+    return sign | (uint8_t)((u >> shift) - ((uint32_t)(127 - bias) << mant_bits));
+}
 
 /* Round to nearest even, NaN -> 0xffff: what torch's vectorized float -> bfloat16 conversion
  * (the one tensor.to() takes) does; its scalar path would give 0x7fc0, also a NaN. */

@@ -96,18 +96,33 @@ static inline void rotate_head(const void *x, int64_t xi, const void *cos, const
     }
 }
 
+/* n values from src[si..] (of dtype) to the pool's row at pool[pi..] (of kv_dtype): a copy, or
+ * each value rounded to the 8-bit format as the pool's torch path stores it. */
+static inline __attribute__((always_inline)) void store_kv(const void *src, int64_t si,
+                                                           void *pool, int64_t pi, int64_t n,
+                                                           int dtype, int kv_dtype) {
+    if (kv_dtype == dtype) {
+        int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+        memcpy((char *)pool + pi * elem, (const char *)src + si * elem, (size_t)(n * elem));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        ((uint8_t *)pool)[pi + i] = fp8_from_f32(load(src, si + i, dtype), kv_dtype);
+}
+
 /* qkv [tokens, qkv_stride] holds each token's q heads, then k heads, then v heads (d values
  * each). Writes rotated q to q_out [tokens, heads * d]; rotated k and v to rows out_slots[t] of
- * k_layer / v_layer [slots, kv_heads * d]. cos / sin [tokens, d] are the tokens' table rows in
+ * k_layer / v_layer [slots, kv_heads * d] (of kv_dtype: dtype, or an 8-bit float). cos / sin [tokens, d] are the tokens' table rows in
  * the same dtype. q_norm / k_norm [d] (or NULL): an RMSNorm of each q / k head before its
  * rotation. The caller checks out_slots against the pool and d <= FUSED_MAX_HEAD_DIM. */
 static inline __attribute__((always_inline)) void rope_store(
         int64_t tokens, const void *qkv, int64_t qkv_stride, int64_t heads, int64_t kv_heads,
         int64_t d, const void *cos, const void *sin, const int64_t *out_slots, void *k_layer,
         void *v_layer, void *q_out, const void *q_norm, const void *k_norm, float eps,
-        float offset, int dtype) {
-    int64_t kv_row = kv_heads * d, elem = dtype == DTYPE_BF16 ? 2 : 4;
+        float offset, int dtype, int kv_dtype) {
+    int64_t kv_row = kv_heads * d;
     float normed[FUSED_MAX_HEAD_DIM]; /* one head after its norm (bf16 values use half of it) */
+    float rotated[FUSED_MAX_HEAD_DIM]; /* a k head in dtype before an 8-bit pool's rounding */
     for (int64_t t = 0; t < tokens; t++) {
         int64_t src = t * qkv_stride, ci = t * d, slot = out_slots[t];
         for (int64_t h = 0; h < heads + kv_heads; h++) {
@@ -120,12 +135,16 @@ static inline __attribute__((always_inline)) void rope_store(
             }
             if (h < heads)
                 rotate_head(x, xi, cos, sin, ci, q_out, (t * heads + h) * d, d, dtype);
-            else
+            else if (kv_dtype == dtype)
                 rotate_head(x, xi, cos, sin, ci, k_layer, slot * kv_row + (h - heads) * d, d,
                             dtype);
+            else {
+                rotate_head(x, xi, cos, sin, ci, rotated, 0, d, dtype);
+                store_kv(rotated, 0, k_layer, slot * kv_row + (h - heads) * d, d, dtype, kv_dtype);
+            }
         }
-        memcpy((char *)v_layer + slot * kv_row * elem, (const char *)qkv + (src + (heads + kv_heads) * d) * elem,
-               (size_t)(kv_row * elem));
+        store_kv(qkv, src + (heads + kv_heads) * d, v_layer, slot * kv_row, kv_row, dtype,
+                 kv_dtype);
     }
 }
 
@@ -157,13 +176,24 @@ void fused_rope_store(int64_t tokens, const void *qkv, int64_t qkv_stride, int64
                       int64_t kv_heads, int64_t d, const void *cos, const void *sin,
                       const int64_t *out_slots, void *k_layer, void *v_layer, void *q_out,
                       const void *q_norm, const void *k_norm, float eps, float offset,
-                      int dtype) {
-    if (dtype == DTYPE_BF16)
-        rope_store(tokens, qkv, qkv_stride, heads, kv_heads, d, cos, sin, out_slots, k_layer,
-                   v_layer, q_out, q_norm, k_norm, eps, offset, DTYPE_BF16);
-    else
-        rope_store(tokens, qkv, qkv_stride, heads, kv_heads, d, cos, sin, out_slots, k_layer,
-                   v_layer, q_out, q_norm, k_norm, eps, offset, DTYPE_F32);
+                      int dtype, int kv_dtype) {
+#define ROPE_STORE(DTYPE, KV)                                                                  \
+    rope_store(tokens, qkv, qkv_stride, heads, kv_heads, d, cos, sin, out_slots, k_layer,      \
+               v_layer, q_out, q_norm, k_norm, eps, offset, DTYPE, KV)
+#define ROPE_STORE_KV(DTYPE)                         \
+    if (kv_dtype == DTYPE_FP8_E5M2)                  \
+        ROPE_STORE(DTYPE, DTYPE_FP8_E5M2);           \
+    else if (kv_dtype == DTYPE_FP8_E4M3)             \
+        ROPE_STORE(DTYPE, DTYPE_FP8_E4M3);           \
+    else                                             \
+        ROPE_STORE(DTYPE, DTYPE)
+    if (dtype == DTYPE_BF16) {
+        ROPE_STORE_KV(DTYPE_BF16);
+    } else {
+        ROPE_STORE_KV(DTYPE_F32);
+    }
+#undef ROPE_STORE_KV
+#undef ROPE_STORE
 }
 
 int fused_max_head_dim(void) { return FUSED_MAX_HEAD_DIM; }

@@ -4,6 +4,9 @@
  * throughout, so a given build's results do not depend on the thread count. */
 #include <math.h>
 #include <omp.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +32,7 @@ typedef struct {
     float scale, softcap;
     const float *alibi; /* [num_heads] ALiBi slopes, or NULL */
     const float *sinks; /* [num_heads] logits that join each softmax's denominator, or NULL */
+    int kv_dtype;       /* the pool's: q's dtype, or an 8-bit float (--kv-cache-dtype) */
 } pa_job;
 
 static inline void store_elem(void *base, int64_t i, float x, int dtype) {
@@ -46,12 +50,56 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
 #if PA_HAVE_F16
 typedef f16_t f16x16 __attribute__((vector_size(32)));
 #endif
 
+/* 16 8-bit floats (e5m2 or e4m3fn) widened to fp32, exactly. With F16C: e5m2 is an fp16's
+ * high byte, and e4m3's exponent and mantissa shifted into an fp16 read 2^-8 of their value,
+ * subnormals included (one conversion instruction and a multiply; GCC scalarizes a _Float16
+ * vector conversion, 3-4x slower). Elsewhere the fp32 bits are built in integers, subnormals
+ * (exponent 0) as mantissa * 2^(1 - bias - mantissa bits). */
+static inline v16 widen_fp8(u8x16 b, int dtype) {
+    u16x16 w = __builtin_convertvector(b, u16x16);
+#if defined(__F16C__)
+    u16x16 h = dtype == DTYPE_FP8_E5M2 ? (u16x16)(w << 8) : ((w & 0x80) << 8) | ((w & 0x7f) << 7);
+    __m256i hv;
+    memcpy(&hv, &h, sizeof hv);
+    v16 x;
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtph_ps(hv);
+    memcpy(&x, &f, sizeof x);
+#else
+    __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(hv));
+    __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(hv, 1));
+    memcpy(&x, &lo, sizeof lo);
+    memcpy((char *)&x + sizeof lo, &hi, sizeof hi);
+#endif
+    return dtype == DTYPE_FP8_E5M2 ? x : x * 256.0f;
+#else
+    const int mant_bits = dtype == DTYPE_FP8_E4M3 ? 3 : 2, bias = dtype == DTYPE_FP8_E4M3 ? 7 : 15;
+    u32x16 u = __builtin_convertvector(w, u32x16);
+    u32x16 mag = u & 0x7f, sign = (u & 0x80) << 24;
+    u32x16 normal = (mag << (23 - mant_bits)) + ((uint32_t)(127 - bias) << 23);
+    v16 sub = __builtin_convertvector(mag & ((1u << mant_bits) - 1), v16) *
+              ldexpf(1.0f, 1 - bias - mant_bits);
+    u32x16 sub_bits, is_sub = (u32x16)((mag >> mant_bits) == 0);
+    memcpy(&sub_bits, &sub, sizeof sub);
+    u32x16 bits = (normal & ~is_sub) | (sub_bits & is_sub) | sign;
+    v16 x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+#endif
+}
+
 /* 16 elements from base[i..i+16) as fp32. */
 static inline v16 load16(const void *base, int64_t i, int dtype) {
+    if (dtype == DTYPE_FP8_E5M2 || dtype == DTYPE_FP8_E4M3) {
+        u8x16 b;
+        memcpy(&b, (const uint8_t *)base + i, sizeof b);
+        return widen_fp8(b, dtype);
+    }
     if (dtype == DTYPE_BF16) {
         u16x16 h;
         memcpy(&h, (const uint16_t *)base + i, sizeof h);
@@ -102,7 +150,7 @@ static inline v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
 #define PA_PREFETCH 16
 
 static inline void prefetch_row(const void *base, int64_t i, int dtype, int64_t bytes) {
-    const char *p = (const char *)base + i * (dtype == DTYPE_F32 ? 4 : 2);
+    const char *p = (const char *)base + i * dtype_bytes(dtype);
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
 }
 
@@ -110,7 +158,7 @@ static inline void prefetch_row(const void *base, int64_t i, int dtype, int64_t 
  * request, each K and V row read once for the whole group. `d` (a multiple of 16) is a
  * compile-time constant in the specialized callers below. */
 static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64_t t, int64_t h,
-                                                         int dtype, int64_t d) {
+                                                         int dtype, int kv_dtype, int64_t d) {
     const int64_t group = jb->num_heads / jb->num_kv_heads, nc = d / 16;
     const int64_t end = jb->tok_end[t];
     const int64_t start = (jb->window > 0 && end > jb->window) ? end - jb->window : 0;
@@ -134,7 +182,7 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
         acc[i] = (v16){0};
     }
     const int64_t kv_off = h * d;
-    const int64_t row_bytes = d * (dtype == DTYPE_F32 ? 4 : 2);
+    const int64_t row_bytes = d * dtype_bytes(kv_dtype);
     /* Pass 1: scores, four keys at a time (their lane sums share the shuffles), then the rest. */
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
@@ -143,13 +191,13 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
             base[r] = slots[j + r] * jb->row_stride + kv_off;
             if (j + r + PA_PREFETCH < n) {
                 const int64_t ahead = slots[j + r + PA_PREFETCH] * jb->row_stride + kv_off;
-                prefetch_row(jb->k_pool, ahead, dtype, row_bytes);
-                prefetch_row(jb->v_pool, ahead, dtype, row_bytes);
+                prefetch_row(jb->k_pool, ahead, kv_dtype, row_bytes);
+                prefetch_row(jb->v_pool, ahead, kv_dtype, row_bytes);
             }
         }
         v16 k[4][nc];
         for (int r = 0; r < 4; r++)
-            for (int64_t c = 0; c < nc; c++) k[r][c] = load16(jb->k_pool, base[r] + 16 * c, dtype);
+            for (int64_t c = 0; c < nc; c++) k[r][c] = load16(jb->k_pool, base[r] + 16 * c, kv_dtype);
         for (int64_t g = 0; g < group; g++) {
             v16 part[4];
             for (int r = 0; r < 4; r++) {
@@ -162,9 +210,9 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
     }
     for (; j < n; j++) {
         const int64_t base = slots[j] * jb->row_stride + kv_off;
-        if (j + PA_PREFETCH < n) prefetch_row(jb->k_pool, slots[j + PA_PREFETCH] * jb->row_stride + kv_off, dtype, row_bytes);
+        if (j + PA_PREFETCH < n) prefetch_row(jb->k_pool, slots[j + PA_PREFETCH] * jb->row_stride + kv_off, kv_dtype, row_bytes);
         v16 k[nc];
-        for (int64_t c = 0; c < nc; c++) k[c] = load16(jb->k_pool, base + 16 * c, dtype);
+        for (int64_t c = 0; c < nc; c++) k[c] = load16(jb->k_pool, base + 16 * c, kv_dtype);
         for (int64_t g = 0; g < group; g++) {
             v16 part = q[g * nc] * k[0];
             for (int64_t c = 1; c < nc; c++) part += q[g * nc + c] * k[c];
@@ -202,13 +250,13 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
         const int64_t base0 = slots[j] * jb->row_stride + kv_off;
         const int64_t base1 = slots[j + 1] * jb->row_stride + kv_off;
         if (j + PA_PREFETCH + 1 < n) {
-            prefetch_row(jb->v_pool, slots[j + PA_PREFETCH] * jb->row_stride + kv_off, dtype, row_bytes);
-            prefetch_row(jb->v_pool, slots[j + PA_PREFETCH + 1] * jb->row_stride + kv_off, dtype, row_bytes);
+            prefetch_row(jb->v_pool, slots[j + PA_PREFETCH] * jb->row_stride + kv_off, kv_dtype, row_bytes);
+            prefetch_row(jb->v_pool, slots[j + PA_PREFETCH + 1] * jb->row_stride + kv_off, kv_dtype, row_bytes);
         }
         v16 v0[nc], v1[nc];
         for (int64_t c = 0; c < nc; c++) {
-            v0[c] = load16(jb->v_pool, base0 + 16 * c, dtype);
-            v1[c] = load16(jb->v_pool, base1 + 16 * c, dtype);
+            v0[c] = load16(jb->v_pool, base0 + 16 * c, kv_dtype);
+            v1[c] = load16(jb->v_pool, base1 + 16 * c, kv_dtype);
         }
         for (int64_t g = 0; g < group; g++) {
             const float p0 = sc[g * n + j], p1 = sc[g * n + j + 1];
@@ -223,7 +271,7 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
     for (; j < n; j++) {
         const int64_t base = slots[j] * jb->row_stride + kv_off;
         v16 v[nc];
-        for (int64_t c = 0; c < nc; c++) v[c] = load16(jb->v_pool, base + 16 * c, dtype);
+        for (int64_t c = 0; c < nc; c++) v[c] = load16(jb->v_pool, base + 16 * c, kv_dtype);
         for (int64_t g = 0; g < group; g++) {
             const float p = sc[g * n + j];
             for (int64_t c = 0; c < nc; c++) acc[g * nc + c] += p * v[c];
@@ -239,43 +287,56 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
 
 typedef void (*attend_fn)(const pa_job *, int64_t, int64_t);
 
-/* Specializations: dtype and the common head sizes as constants, so the inner loops unroll. */
-#define PA_SPECIALIZE(NAME, DTYPE, D)                                              \
-    static void NAME(const pa_job *jb, int64_t t, int64_t h) {                     \
-        attend(jb, t, h, DTYPE, (D) ? (D) : jb->head_dim);                         \
+/* Specializations: q's dtype, the pool's and the common head sizes as constants, so the inner
+ * loops unroll. KV_SAME: the pool holds q's dtype. */
+#define KV_SAME -1
+#define PA_SPECIALIZE(NAME, DTYPE, KV, D)                                               \
+    static void NAME(const pa_job *jb, int64_t t, int64_t h) {                          \
+        attend(jb, t, h, DTYPE, (KV) == KV_SAME ? (DTYPE) : (KV), (D) ? (D) : jb->head_dim); \
     }
-PA_SPECIALIZE(attend_f32_64, DTYPE_F32, 64)
-PA_SPECIALIZE(attend_f32_128, DTYPE_F32, 128)
-PA_SPECIALIZE(attend_f32_any, DTYPE_F32, 0)
-PA_SPECIALIZE(attend_bf16_64, DTYPE_BF16, 64)
-PA_SPECIALIZE(attend_bf16_128, DTYPE_BF16, 128)
-PA_SPECIALIZE(attend_bf16_any, DTYPE_BF16, 0)
+#define PA_SIZES(PREFIX, DTYPE, KV)              \
+    PA_SPECIALIZE(PREFIX##_64, DTYPE, KV, 64)    \
+    PA_SPECIALIZE(PREFIX##_128, DTYPE, KV, 128)  \
+    PA_SPECIALIZE(PREFIX##_any, DTYPE, KV, 0)
+#define PA_ROW(PREFIX) {PREFIX##_64, PREFIX##_128, PREFIX##_any}
+PA_SIZES(attend_f32, DTYPE_F32, KV_SAME)
+PA_SIZES(attend_bf16, DTYPE_BF16, KV_SAME)
+PA_SIZES(attend_f32_e5m2, DTYPE_F32, DTYPE_FP8_E5M2)
+PA_SIZES(attend_bf16_e5m2, DTYPE_BF16, DTYPE_FP8_E5M2)
+PA_SIZES(attend_f32_e4m3, DTYPE_F32, DTYPE_FP8_E4M3)
+PA_SIZES(attend_bf16_e4m3, DTYPE_BF16, DTYPE_FP8_E4M3)
 #if PA_HAVE_F16
-PA_SPECIALIZE(attend_f16_64, DTYPE_F16, 64)
-PA_SPECIALIZE(attend_f16_128, DTYPE_F16, 128)
-PA_SPECIALIZE(attend_f16_any, DTYPE_F16, 0)
+PA_SIZES(attend_f16, DTYPE_F16, KV_SAME)
+PA_SIZES(attend_f16_e5m2, DTYPE_F16, DTYPE_FP8_E5M2)
+PA_SIZES(attend_f16_e4m3, DTYPE_F16, DTYPE_FP8_E4M3)
+#define PA_F16_ROW(PREFIX) PA_ROW(PREFIX)
+#else
+#define PA_F16_ROW(PREFIX) {0, 0, 0}
 #endif
 
-static attend_fn pick(int dtype, int64_t d) {
-    static const attend_fn table[3][3] = {
-        {attend_f32_64, attend_f32_128, attend_f32_any},
-        {attend_bf16_64, attend_bf16_128, attend_bf16_any},
-#if PA_HAVE_F16
-        {attend_f16_64, attend_f16_128, attend_f16_any},
-#else
-        {0, 0, 0},
-#endif
+/* The kernel for q's dtype (f32, bf16, f16: that one needs the compiler's _Float16) over a
+ * pool of kv_dtype (the same, or an 8-bit float). */
+static attend_fn pick(int dtype, int kv_dtype, int64_t d) {
+    static const attend_fn table[3][3][3] = {
+        /* kv: same as q, e5m2, e4m3 */
+        {PA_ROW(attend_f32), PA_ROW(attend_f32_e5m2), PA_ROW(attend_f32_e4m3)},
+        {PA_ROW(attend_bf16), PA_ROW(attend_bf16_e5m2), PA_ROW(attend_bf16_e4m3)},
+        {PA_F16_ROW(attend_f16), PA_F16_ROW(attend_f16_e5m2), PA_F16_ROW(attend_f16_e4m3)},
     };
     if (dtype < 0 || dtype > 2) return 0;
-    return table[dtype][d == 64 ? 0 : d == 128 ? 1 : 2];
+    const int kv = kv_dtype == dtype ? 0 : kv_dtype == DTYPE_FP8_E5M2 ? 1
+                                         : kv_dtype == DTYPE_FP8_E4M3 ? 2 : -1;
+    if (kv < 0) return 0;
+    return table[dtype][kv][d == 64 ? 0 : d == 128 ? 1 : 2];
 }
 
 /* The OpenMP team size a parallel call would use: torch.get_num_threads() when this library
  * shares torch's libgomp (the dynamic linker binds libgomp.so.1 to the copy torch loaded). */
 int paged_attention_threads(void) { return omp_get_max_threads(); }
 
-/* 1 when this build handles `dtype` (fp16 needs the compiler's _Float16). */
-int paged_attention_supports(int dtype) { return pick(dtype, 64) != 0; }
+/* 1 when this build handles queries of `dtype` over a pool of `kv_dtype` (fp16 queries need the
+ * compiler's _Float16). */
+int paged_attention_supports(int dtype, int kv_dtype) { return pick(dtype, kv_dtype, 64) != 0; }
 
 /* One batch's token -> request map, shared by all its layers' calls. */
 typedef struct {
@@ -295,17 +356,19 @@ typedef struct {
  *   tok_end[t] - window with a sliding window; key j lives in slot
  *   slot_table[tok_req[t] * table_stride + j]. softcap 0 = none, window 0 = none.
  *   alibi: [num_heads] float32 slopes, head h's scores + alibi[h] * (j - (tok_end[t] - 1));
- *   NULL = none. sinks: [num_heads] fp32 or NULL = none.
+ *   NULL = none. sinks: [num_heads] fp32 or NULL = none. kv_dtype: the pool's (dtype's, or
+ *   DTYPE_FP8_*).
  * The caller guarantees tok_end[t] <= table_stride and every slot read < num_slots. */
 int paged_attention_batch(const pa_batch *b, const void *q, const void *k_pool,
                           const void *v_pool, void *out, float scale, float softcap,
-                          int64_t window, int dtype, const float *alibi, const float *sinks) {
+                          int64_t window, int dtype, int kv_dtype, const float *alibi,
+                          const float *sinks) {
     const int64_t kvh = b->num_kv_heads, d = b->head_dim;
-    attend_fn fn = pick(dtype, d);
+    attend_fn fn = pick(dtype, kv_dtype, d);
     if (!fn || kvh <= 0 || b->num_heads % kvh || d <= 0 || d % 16) return -1;
     const pa_job jb = {q, k_pool, v_pool, out, b->slot_table, b->tok_req, b->tok_end,
                        b->table_stride, b->num_heads, kvh, d, b->row_stride, window, scale,
-                       softcap, alibi, sinks};
+                       softcap, alibi, sinks, kv_dtype};
     int64_t keys = 0;
     for (int64_t t = 0; t < b->num_tokens; t++) {
         int64_t end = b->tok_end[t];
@@ -334,6 +397,6 @@ int paged_attention(const void *q, const void *k_pool, const void *v_pool, void 
                     float softcap, int64_t window, int dtype, const float *sinks) {
     const pa_batch b = {slot_table, tok_req, tok_end, table_stride, num_tokens, num_heads,
                         num_kv_heads, head_dim, row_stride, PA_PARALLEL_WORK};
-    return paged_attention_batch(&b, q, k_pool, v_pool, out, scale, softcap, window, dtype, 0,
-                                 sinks);
+    return paged_attention_batch(&b, q, k_pool, v_pool, out, scale, softcap, window, dtype, dtype,
+                                 0, sinks);
 }

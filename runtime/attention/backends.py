@@ -109,7 +109,7 @@ class TorchAttention:
         # plain-ops layers, which read the whole context: no split
         self.softcapped = any(spec.softcap is not None or spec.sinks is not None
                               for spec in self.layers)
-        self.min_split_batch = MIN_SPLIT_BATCH.get(pool.k_buffer.dtype, MIN_SPLIT_BATCH_DEFAULT)
+        self.min_split_batch = MIN_SPLIT_BATCH.get(pool.dtype, MIN_SPLIT_BATCH_DEFAULT)
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         # Query i of request b sits at position prefix_b + i and sees keys j <= prefix_b + i.
@@ -134,7 +134,7 @@ class TorchAttention:
         # Additive mask for the own-suffix part of a split (the flash op takes q's dtype).
         suffix_bias = None
         if shared:
-            dtype = self.pool.k_buffer.dtype
+            dtype = self.pool.dtype
             visible = folded[..., shared:]  # [batch, 1, rows, suffix]
             suffix_bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(
                 ~visible, float("-inf"))
@@ -161,7 +161,7 @@ class TorchAttention:
         slopes = self.alibi.to(distance.device).view(self.num_kv_heads, self.group)
         rows = slopes.repeat_interleave(max_q, dim=1)  # [kvh, group*max_q]
         folded = distance.float().repeat(1, self.group, 1)[:, None]  # [batch, 1, rows, max_kv]
-        return (rows[None, :, :, None] * folded).to(self.pool.k_buffer.dtype)
+        return (rows[None, :, :, None] * folded).to(self.pool.dtype)
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
@@ -171,8 +171,8 @@ class TorchAttention:
         meta = batch.attn_meta
         assert isinstance(meta, TorchAttentionMeta), "run the batch prepare() returned"
         ctx_shape = (bsz, -1, kvh, d)  # [batch, max_kv - shared, kvh, d]
-        k_ctx = self.pool.k_buffer[layer_id].index_select(0, meta.flat_slots).view(ctx_shape)
-        v_ctx = self.pool.v_buffer[layer_id].index_select(0, meta.flat_slots).view(ctx_shape)
+        k_ctx = self.pool.read_k(layer_id, meta.flat_slots).view(ctx_shape)
+        v_ctx = self.pool.read_v(layer_id, meta.flat_slots).view(ctx_shape)
         # [batch, max_q, heads, d]; a decode batch is already in that order (one token each)
         if batch.is_decode:
             q_pad = q.view(bsz, 1, -1, d)
@@ -204,8 +204,8 @@ class TorchAttention:
         if _FLASH_WITH_LSE is None or q_pad.device.type != "cpu":  # the op is CPU-only
             return self._split_attention_math(layer_id, q_pad, k_own, v_own, meta)
         bsz, kvh, rows, d = q_pad.shape
-        k_sh = self.pool.k_buffer[layer_id].index_select(0, meta.shared_slots).transpose(0, 1)
-        v_sh = self.pool.v_buffer[layer_id].index_select(0, meta.shared_slots).transpose(0, 1)
+        k_sh = self.pool.read_k(layer_id, meta.shared_slots).transpose(0, 1)
+        v_sh = self.pool.read_v(layer_id, meta.shared_slots).transpose(0, 1)
         q_all = q_pad.transpose(0, 1).reshape(1, kvh, bsz * rows, d)  # every query, one "request"
         scale = self.scales[layer_id]
         out_sh, lse_sh = _FLASH_WITH_LSE(q_all, k_sh[None], v_sh[None], scale=scale)[:2]
@@ -225,8 +225,8 @@ class TorchAttention:
         bsz, kvh, rows, d = q_pad.shape
         shared = meta.shared_slots.numel()
         # [kvh, shared, d]: the shared keys once, for every query of the batch
-        k_sh = self.pool.k_buffer[layer_id].index_select(0, meta.shared_slots).float().transpose(0, 1)
-        v_sh = self.pool.v_buffer[layer_id].index_select(0, meta.shared_slots).float().transpose(0, 1)
+        k_sh = self.pool.read_k(layer_id, meta.shared_slots).float().transpose(0, 1)
+        v_sh = self.pool.read_v(layer_id, meta.shared_slots).float().transpose(0, 1)
         qf = q_pad.float() * self.scales[layer_id]
         q_all = qf.transpose(0, 1).reshape(kvh, bsz * rows, d)  # [kvh, batch*rows, d]
         s_sh = torch.matmul(q_all, k_sh.transpose(1, 2))  # [kvh, batch*rows, shared]

@@ -128,8 +128,8 @@ class BatchInvariantAttention:
         # Each request's keys and values by chunk, [b, chunks, chunk, kvh, d]: the products read
         # them in place, each (request, chunk, head)'s [chunk, d] matrix as a strided view.
         ctx_shape = (bsz, chunks, KEY_CHUNK, kvh, d)
-        k_ctx = self.pool.k_buffer[layer_id].index_select(0, meta.slots).view(ctx_shape).float()
-        v_ctx = self.pool.v_buffer[layer_id].index_select(0, meta.slots).view(ctx_shape).float()
+        k_ctx = self.pool.read_k(layer_id, meta.slots).view(ctx_shape).float()
+        v_ctx = self.pool.read_v(layer_id, meta.slots).view(ctx_shape).float()
         scores = _chunk_products(q_tiles, k_ctx, transpose=True)  # [kvh, b, chunks, tiles, tile, chunk]
         if spec.softcap is not None:
             scores = torch.tanh(scores / spec.softcap) * spec.softcap

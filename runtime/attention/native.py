@@ -37,16 +37,16 @@ class NativeAttentionMeta:
 
 class NativeAttention(TorchAttention):
     """TorchAttention with the decode-like batches (max_q_len <= NATIVE_MAX_Q_LEN, CPU tensors,
-    a pool dtype the kernel handles) run by the native kernel: no K/V gather, no padding, the
+    a pool dtype the kernel handles: the model's, or an 8-bit float) run by the native kernel: no K/V gather, no padding, the
     GQA group's query heads scored together against each K/V row. Prefill stays on SDPA."""
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  layers: Sequence[AttentionLayerSpec] | None = None):
         super().__init__(pool, num_heads, num_kv_heads, head_dim, layers)
-        dtype = pool.k_buffer.dtype
         self.enabled = (pool.device.type == "cpu" and head_dim % 16 == 0
-                        and native_kernels.available(dtype))
-        self.dtype_code = native_kernels.DTYPES.get(dtype, -1)
+                        and native_kernels.available(pool.dtype, pool.kv_dtype))
+        self.dtype_code = native_kernels.DTYPES.get(pool.dtype, -1)
+        self.kv_dtype_code = native_kernels.DTYPES.get(pool.kv_dtype, -1)
         # Per layer: the pool's views (indexing per call costs ~1 us) and the kernel's arguments.
         self.k_layers, self.v_layers = pool.k_buffer.unbind(0), pool.v_buffer.unbind(0)
         self.kernel_specs = [(scale, spec.softcap or 0.0, spec.sliding_window or 0)
@@ -76,11 +76,12 @@ class NativeAttention(TorchAttention):
         if not isinstance(meta, NativeAttentionMeta):
             return super().forward(layer_id, q, k, v, batch)
         self.pool.store(layer_id, batch.out_slots, k, v)
-        assert q.dtype == self.pool.k_buffer.dtype, f"q {q.dtype} vs pool {self.pool.k_buffer.dtype}"
+        assert q.dtype == self.pool.dtype, f"q {q.dtype} vs pool {self.pool.dtype}"
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)  # [num_tokens, heads * d]
         scale, softcap, window = self.kernel_specs[layer_id]
         meta.plan.run(q.contiguous(), self.k_layers[layer_id], self.v_layers[layer_id], out,
-                      scale, softcap, window, self.dtype_code, self.alibi, self.sinks[layer_id])
+                      scale, softcap, window, self.dtype_code, self.kv_dtype_code, self.alibi,
+                      self.sinks[layer_id])
         return out
 
 

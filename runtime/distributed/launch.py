@@ -55,11 +55,10 @@ def start_tensor_parallel(config: EngineConfig, loaded: LoadedModel, spec: Model
         own = load_shard(config, loaded, spec, 0, config.tp_size)
         group = init_group(0, config.tp_size, workers.init_addr, device)
         group.share_from_first(config)
-        dtype = getattr(torch, config.torch_dtype_name)
         context_len = config.context_length or loaded.config.max_position_embeddings
         shard = connect_shard(
             config, own, group,
-            kv_capacity=lambda local: model_parts.kv_capacity(config, local, dtype, context_len))
+            kv_capacity=lambda local: model_parts.kv_capacity(config, local, context_len))
     except BaseException:
         leave_group()
         raise

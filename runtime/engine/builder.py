@@ -40,7 +40,7 @@ class ModelInfo:
     tokenizer_path: str
     context_len: int  # prompt + output tokens of one request, at most
     vocab_size: int  # the logits' width (may exceed the tokenizer's length)
-    dtype: str  # the weights' and KV cache's torch dtype name
+    dtype: str  # the weights' torch dtype name (the KV cache's unless kv_cache_dtype is 8-bit)
     pooling: str  # embeddings' pooling: EngineConfig.pooling, else the model's own, else "last"
 
 
@@ -107,7 +107,7 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         runner = tp.runner(kv, spec.vocab_size)
     else:
         model = build_model_for(config, loaded, spec, context_len)
-        capacity = kv_capacity(config, spec, dtype, context_len)
+        capacity = kv_capacity(config, spec, context_len)
         pool, attn = build_kv_and_attention(config, spec, model, capacity)
         kv = build_kv_manager(config, pool, context_len)
         runner = ModelRunner(model, attn, kv, config.device)
@@ -116,8 +116,8 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         _fuse_layers(config, model, attn)
         _compile_layers(config, model)
         _capture_decode_graphs(config, runner, context_len)
-    logger.info("model %s (%s, %s), KV capacity %d tokens", loaded.source, spec.model_type, dtype,
-                capacity)
+    logger.info("model %s (%s, %s), KV capacity %d tokens of %s", loaded.source, spec.model_type,
+                dtype, capacity, config.kv_torch_dtype_name)
     eos_token_ids = frozenset(loaded.eos_token_ids)
     return EngineParts(
         config=config, model_config=hf, tokenizer=loaded.tokenizer,

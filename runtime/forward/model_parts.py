@@ -115,12 +115,13 @@ def keeps_gguf_quantized(config: EngineConfig, loaded: LoadedModel) -> bool:
     return config.dtype != "float32" and quantized_is_faster(config.device)
 
 
-def kv_capacity(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, context_len: int) -> int:
+def kv_capacity(config: EngineConfig, spec: ModelSpec, context_len: int) -> int:
     """KV slots for `spec`'s KV heads (a rank's own under tensor parallelism). Called after the
     weights are loaded (a GPU's free memory then counts them)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
-    per_token = KVPool.bytes_per_token(*spec.kv_pool_shape, dtype)
+    kv_dtype = getattr(torch, config.kv_torch_dtype_name)
+    per_token = KVPool.bytes_per_token(*spec.kv_pool_shape, kv_dtype)
     if config.device.startswith("cuda"):
         device = torch.device(config.device)
         torch.cuda.synchronize(device)
@@ -140,7 +141,8 @@ def build_kv_and_attention(config: EngineConfig, spec: ModelSpec, model: CausalL
     """The KV pool of `capacity` slots for `spec`'s KV heads and the attention backend over it."""
     dtype = getattr(torch, config.torch_dtype_name)
     num_layers, num_kv_heads, head_dim = spec.kv_pool_shape
-    pool = KVPool(num_layers, capacity, num_kv_heads, head_dim, dtype, config.device)
+    pool = KVPool(num_layers, capacity, num_kv_heads, head_dim, dtype, config.device,
+                  kv_dtype=getattr(torch, config.kv_torch_dtype_name))
     if config.enable_deterministic_inference:
         make_batch_invariant(model)
         return pool, BatchInvariantAttention(pool, spec.num_heads, num_kv_heads, head_dim,

@@ -1,6 +1,9 @@
 """Paged KV memory with page size 1: a slot allocator and per-layer K/V buffers addressed by slot.
 
 A slot is one token's K and V in every layer; the radix cache and requests hold slot indices.
+The buffers hold the model's dtype, or an 8-bit float (SGLang's --kv-cache-dtype fp8_e5m2 /
+fp8_e4m3): half the bytes per token, so twice the cached tokens per GB and half the bytes decode
+attention reads, at the cost of rounding each stored K and V value to 2-3 mantissa bits.
 """
 
 from __future__ import annotations
@@ -90,8 +93,17 @@ class SlotAllocator:
         assert bool(self._is_free[free].all()), "free stack slot not marked free"
 
 
+# 8-bit KV formats: torch has no index_copy_/index_select for them, so the pool moves their
+# bytes as uint8. Stores saturate at the format's largest value (e4m3fn has no inf, and an
+# e5m2 inf would turn a softmax into NaN); no scale is applied (SGLang's default of 1.0).
+FP8_KV_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
+
+
 class KVPool:
-    """Preallocated K/V for all layers, addressed by slot; slot ownership lives in `allocator`."""
+    """Preallocated K/V for all layers, addressed by slot; slot ownership lives in `allocator`.
+
+    `dtype` is what attention computes in (the model's); `kv_dtype` what the buffers hold: the
+    same, or an 8-bit float that store() rounds to and read_k()/read_v() widen back from."""
 
     def __init__(
         self,
@@ -101,12 +113,17 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        kv_dtype: torch.dtype | None = None,
     ):
         self.num_layers = num_layers
         self.capacity = capacity
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
+        assert self.kv_dtype == dtype or self.kv_dtype in FP8_KV_DTYPES, (
+            f"a KV pool holds the model's dtype or an 8-bit float, not {self.kv_dtype}")
+        self.narrow = self.kv_dtype != dtype  # 8-bit buffers, widened on reading
         self.device = torch.device(device)
         # One row past the allocatable slots that no request ever owns: the padding rows of a
         # captured decode batch write their K/V there (runtime/forward/cuda_graphs.py).
@@ -114,28 +131,52 @@ class KVPool:
         shape = (num_layers, capacity + 1, num_kv_heads, head_dim)
         # Plain pages: 2 MiB ones made decode 4% faster at batch 16 but stalled allocation for up
         # to 9 s in direct compaction (kernels/cpu/huge_pages.py), once per engine.
-        self.k_buffer = _reserved_zeros(shape, dtype, self.device)
-        self.v_buffer = _reserved_zeros(shape, dtype, self.device)
+        self.k_buffer = _reserved_zeros(shape, self.kv_dtype, self.device)
+        self.v_buffer = _reserved_zeros(shape, self.kv_dtype, self.device)
         self.allocator = SlotAllocator(capacity)
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v ([n, num_kv_heads, head_dim]) into rows `slots` of layer `layer_id`, in place.
 
-        The caller must own `slots` (allocated, not yet freed); k and v are cast to the pool dtype.
+        The caller must own `slots` (allocated, not yet freed); k and v are cast to the pool's
+        kv_dtype (an 8-bit one saturated at its largest value, as the native kernels store).
         """
         n = slots.numel()
         expected = (n, self.num_kv_heads, self.head_dim)
         assert tuple(k.shape) == expected, f"k shape {tuple(k.shape)} != {expected}"
         assert tuple(v.shape) == expected, f"v shape {tuple(v.shape)} != {expected}"
         index = slots.reshape(-1).to(device=self.device, dtype=torch.int64)
-        self.k_buffer[layer_id].index_copy_(0, index, k.to(self.k_buffer.dtype))
-        self.v_buffer[layer_id].index_copy_(0, index, v.to(self.v_buffer.dtype))
+        if not self.narrow:
+            self.k_buffer[layer_id].index_copy_(0, index, k.to(self.kv_dtype))
+            self.v_buffer[layer_id].index_copy_(0, index, v.to(self.kv_dtype))
+            return
+        for buffer, x in ((self.k_buffer, k), (self.v_buffer, v)):
+            buffer[layer_id].view(torch.uint8).index_copy_(0, index, self._narrowed(x))
+
+    def _narrowed(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded to the 8-bit kv_dtype, as its bytes."""
+        limit = torch.finfo(self.kv_dtype).max
+        return x.clamp(-limit, limit).to(self.kv_dtype).view(torch.uint8)
+
+    def read_k(self, layer_id: int, index: torch.Tensor) -> torch.Tensor:
+        """K rows `index` (int64 slots) of layer `layer_id` in the model's dtype."""
+        return self._read(self.k_buffer, layer_id, index)
+
+    def read_v(self, layer_id: int, index: torch.Tensor) -> torch.Tensor:
+        """V rows `index` of layer `layer_id` in the model's dtype."""
+        return self._read(self.v_buffer, layer_id, index)
+
+    def _read(self, buffer: torch.Tensor, layer_id: int, index: torch.Tensor) -> torch.Tensor:
+        if not self.narrow:
+            return buffer[layer_id].index_select(0, index)
+        rows = buffer[layer_id].view(torch.uint8).index_select(0, index)
+        return rows.view(self.kv_dtype).to(self.dtype)
 
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        """Bytes one slot takes across all layers, K and V together."""
+        """Bytes one slot takes across all layers, K and V together (`dtype`: the buffers')."""
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 

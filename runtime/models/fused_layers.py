@@ -82,8 +82,8 @@ class FusedDecodeLayers:
         # calls were ~0.6 ms of a batch-16 forward): the norm weights, Qwen3's per-head q/k norm
         # weights (None: no such norm), the pool's K/V layers, the attention kernel's arguments.
         self.layer_args = [(layer.self_attn.rotary,
-                            _norm_weight(layer.input_layernorm, attn.pool.k_buffer.dtype),
-                            _norm_weight(layer.post_attention_layernorm, attn.pool.k_buffer.dtype),
+                            _norm_weight(layer.input_layernorm, attn.pool.dtype),
+                            _norm_weight(layer.post_attention_layernorm, attn.pool.dtype),
                             _qk_norm_weights(layer),
                             attn.k_layers[layer.self_attn.layer_id].data_ptr(),
                             attn.v_layers[layer.self_attn.layer_id].data_ptr(),
@@ -93,7 +93,7 @@ class FusedDecodeLayers:
 
     def takes(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
         return (isinstance(batch.attn_meta, NativeAttentionMeta) and x.dtype in _DTYPES
-                and x.dtype == self.attn.pool.k_buffer.dtype and x.device.type == "cpu")
+                and x.dtype == self.attn.pool.dtype and x.device.type == "cpu")
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] embeddings -> the last layer's output stream [T, hidden] (before the
@@ -118,7 +118,7 @@ class FusedDecodeLayers:
         add_rms_norm, rope_store, silu_mul = (lib.fused_add_rms_norm, lib.fused_rope_store,
                                               lib.fused_silu_mul)
         run_attention, positions = meta.plan.run_addresses, batch.positions
-        out_ptr, kernel_dtype = attn_out.data_ptr(), attn.dtype_code
+        out_ptr, kernel_dtype, kv_dtype = attn_out.data_ptr(), attn.dtype_code, attn.kv_dtype_code
         h: torch.Tensor | None = None
         for (qkv_proj, o_proj, gate_up_proj, down_proj), (
                 rotary, in_norm, post_norm, (q_norm, k_norm), k_layer, v_layer,
@@ -131,8 +131,9 @@ class FusedDecodeLayers:
             assert cos.is_contiguous() and sin.is_contiguous()
             rope_store(num_tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
                        cos.data_ptr(), sin.data_ptr(), slots_ptr, k_layer, v_layer, q_ptr,
-                       q_norm, k_norm, eps, offset, dtype)
-            run_attention(q_ptr, k_layer, v_layer, out_ptr, scale, softcap, window, kernel_dtype)
+                       q_norm, k_norm, eps, offset, dtype, kv_dtype)
+            run_attention(q_ptr, k_layer, v_layer, out_ptr, scale, softcap, window, kernel_dtype,
+                          kv_dtype)
             h = o_proj(attn_out).contiguous()
             add_rms_norm(num_tokens, hidden, res_ptr, _ptr_of(h, residual), post_norm,
                          normed_ptr, eps, offset, dtype)
