@@ -1,23 +1,24 @@
-"""What an 8-bit KV cache (`--kv-cache-dtype fp8_e5m2 | fp8_e4m3`) costs and buys against the
-model's own dtype, on one model (default: the default model; `--model` a GGUF or folder):
+"""What an 8-bit KV cache (`--kv-cache-dtype fp8_e5m2 | fp8_e4m3 | int8`) costs and buys against
+the model's own dtype, on one model (default: the default model; `--model` a GGUF or folder):
 
 - accuracy: greedy continuations of short chat questions and of long README-based prompts, from
   an engine per KV dtype. Reported against the 16-bit cache: outputs identical, the first token
   where they part (median), and, scoring the 16-bit cache's own continuations teacher-forced
-  through each 8-bit engine, how often its top-1 token agrees and the mean |logprob drift| of
-  those tokens;
+  through each engine, how often its top-1 token agrees and the mean |logprob drift| of those
+  tokens (the 16-bit cache's own row is the noise floor: its prefill rounds differently from
+  its decode);
 - speed: one layer's decode attention (the native kernel alone: the fused decode layers store
-  K/V in C) at batch 1 and 16
-  over 500 and 2000 keys, and a whole engine's decode step at batch 16 over long prompts (each
+  K/V in C) at batch 1 and 16 over 500 and 2000 keys, and a whole engine's decode step at batch 16 over long prompts (each
   dtype's engine in its own process, alternating, medians);
 - memory: bytes per cached token.
 
-    python -m benchmarks.kv_dtype [--model FILE] [--repeats 3] [--skip-accuracy]
+    python -m benchmarks.kv_dtype [--model FILE] [--repeats 3] [--parts accuracy,layer,step]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import statistics
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 
-KV_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3")
+KV_DTYPES = ("auto", "fp8_e5m2", "fp8_e4m3", "int8")
 QUESTIONS = [
     "What is the capital of Australia, and why was it chosen?",
     "Explain how a refrigerator keeps food cold.",
@@ -104,7 +105,7 @@ def accuracy(model: str | None, new_tokens: int, long_tokens: int) -> list[dict]
             for s in scored]}
     rows = []
     base = runs["auto"]
-    for kv in KV_DTYPES[1:]:
+    for kv in KV_DTYPES:  # auto's own row: its prefill's top-1s against its decode's tokens
         run = runs[kv]
         same = sum(a == b for a, b in zip(base["outputs"], run["outputs"]))
         parted = [_first_difference(a, b) for a, b in zip(base["outputs"], run["outputs"])]
@@ -140,7 +141,8 @@ def layer_speed(repeats: int) -> list[dict]:
 
     torch.manual_seed(0)
     rows = []
-    dtypes = {"auto": None, "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
+    dtypes = {"auto": None, "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn,
+              "int8": torch.int8}
     for heads, kv_heads in ((9, 3), (32, 8)):
         for batch, keys in ((1, 500), (1, 2000), (16, 500), (16, 2000)):
             row = {"heads": f"{heads}/{kv_heads}", "batch": batch, "keys": keys}
@@ -156,9 +158,11 @@ def layer_speed(repeats: int) -> list[dict]:
                 prepared = attn.prepare(fb)
                 q = torch.randn(batch, heads, 64).bfloat16()
                 out = torch.empty(batch, heads * 64, dtype=torch.bfloat16)
-                row[name] = median_us(lambda: prepared.attn_meta.plan.run(
-                    q, attn.k_layers[0], attn.v_layers[0], out, 0.125, 0.0, 0, attn.dtype_code,
-                    attn.kv_dtype_code), repeats * 20)
+                run = functools.partial(
+                    prepared.attn_meta.plan.run, q, attn.k_layers[0], attn.v_layers[0], out,
+                    0.125, 0.0, 0, attn.dtype_code, attn.kv_dtype_code, None, None,
+                    *attn.scales_of(0))
+                row[name] = median_us(run, repeats * 20)
             rows.append(row)
     return rows
 
@@ -193,7 +197,8 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=1500)
     parser.add_argument("--step-batch", type=int, default=16)
     parser.add_argument("--step-prompt", type=int, default=2000)
-    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--parts", default="accuracy,layer,step",
+                        help="which of accuracy, layer, step to run")
     parser.add_argument("--child-step", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_step:  # one engine's decode step, in its own process
@@ -213,7 +218,8 @@ def main() -> None:
         dtype = getattr(torch, KV_CACHE_DTYPES.get(kv, "bfloat16"))
         print(f"| {kv} | {KVPool.bytes_per_token(30, 3, 64, dtype)} |")
 
-    if not args.skip_accuracy:
+    parts = set(args.parts.split(","))
+    if "accuracy" in parts:
         print(f"\n## Accuracy against the 16-bit cache ({args.new_tokens} greedy tokens)\n")
         print("| KV dtype | prompts | identical outputs | first difference (median token) | "
               "teacher-forced top-1 agreement | mean / max abs logprob drift |")
@@ -225,16 +231,26 @@ def main() -> None:
                   f"{r['mean_abs_logprob_drift']:.4f} / {r['max_abs_logprob_drift']:.3f} |",
                   flush=True)
 
+    if "layer" in parts:
+        print_layer_speed(args.repeats)
+    if "step" in parts:
+        print_engine_steps(args)
+
+
+def print_layer_speed(repeats: int) -> None:
     print("\n## One layer's decode attention (the native kernel, bf16 queries; one pool re-read, "
           "so cache-resident where it fits), us, medians\n")
-    print("| heads / KV heads | batch | keys | auto (bf16) | fp8_e5m2 | fp8_e4m3 | e5m2 / bf16 | "
-          "e4m3 / bf16 |")
+    print("| heads / KV heads | batch | keys | auto (bf16) | fp8_e5m2 | fp8_e4m3 | int8 | "
+          "e5m2 / e4m3 / int8 over bf16 |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in layer_speed(args.repeats):
+    for r in layer_speed(repeats):
+        ratios = " / ".join(f"{r[kv] / r['auto']:.2f}" for kv in KV_DTYPES[1:])
         print(f"| {r['heads']} | {r['batch']} | {r['keys']} | {r['auto']:.1f} | "
-              f"{r['fp8_e5m2']:.1f} | {r['fp8_e4m3']:.1f} | {r['fp8_e5m2'] / r['auto']:.2f} | "
-              f"{r['fp8_e4m3'] / r['auto']:.2f} |", flush=True)
+              f"{r['fp8_e5m2']:.1f} | {r['fp8_e4m3']:.1f} | {r['int8']:.1f} | {ratios} |",
+              flush=True)
 
+
+def print_engine_steps(args: argparse.Namespace) -> None:
     print(f"\n## Engine decode step, batch {args.step_batch} x ~{args.step_prompt} cached prompt "
           f"tokens, {args.new_tokens} new (ms/step, each engine in its own process, "
           "alternating)\n")

@@ -17,7 +17,7 @@ QUANTIZATION_CHOICES = (None, "gguf", "none")
 POOLING_MODES = ("last", "mean", "cls")
 SPECULATIVE_ALGORITHMS = (None, "NGRAM")
 # SGLang's --kv-cache-dtype names -> the torch dtype the KV pool then holds ("auto": the model's).
-KV_CACHE_DTYPES = {"fp8_e5m2": "float8_e5m2", "fp8_e4m3": "float8_e4m3fn"}
+KV_CACHE_DTYPES = {"fp8_e5m2": "float8_e5m2", "fp8_e4m3": "float8_e4m3fn", "int8": "int8"}
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,11 @@ class EngineConfig:
     # 2.6-5x slower than fp32 at batch 16-512).
     dtype: str = "auto"
     # SGLang's --kv-cache-dtype: "auto" = the model's dtype; "fp8_e5m2" / "fp8_e4m3" = an 8-bit
-    # pool (runtime/kvcache/pool.py): twice the tokens per GB and half the bytes decode attention
-    # reads, each K/V value rounded to 2 / 3 mantissa bits (no scales; benchmarks/kv_dtype.py
-    # measures what that costs in agreement with the 16-bit cache). Read by the CPU attention
-    # backends (native and torch), not by the Triton kernels.
+    # float pool (each K/V value rounded to 2 / 3 mantissa bits, no scales), "int8" = int8 codes
+    # with a float32 scale per token and KV head (runtime/kvcache/pool.py): about twice the
+    # tokens per GB and half the bytes decode attention reads (benchmarks/kv_dtype.py measures
+    # what each costs in agreement with the 16-bit cache). Read by the CPU attention backends
+    # (native and torch), not by the Triton kernels.
     kv_cache_dtype: str = "auto"
     device: str = "cpu"
     # KV capacity in tokens; None = sized from the device's memory (mem_fraction_static of a GPU,

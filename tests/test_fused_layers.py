@@ -15,7 +15,7 @@ from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.attention.backends import TorchAttention
 from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta
 from forklm.runtime.forward.batch import ForwardBatch
-from forklm.runtime.kvcache.pool import KVPool
+from forklm.runtime.kvcache.pool import KVPool, int8_rows
 from forklm.runtime.models.fused_layers import FusedDecodeLayers, unsupported_reason
 from forklm.runtime.models.layers import RMSNorm, RotaryEmbedding
 
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(native_kernels.fused_ops() is None,
                                 reason=f"no native build: {native_kernels.fused_unavailable_reason()}")
 
 # bindings.DTYPES' codes; the 8-bit ones are KV-pool formats only (--kv-cache-dtype)
-CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e5m2: 3, torch.float8_e4m3fn: 4}
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e5m2: 3, torch.float8_e4m3fn: 4,
+         torch.int8: 5}
 DTYPES = [torch.float32, torch.bfloat16]
 FP8 = [torch.float8_e5m2, torch.float8_e4m3fn]
 
@@ -66,12 +67,14 @@ def test_add_rms_norm_matches_eager(dtype, dim, offset, add):
 
 def rope_store(qkv, heads, kv_heads, d, cos, sin, out_slots, pool, norm_ptrs=(None, None)):
     """fused_rope_store of qkv [tokens, (heads + 2 kv_heads) d] into layer 0 of `pool` (its
-    dtype and kv_dtype as the kernel's last two codes); returns the rotated q."""
+    dtype and kv_dtype as the kernel's last two codes; an int8 pool's layer-0 scales as k_scale
+    / v_scale, else None); returns the rotated q."""
     tokens = qkv.shape[0]
     q_out = torch.empty(tokens, heads * d, dtype=qkv.dtype)
+    scales = [None if x is None else x[0].data_ptr() for x in (pool.k_scale, pool.v_scale)]
     lib().fused_rope_store(tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
                            cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
-                           pool.k_buffer[0].data_ptr(), pool.v_buffer[0].data_ptr(),
+                           pool.k_buffer[0].data_ptr(), pool.v_buffer[0].data_ptr(), *scales,
                            q_out.data_ptr(), *norm_ptrs, 1e-6, 0.0, CODES[pool.dtype],
                            CODES[pool.kv_dtype])
     return q_out
@@ -82,16 +85,32 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def filled_pools(gen, n, slots, kv_heads, d, dtype, kv_dtype=None):
-    """n one-layer pools holding the same random K/V rows."""
+    """n one-layer pools holding the same random K/V rows (an int8 pool's: random codes and
+    random scales)."""
     pools = [KVPool(1, slots, kv_heads, d, dtype, kv_dtype=kv_dtype) for _ in range(n)]
     for buf in ("k_buffer", "v_buffer"):
-        fill = torch.randn(getattr(pools[0], buf).shape, generator=gen).to(pools[0].kv_dtype)
+        fill = torch.randn(getattr(pools[0], buf).shape, generator=gen)
+        if pools[0].kv_dtype == torch.int8:
+            fill = fill * 50
+        fill = fill.to(pools[0].kv_dtype)
         for pool in pools:
             getattr(pool, buf).copy_(fill)
+    for name in ("k_scale", "v_scale"):
+        if getattr(pools[0], name) is not None:
+            fill = torch.rand(getattr(pools[0], name).shape, generator=gen) + 0.5
+            for pool in pools:
+                getattr(pool, name).copy_(fill)
     return pools
 
 
-@pytest.mark.parametrize("kv_dtype", [None, *FP8], ids=["model-dtype", "e5m2", "e4m3"])
+def same_scales(a: KVPool, b: KVPool) -> bool:
+    """Equal per-row scales (an int8 pool's), or both pools without them."""
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in ((a.k_scale, b.k_scale), (a.v_scale, b.v_scale)))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, *FP8, torch.int8],
+                         ids=["model-dtype", "e5m2", "e4m3", "int8"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_store_is_bit_exact(dtype, qk_norm, kv_dtype):
@@ -100,7 +119,10 @@ def test_rope_store_is_bit_exact(dtype, qk_norm, kv_dtype):
     per-head q/k norms first: the heads within the norm's few ulps (see above). Into an 8-bit
     pool (kv_dtype), over values from its subnormals to past its largest: k rotated and rounded
     to the model's dtype, then k and v rounded to 8 bits as KVPool(kv_dtype=...).store rounds
-    them, bit for bit (with the norms: as the pool rounds the kernel's own model-dtype k)."""
+    them, bit for bit (with the norms: as the pool rounds the kernel's own model-dtype k). Into
+    an int8 pool: each head's codes and float32 scale as KVPool.store's int8_rows computes them,
+    bit for bit, over rows of scales 2^-18..2^17, all-zero heads (scale 1, codes 0) and heads of
+    one huge value among small ones; the other rows' codes and scales untouched."""
     gen = torch.Generator().manual_seed(1)
     tokens, heads, kv_heads, d, slots = 5, 9, 3, 64, 300
     rotary = RotaryEmbedding(None, {"rope_type": "default", "rope_theta": 10000.0}, d, 512)
@@ -109,6 +131,18 @@ def test_rope_store_is_bit_exact(dtype, qk_norm, kv_dtype):
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen)
     if kv_dtype is not None:  # 2^-18 (below e5m2's subnormals) to 2^17 (past its max)
         qkv = qkv * 2.0 ** torch.randint(-18, 18, qkv.shape, generator=gen)
+    if kv_dtype == torch.int8:  # each head at its own scale too, and the edge heads
+        qkv = qkv.view(tokens, -1, d) * 2.0 ** torch.randint(-8, 9, (tokens, heads + 2 * kv_heads,
+                                                                    1), generator=gen)
+        k_at, v_at = heads, heads + kv_heads  # token t's k head h: qkv[t, k_at + h]
+        qkv[1, k_at + 0] = 0.0
+        qkv[1, v_at + 2] = 0.0
+        qkv[4, k_at:] = 0.0  # every k and v head of a token
+        qkv[3, k_at + 1] = torch.randn(d, generator=gen) * 1e-3
+        qkv[3, k_at + 1, 9] = 1e6
+        qkv[3, v_at] = torch.randn(d, generator=gen) * 1e-3
+        qkv[3, v_at, 40] = -1e6
+        qkv = qkv.reshape(tokens, -1)
     qkv = qkv.to(dtype)
     q, k, v = qkv.split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
     q, k = q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d)
@@ -128,9 +162,22 @@ def test_rope_store_is_bit_exact(dtype, qk_norm, kv_dtype):
     q_out = rope_store(qkv, heads, kv_heads, d, cos, sin, out_slots, pool, norm_ptrs)
     assert pool.k_buffer.dtype == (kv_dtype or dtype)
     assert same_bits(pool.v_buffer, reference.v_buffer)
+    assert pool.v_scale is None or torch.equal(pool.v_scale, reference.v_scale)
+    if kv_dtype == torch.int8:
+        assert pool.k_scale is not None and pool.v_scale is not None
+        zero_scale = (pool.k_scale[0, 11], pool.v_scale[0, 11], pool.k_scale[0, 299, 0],
+                      pool.v_scale[0, 299, 2])  # slot 11 holds token 4, slot 299 token 1
+        assert all((x == 1.0).all() for x in zero_scale)
+        assert not pool.k_buffer[0, 11].any() and not pool.v_buffer[0, 11].any()
+        assert not pool.k_buffer[0, 299, 0].any() and not pool.v_buffer[0, 299, 2].any()
+        assert int(pool.v_buffer[0, 42, 0].abs().sum()) == 127  # the huge value's alone
+        assert pool.v_buffer[0, 42, 0, 40] == -127
+        assert int(pool.k_buffer[0, 42, 1].abs().max()) == 127
+        assert int(pool.k_buffer[0, out_slots].abs().max()) <= 127
     if not qk_norm:
         assert torch.equal(q_out.view(tokens, heads, d), q_ref)
         assert same_bits(pool.k_buffer, reference.k_buffer)
+        assert same_scales(pool, reference)
         return
     # a norm 1 ulp off, then the rotation's roundings: a few ulps of the largest value
     tol = (2e-6 if dtype == torch.float32 else 1.6e-2) * float(q_ref.abs().max())
@@ -144,6 +191,7 @@ def test_rope_store_is_bit_exact(dtype, qk_norm, kv_dtype):
                        q_out)
     reference.store(0, out_slots, wide.k_buffer[0, out_slots], v)
     assert same_bits(pool.k_buffer, reference.k_buffer)
+    assert same_scales(pool, reference)
 
 
 FP8_MAX = {torch.float8_e5m2: 57344.0, torch.float8_e4m3fn: 448.0}
@@ -227,6 +275,74 @@ def test_rope_store_rounds_fp32_ties_to_even(kv_dtype):
     assert torch.equal(tie_bits, expected)
 
 
+def int8_v_rows(gen, tokens, dtype) -> torch.Tensor:
+    """[tokens, 4, 64] V heads of dtype for an int8 pool: each at its own scale over 2^-30..2^30
+    and values within a head over 2^-12..1 of its largest; then the edge heads: all zeros, one
+    huge value among tiny ones, a largest magnitude that is negative, constant heads, heads of
+    max 127 (scale exactly 1) holding the half-step ties -125.5..125.5, and heads whose max
+    is 127 * 2^e (scale 2^e) with ties at that scale."""
+    x = torch.randn(tokens, 4, 64, generator=gen)
+    x = x * 2.0 ** torch.randint(-12, 1, x.shape, generator=gen)
+    x = x * 2.0 ** torch.randint(-30, 31, (tokens, 4, 1), generator=gen)
+    x[0, 0] = 0.0
+    x[0, 1] = torch.randn(64, generator=gen) * 1e-4
+    x[0, 1, 17] = 6e4
+    x[0, 2] = torch.rand(64, generator=gen)
+    x[0, 2, 3] = -2.5
+    x[0, 3] = -0.375
+    ties = torch.arange(-126, 126) + 0.5  # 252 ties: four heads of 127 and 63 of them
+    for i in range(4):
+        head = torch.full((64,), 127.0)
+        head[1:] = ties[63 * i : 63 * (i + 1)]
+        x[1, i] = head
+        x[2, i] = head * 2.0 ** (i - 5)  # scale 2^(i-5): the same ties, scaled exactly
+    # a subnormal max |x| whose rounded scale makes x / scale 127.5: clamped to 127, not -128
+    x[3, 0] = 0.0
+    x[3, 0, 0] = torch.tensor([16065], dtype=torch.int32).view(torch.float32)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_quantizes_int8_like_the_pool(dtype):
+    """V heads (straight from qkv, no rotation) into an int8 pool at shuffled slots: codes and
+    scales bit-equal to KVPool.store's int8_rows, and so to torch's fp32 division and
+    round-half-to-even: every tie at scale 1 and at powers of two goes to the even code; no
+    code passes +-127; an all-zero head gets scale 1."""
+    gen = torch.Generator().manual_seed(13)
+    tokens, heads, kv_heads, d = 40, 1, 4, 64
+    v = int8_v_rows(gen, tokens, dtype)
+    qk = (torch.randn(tokens, (heads + kv_heads) * d, generator=gen)).to(dtype)
+    qkv = torch.cat((qk, v.view(tokens, kv_heads * d)), dim=1)
+    rotary = RotaryEmbedding(None, {"rope_type": "default", "rope_theta": 10000.0}, d, 512)
+    cos, sin = rotary.tables_for(torch.arange(tokens), dtype)
+    pool = KVPool(1, tokens + 7, kv_heads, d, dtype, kv_dtype=torch.int8)
+    out_slots = torch.randperm(tokens + 7, generator=gen)[:tokens]
+    rope_store(qkv, heads, kv_heads, d, cos.contiguous(), sin.contiguous(), out_slots, pool)
+    assert pool.v_scale is not None
+    codes, scales = pool.v_buffer[0, out_slots], pool.v_scale[0, out_slots]
+    want_codes, want_scales = int8_rows(v)
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes, want_codes)
+    assert int(codes.abs().max()) == 127 and int(codes.min()) >= -127
+    assert scales[0, 0] == 1.0 and not codes[0, 0].any()
+    assert codes[0, 1, 17] == 127 and int(codes[0, 1].abs().sum()) == 127
+    assert codes[0, 2, 3] == -127 and (codes[0, 3] == -127).all()
+    if dtype == torch.float32:  # (bf16 has no such subnormal: the head is all zeros there)
+        assert codes[3, 0, 0] == 127
+    for t, scale in ((1, [1.0] * 4), (2, [2.0 ** (i - 5) for i in range(4)])):
+        assert scales[t].tolist() == scale
+        tie_codes = codes[t, :, 1:].reshape(-1)
+        assert torch.equal(tie_codes, torch.round(torch.arange(-126, 126) + 0.5).to(torch.int8))
+        assert (tie_codes % 2 == 0).all()
+    # the K heads were rotated and stored too, as the pool stores torch's rotation
+    k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(tokens, kv_heads, d)
+    _, k_rot = rotary.rotate(torch.zeros(tokens, heads, d, dtype=dtype), k, cos, sin)
+    reference = KVPool(1, tokens + 7, kv_heads, d, dtype, kv_dtype=torch.int8)
+    reference.store(0, out_slots, k_rot, v)
+    assert torch.equal(pool.k_buffer, reference.k_buffer)
+    assert same_scales(pool, reference)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_eager(dtype):
     """silu(gate) * up over a wide range (|gate| up to 200: exp clamps, no inf or NaN)."""
@@ -304,6 +420,62 @@ def test_fused_forward_matches_eager_layers(make_engine):
             written = getattr(pools[0], buf)
             torch.testing.assert_close(getattr(pools[1], buf), written,
                                        atol=1e-4 * float(written.abs().max()), rtol=0)
+
+
+def test_fused_forward_over_an_int8_pool_matches_eager_layers(make_engine):
+    """The same two batches over copies of one random int8 pool (codes and row scales): the
+    fused layers (fused_rope_store quantizing in C, the kernel reading the layer's scales)
+    against the eager layers (KVPool.store's int8_rows, the same kernel). Their K/V differ by
+    float32 noise (the norms' summation order), which moves a code by one step where a value
+    sits at a rounding boundary, and the random caches amplify that through the layers.
+    Measured over seeds 4-9: the first layers' rows equal, the deepest up to 2.8 steps of
+    their scale and their scales 1.2e-2 apart; outputs up to 4e-3 and logits up to 1.3e-2 of
+    their largest apart, the same greedy tokens (fused layers reading each layer's neighbour's
+    scales: 1.5 and 1.1). Asserted: outputs and logits within 5e-2 of their largest, the first
+    two layers' rows within a step, every row within 4.5 steps, the rows not written
+    untouched."""
+    model = make_engine().parts.runner.model
+    spec = model.spec
+    for kv_lens, q_lens in [([40, 9, 130], [1, 1, 1]), ([30, 12], [5, 3])]:
+        batch = decode_like_batch(kv_lens, q_lens)
+        pools = [KVPool(spec.num_layers, 1000 * len(kv_lens), spec.num_kv_heads, spec.head_dim,
+                        torch.float32, kv_dtype=torch.int8) for _ in range(2)]
+        gen = torch.Generator().manual_seed(4)
+        for name in ("k_buffer", "v_buffer", "k_scale", "v_scale"):
+            shape = getattr(pools[0], name).shape
+            fill = ((torch.randn(shape, generator=gen) * 40).clamp(-127, 127).to(torch.int8)
+                    if name.endswith("buffer") else torch.rand(shape, generator=gen) / 20 + 0.005)
+            for pool in pools:
+                getattr(pool, name).copy_(fill)
+        backends = [NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                    model.attention_layers) for pool in pools]
+        assert all(b.enabled and b.scales_of(0)[0] is not None for b in backends)
+        fused = FusedDecodeLayers(model, backends[1])
+        with torch.inference_mode():
+            prepared = [backend.prepare(batch) for backend in backends]
+            x = model._embed(batch.input_ids)
+            eager = x.clone()
+            for layer in model.model.layers:
+                eager = layer(eager, prepared[0], backends[0])
+            assert fused.takes(prepared[1], x)
+            out = fused.run(x.clone(), prepared[1])
+        logits = [model._head(model.model.norm(h)) for h in (eager, out)]
+        torch.testing.assert_close(out, eager, atol=5e-2 * float(eager.abs().max()), rtol=0)
+        torch.testing.assert_close(logits[1], logits[0],
+                                   atol=5e-2 * float(logits[0].abs().max()), rtol=0)
+        for buf, scale in (("k_buffer", "k_scale"), ("v_buffer", "v_scale")):
+            codes = [getattr(pool, buf) for pool in pools]
+            scales = [getattr(pool, scale) for pool in pools]
+            torch.testing.assert_close(scales[1], scales[0], atol=0, rtol=5e-2)
+            widened = [c.float() * s[..., None] for c, s in zip(codes, scales)]
+            steps = (widened[1] - widened[0]).abs() / scales[0][..., None]
+            assert float(steps[:2].max()) <= 1.01 and float(steps.max()) <= 4.5
+            others = torch.ones(codes[0].shape[1], dtype=torch.bool)
+            others[batch.out_slots] = False  # the rows not written: the same random fill
+            assert torch.equal(codes[1][:, others], codes[0][:, others])
+            assert torch.equal(scales[1][:, others], scales[0][:, others])
+            # the batch's rows were written, with 127 for each row's largest value
+            assert (codes[0][:, batch.out_slots].abs().amax(-1) == 127).all()
 
 
 def test_fused_layers_take_only_native_decode_batches(make_engine):

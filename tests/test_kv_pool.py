@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from forklm.runtime.errors import KVCacheFullError
-from forklm.runtime.kvcache.pool import KVPool, SlotAllocator
+from forklm.runtime.kvcache.pool import KVPool, SlotAllocator, int8_rows
 
 
 def test_allocate_gives_distinct_free_slots():
@@ -125,6 +125,8 @@ def test_a_cpu_pool_is_reserved_not_touched():
 def test_bytes_per_token():
     assert KVPool.bytes_per_token(30, 3, 64, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
     assert KVPool.bytes_per_token(2, 1, 8, torch.float32) == 2 * 2 * 1 * 8 * 4
+    assert KVPool.bytes_per_token(2, 1, 8, torch.float8_e4m3fn) == 2 * 2 * 1 * 8
+    assert KVPool.bytes_per_token(2, 1, 8, torch.int8) == 2 * 2 * 1 * (8 + 4)  # + the scales
 
 
 FP8 = pytest.mark.parametrize("kv_dtype", [torch.float8_e5m2, torch.float8_e4m3fn],
@@ -185,15 +187,159 @@ def test_an_fp8_pool_takes_half_the_bytes_per_token():
         assert allocated == (100 + 1) * KVPool.bytes_per_token(30, 3, 64, kv_dtype)
 
 
-@pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.bfloat16, torch.int8),
+@pytest.mark.parametrize(("dtype", "kv_dtype"), [(torch.bfloat16, torch.int16),
                                                  (torch.float32, torch.uint8),
+                                                 (torch.float32, torch.int32),
                                                  (torch.bfloat16, torch.float16),
                                                  (torch.float32, torch.bfloat16)])
-def test_a_pool_holds_the_model_dtype_or_an_fp8_one(dtype, kv_dtype):
-    with pytest.raises(AssertionError, match="8-bit float"):
+def test_a_pool_holds_the_model_dtype_an_fp8_one_or_int8(dtype, kv_dtype):
+    with pytest.raises(AssertionError, match="8-bit float or int8"):
         KVPool(1, 4, 1, 8, dtype, kv_dtype=kv_dtype)
     same = KVPool(1, 4, 1, 8, dtype, kv_dtype=dtype)  # the model's own: a plain pool
     assert same.k_buffer.dtype == dtype and not same.narrow
+    assert same.k_scale is None and same.v_scale is None  # scales are int8's only
+    for narrow in (torch.float8_e5m2, torch.float8_e4m3fn, torch.int8):
+        pool = KVPool(1, 4, 1, 8, dtype, kv_dtype=narrow)
+        assert pool.narrow and pool.k_buffer.dtype == narrow
+        assert (pool.k_scale is not None) == (narrow == torch.int8)
+
+
+# -- int8 codes with a float32 scale per (token, KV head) row ----------------------------------
+
+
+def int8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8_rows spelled out per row in Python floats: scale = fp32(max |x| / 127) (1 for an
+    all-zero row), codes = x / scale in fp32, rounded half to even."""
+    rows = x.float().reshape(-1, x.shape[-1])
+    codes = torch.empty(rows.shape, dtype=torch.int8)
+    scales = torch.empty(rows.shape[0], dtype=torch.float32)
+    for i, row in enumerate(rows):
+        amax = float(row.abs().max())
+        scale = torch.tensor(amax, dtype=torch.float32) / 127 if amax else torch.tensor(1.0)
+        scales[i] = scale
+        codes[i] = torch.round(row / scale).to(torch.int8)  # torch.round: half to even
+    return codes.view(x.shape), scales.view(x.shape[:-1])
+
+
+def int8_cases(gen: torch.Generator, n: int, kv_heads: int, d: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """[n, kv_heads, d] rows of dtype over 2^-20..2^17 (a scale per row, and within rows),
+    with the edge rows: all zeros, one huge value among small ones, one whose largest
+    magnitude is negative, one of a single value repeated, exact half-step ties (max 127:
+    scale 1) and ones with every value negative."""
+    x = torch.randn(n, kv_heads, d, generator=gen)
+    x = x * 2.0 ** torch.randint(-20, 18, (n, kv_heads, 1), generator=gen)
+    x = x * 2.0 ** torch.randint(-3, 4, (n, kv_heads, d), generator=gen)
+    x[0, 0] = 0.0
+    x[1, 0] = torch.randn(d, generator=gen) * 1e-3
+    x[1, 0, 5] = 3e4
+    x[1, 1] = torch.randn(d, generator=gen).abs()
+    x[1, 1, 7] = -9.0  # max |x| is a negative value: its code is -127
+    x[2, 0] = 0.75
+    x[2, 1] = torch.arange(d) - d / 2 + 0.5  # ..., -0.5, 0.5, 1.5, ...: ties
+    x[2, 1, 0] = 127.0
+    x[3, 0] = -torch.rand(d, generator=gen) - 0.01
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_is_max_over_127_rounded_half_to_even(dtype):
+    """int8_rows' codes and scales against a per-row spelling of its rule, on the edge rows:
+    an all-zero row gets scale 1 and codes 0; a row's largest magnitude gets code +-127 (-127
+    for a negative one) and no code passes +-127; ties go to even codes; every value is within
+    half a step (its scale / 2) of codes * scale."""
+    gen = torch.Generator().manual_seed(11)
+    x = int8_cases(gen, 6, 2, 32, dtype)
+    codes, scales = int8_rows(x)
+    assert codes.dtype == torch.int8 and codes.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == x.shape[:-1]
+    want_codes, want_scales = int8_reference(x)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    assert int(codes.abs().max()) == 127 and int(codes.min()) >= -127
+    nonzero = x.float().abs().amax(-1) > 0
+    assert (codes.abs().amax(-1)[nonzero] == 127).all()  # each row's largest value: 127 steps
+    assert scales[0, 0] == 1.0 and not codes[0, 0].any()  # the all-zero row
+    assert codes[1, 1, 7] == -127 and scales[1, 1] == torch.tensor(9.0) / 127
+    assert codes[1, 0, 5] == 127 and codes[1, 0].abs().sum() == 127  # the rest rounds to 0
+    assert (codes[2, 0] == 127).all() and (codes[3, 0] <= 0).all()
+    ties = torch.arange(32) - 16 + 0.5
+    assert scales[2, 1] == 1.0
+    assert torch.equal(codes[2, 1, 1:], torch.round(ties[1:]).to(torch.int8))
+    assert codes[2, 1, 1:].remainder(2).eq(0).all()  # every tie went to the even neighbour
+    err = (codes.double() * scales.double()[..., None] - x.double()).abs()
+    assert (err <= scales.double()[..., None] * (0.5 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_pool_stores_codes_and_scales_and_reads_them_scaled(dtype):
+    """An int8 pool (--kv-cache-dtype int8) holds int8 codes in k_buffer / v_buffer and one
+    float32 scale per (slot, KV head) in k_scale / v_scale [num_layers, capacity + 1,
+    num_kv_heads]; store writes exactly int8_rows of k and v (the scratch row too); read_k /
+    read_v give (codes * scale) in the model's dtype; the rows not stored keep zero codes and
+    zero scales, and read as zeros."""
+    pool = KVPool(num_layers=2, capacity=9, num_kv_heads=2, head_dim=32, dtype=dtype,
+                  kv_dtype=torch.int8)
+    assert (pool.dtype, pool.kv_dtype, pool.narrow) == (dtype, torch.int8, True)
+    assert pool.k_buffer.dtype == pool.v_buffer.dtype == torch.int8
+    assert pool.k_buffer.shape == (2, 10, 2, 32)
+    for scale in (pool.k_scale, pool.v_scale):
+        assert scale is not None and scale.dtype == torch.float32
+        assert scale.shape == (2, 10, 2) and scale.is_contiguous()
+        assert not scale.any()
+    gen = torch.Generator().manual_seed(12)
+    k = int8_cases(gen, 4, 2, 32, dtype)
+    v = -int8_cases(gen, 4, 2, 32, dtype).flip(0)
+    slots = torch.tensor([7, 0, 3, 9])  # 9: the scratch row past the allocatable slots
+    pool.store(1, slots, k, v)
+    assert pool.k_scale is not None and pool.v_scale is not None
+    for read, buffer, scales, x in ((pool.read_k, pool.k_buffer, pool.k_scale, k),
+                                    (pool.read_v, pool.v_buffer, pool.v_scale, v)):
+        codes, row_scales = int8_rows(x)
+        assert torch.equal(buffer[1, slots], codes)
+        assert torch.equal(scales[1, slots], row_scales)
+        assert int(buffer.abs().max()) <= 127
+        got = read(1, slots)
+        assert got.dtype == dtype
+        assert torch.equal(got, (codes.float() * row_scales[..., None]).to(dtype))
+        # within half a step of what was stored (plus the model dtype's own rounding)
+        half_step = row_scales[..., None].double() * 0.5
+        ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-23
+        assert ((got.double() - x.double()).abs()
+                <= half_step * 1.001 + x.double().abs() * ulp).all()
+    assert pool.k_scale[1, 7, 0] == 1.0 and not pool.k_buffer[1, 7, 0].any()  # all-zero row
+    assert not pool.read_k(1, torch.tensor([7]))[0, 0].any()
+    others = torch.tensor([1, 2, 4, 5, 6, 8])
+    for layer, rows in ((1, others), (0, torch.arange(10))):
+        assert not pool.read_k(layer, rows).any() and not pool.read_v(layer, rows).any()
+        assert not pool.k_buffer[layer, rows].any() and not pool.v_buffer[layer, rows].any()
+        assert not pool.k_scale[layer, rows].any() and not pool.v_scale[layer, rows].any()
+
+
+def test_an_int8_pool_overwrites_a_row_with_its_new_scale():
+    """A slot stored again (freed and reused) takes the new row's codes and scale wholly."""
+    pool = KVPool(1, 4, 1, 16, torch.float32, kv_dtype=torch.int8)
+    big, small = torch.full((1, 1, 16), 1000.0), torch.linspace(-1, 1, 16).view(1, 1, 16)
+    slot = torch.tensor([2])
+    pool.store(0, slot, big, big)
+    pool.store(0, slot, small, torch.zeros(1, 1, 16))
+    assert pool.k_scale is not None and pool.v_scale is not None
+    assert pool.k_scale[0, 2, 0] == torch.tensor(1.0) / 127 and pool.v_scale[0, 2, 0] == 1.0
+    torch.testing.assert_close(pool.read_k(0, slot), small, atol=0.5 / 127, rtol=0)
+    assert not pool.read_v(0, slot).any()
+
+
+def test_an_int8_pool_counts_its_scales_in_the_bytes_per_token():
+    """bytes_per_token of int8: head_dim code bytes plus a 4-byte scale per (layer, KV head),
+    K and V: a bit over half a bf16 pool's; what its buffers and scales allocate."""
+    assert KVPool.bytes_per_token(30, 3, 64, torch.int8) == 2 * 30 * 3 * (64 + 4)
+    assert KVPool.bytes_per_token(2, 1, 128, torch.int8) == 2 * 2 * 1 * (128 + 4)
+    bf16 = KVPool.bytes_per_token(30, 3, 64, torch.bfloat16)
+    assert KVPool.bytes_per_token(30, 3, 64, torch.int8) * 2 == bf16 + 2 * 2 * 30 * 3 * 4
+    pool = KVPool(30, 100, 3, 64, torch.bfloat16, kv_dtype=torch.int8)
+    assert pool.k_scale is not None and pool.v_scale is not None
+    allocated = sum(x.untyped_storage().nbytes()
+                    for x in (pool.k_buffer, pool.v_buffer, pool.k_scale, pool.v_scale))
+    assert allocated == (100 + 1) * KVPool.bytes_per_token(30, 3, 64, torch.int8)
 
 
 CAPACITY = 16

@@ -16,7 +16,7 @@ from forklm.runtime.attention.backends import (
 from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta, _token_map
 from forklm.runtime.attention.registry import create_attention_backend
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.kvcache.pool import KVPool
+from forklm.runtime.kvcache.pool import KVPool, int8_rows
 from forklm.runtime.models.layers import alibi_slopes
 from tests.conftest import assert_idle_and_clean
 from tests.test_triton_backend import make_forward_batch
@@ -248,6 +248,146 @@ def test_kernel_widens_every_fp8_value_exactly(kv_dtype, dtype, head_dim):
     assert torch.equal(out, want)  # equal values: equal bits, but for the zeros' signs
 
 
+def int8_pools(gen, shape, spread=6):
+    """Random K and V rows as an int8 pool holds them: (k codes, v codes, k scales, v scales),
+    each row at its own magnitude 2^-spread..2^spread (so its scale matters), quantized by
+    KVPool.store's int8_rows; scales [slots, kv_heads] float32 contiguous."""
+    rows = []
+    for _ in "kv":
+        x = torch.randn(shape, generator=gen)
+        x = x * 2.0 ** torch.randint(-spread, spread + 1, (*shape[:-1], 1), generator=gen)
+        rows.append(int8_rows(x))
+    (k_codes, k_scale), (v_codes, v_scale) = rows
+    return k_codes, v_codes, k_scale.contiguous(), v_scale.contiguous()
+
+
+def widened(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An int8 pool's rows in float64: codes * their row's scale (exact)."""
+    return codes.double() * scale.double()[..., None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64), (8, 4, 96), (6, 2, 128)])
+@pytest.mark.parametrize(("kv_lens", "q_lens"),
+                         [([3, 1, 130, 700], [1, 1, 1, 1]), ([5, 9, 60], [5, 1, 3])],
+                         ids=["decode", "extend"])
+def test_kernel_over_an_int8_pool_matches_float64_reference(dtype, num_heads, num_kv_heads,
+                                                            head_dim, kv_lens, q_lens):
+    """q of the model's dtype over an int8 pool (--kv-cache-dtype int8: codes and a float32
+    scale per (slot, KV head) row, rows of magnitudes 2^-6..2^6), GQA groups, the specialized
+    head sizes and another: the float64 reference on the widened pool (codes * scale), within
+    the tolerances of a pool of q's dtype (plus fp32 rounding relative to the largest V row)."""
+    if not native_kernels.available(dtype, torch.int8):
+        pytest.skip(f"this build has no {dtype} over int8 kernel")
+    gen = torch.Generator().manual_seed(sum(kv_lens) + head_dim + 1)
+    capacity = 4 * sum(kv_lens) + 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity)
+    k_codes, v_codes, k_scale, v_scale = int8_pools(gen, (capacity + 1, num_kv_heads, head_dim))
+    assert k_scale.shape == (capacity + 1, num_kv_heads) and k_scale.dtype == torch.float32
+    q = torch.randn(batch.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    native_kernels.paged_attention(q, k_codes, v_codes, out, batch.slot_table, tok_req, tok_end,
+                                   scale, None, None, k_scale=k_scale, v_scale=v_scale)
+    k_wide, v_wide = widened(k_codes, k_scale), widened(v_codes, v_scale)
+    ref = attention_ref(q, k_wide, v_wide, batch.slot_table, tok_req, tok_end, scale)
+    tol = {**TOLERANCES[dtype], "atol": max(1e-5, 1e-6 * float(v_wide.abs().max()))}
+    torch.testing.assert_close(out.double(), ref, **tol)
+    # the scales shape the result: codes alone (scale 1) give another softmax and other rows
+    unscaled = attention_ref(q, k_codes.double() * k_scale.double().mean(),
+                             v_codes.double() * v_scale.double().mean(), batch.slot_table,
+                             tok_req, tok_end, scale)
+    assert not torch.allclose(ref, unscaled, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("softcap", "window", "with_sinks", "with_alibi"),
+                         [(30.0, None, False, False), (None, 7, True, False),
+                          (5.0, 50, False, True), (None, 7, True, True)],
+                         ids=["softcap", "window+sinks", "softcap+window+alibi",
+                              "window+sinks+alibi"])
+def test_kernel_over_an_int8_pool_with_softcap_window_sinks_alibi(dtype, softcap, window,
+                                                                  with_sinks, with_alibi):
+    """The row scales apply before the soft-cap (score = q . (codes * scale)), and beside a
+    window, gpt-oss's sinks and ALiBi's bias: the float64 reference on the widened pool."""
+    if not native_kernels.available(dtype, torch.int8):
+        pytest.skip(f"this build has no {dtype} over int8 kernel")
+    gen = torch.Generator().manual_seed(14)
+    kv_lens, q_lens = [3, 300, 60, 9], [1, 4, 2, 5]
+    capacity = 4 * sum(kv_lens) + 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity)
+    k_codes, v_codes, k_scale, v_scale = int8_pools(gen, (capacity + 1, 2, 64), spread=3)
+    q = (torch.randn(batch.num_tokens, 8, 64, generator=gen) * 4).to(dtype)  # the cap matters
+    sinks = torch.linspace(-6.0, 6.0, 8) if with_sinks else None
+    alibi = torch.tensor(alibi_slopes(8), dtype=torch.float32) if with_alibi else None
+    tok_req, tok_end = _token_map(batch)
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_codes, v_codes, out, batch.slot_table, tok_req, tok_end,
+                                   0.125, softcap, window, alibi, sinks, k_scale, v_scale)
+    k_wide, v_wide = widened(k_codes, k_scale), widened(v_codes, v_scale)
+    ref = attention_ref(q, k_wide, v_wide, batch.slot_table, tok_req, tok_end, 0.125, softcap,
+                        window, alibi, sinks)
+    tol = {**TOLERANCES[dtype], "atol": max(1e-5, 1e-6 * float(v_wide.abs().max()))}
+    torch.testing.assert_close(out.double(), ref, **tol)
+
+
+@pytest.mark.parametrize(("dtype", "head_dim"), [(torch.float32, 64), (torch.float32, 96),
+                                                 (torch.bfloat16, 128)])
+def test_kernel_reads_every_int8_code_times_its_scale(dtype, head_dim):
+    """Each query attends to one key, so its output is that key's V row: every code -128..127
+    (-128 too, which the pool never stores) times its row's scale (powers of two from 2^-20 to
+    2^20 and others), as torch computes codes.float() * scale, exactly (rounded once to bf16)."""
+    if not native_kernels.available(dtype, torch.int8):
+        pytest.skip(f"this build has no {dtype} over int8 kernel")
+    codes = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    n = 4 * -(-codes.numel() // head_dim)
+    v_codes = codes.repeat(-(-n * head_dim // codes.numel()))[: n * head_dim].view(n, 1, head_dim)
+    gen = torch.Generator().manual_seed(15)
+    v_scale = 2.0 ** torch.randint(-20, 21, (n, 1), generator=gen).float()
+    v_scale[::3] = torch.rand(v_scale[::3].shape, generator=gen) * 5  # not powers of two
+    k_codes = torch.randint(-127, 128, (n, 1, head_dim), generator=gen).to(torch.int8)
+    k_scale = torch.rand(n, 1, generator=gen) + 0.1
+    q = torch.randn(n, 1, head_dim, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_codes, v_codes, out, torch.arange(n).view(n, 1),
+                                   torch.arange(n), torch.ones(n, dtype=torch.int64), 1.0, None,
+                                   None, k_scale=k_scale, v_scale=v_scale)
+    want = (v_codes.float() * v_scale[..., None]).to(dtype)
+    assert torch.equal(out, want)
+
+
+def test_kernel_over_an_int8_pool_refuses_to_run_without_its_scales():
+    """An int8 pool's codes mean nothing without the rows' scales: the kernel returns an error
+    (an AssertionError from run_addresses, nothing written), not a crash or a result; scales of
+    the wrong dtype, size or layout are refused before the call."""
+    gen = torch.Generator().manual_seed(16)
+    batch = make_forward_batch(gen, [5, 40], [1, 1], 100)
+    k_codes, v_codes, k_scale, v_scale = int8_pools(gen, (101, 2, 64))
+    q = torch.randn(2, 4, 64, generator=gen)
+    tok_req, tok_end = _token_map(batch)
+    out = torch.full_like(q, 7.0)
+    args = (q, k_codes, v_codes, out, batch.slot_table, tok_req, tok_end, 0.125, None, None)
+    for scales in ({}, {"k_scale": k_scale}, {"v_scale": v_scale}):
+        with pytest.raises(AssertionError, match="rejected"):
+            native_kernels.paged_attention(*args, **scales)
+        assert (out == 7.0).all()
+    plan = native_kernels.plan(batch.slot_table, tok_req, tok_end, 4, 2, 64)
+    with pytest.raises(AssertionError, match="rejected"):
+        plan.run_addresses(q.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), out.data_ptr(),
+                           0.125, 0.0, 0, native_kernels.DTYPES[torch.float32],
+                           native_kernels.DTYPES[torch.int8], 0, 0, k_scale.data_ptr(), 0)
+    for bad in (k_scale.double(), k_scale[:50], k_scale.t()):
+        with pytest.raises(AssertionError):
+            plan.run(q, k_codes, v_codes, out, 0.125, 0.0, 0, 0, 5, None, None, bad, v_scale)
+    assert (out == 7.0).all()
+    native_kernels.paged_attention(*args, k_scale=k_scale, v_scale=v_scale)  # with them: runs
+    ref = attention_ref(q, widened(k_codes, k_scale), widened(v_codes, v_scale),
+                        batch.slot_table, tok_req, tok_end, 0.125)
+    torch.testing.assert_close(out.double(), ref, **TOLERANCES[torch.float32])
+
+
 def test_token_map_of_packed_extends():
     """Request b's i-th new token sees keys [0, kv_len_b - q_len_b + i + 1)."""
     batch = make_forward_batch(torch.Generator().manual_seed(0), [4, 6, 2], [2, 1, 2], 64)
@@ -409,6 +549,73 @@ def test_native_backend_matches_torch_backend_over_an_fp8_pool(kv_dtype, dtype, 
         assert getattr(pools[1], buf).dtype == kv_dtype
         assert torch.equal(getattr(pools[1], buf).view(torch.uint8),
                            getattr(pools[0], buf).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_lens", "q_lens", "shared"),
+                         [([7, 1, 130], [1, 1, 1], 0), ([5, 1, 90, 40], [2, 1, 5, 3], 0),
+                          ([130 + i for i in range(16)], [1] * 16, 100)],
+                         ids=["decode", "extend", "shared-prefix"])
+def test_native_backend_matches_torch_backend_over_an_int8_pool(dtype, kv_lens, q_lens,
+                                                                shared):
+    """Two int8 pools holding the same codes and row scales, plain, windowed (with sinks) and
+    soft-capped layers: NativeAttention (the kernel scaling each row's score and weight) and
+    TorchAttention (read_k / read_v widening codes * scale to the model's dtype; its
+    shared-prefix split on the plain layers' batch) give the same outputs and write the same
+    codes and scales (KVPool.store's int8_rows, both)."""
+    if not native_kernels.available(dtype, torch.int8):
+        pytest.skip(f"this build has no {dtype} over int8 kernel")
+    gen = torch.Generator().manual_seed(len(kv_lens) + 1)
+    capacity, num_heads, num_kv_heads, head_dim = 2 * sum(kv_lens), 9, 3, 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity, shared)
+    pools = [KVPool(3, capacity, num_kv_heads, head_dim, dtype, kv_dtype=torch.int8)
+             for _ in range(2)]
+    for name in ("k_buffer", "v_buffer", "k_scale", "v_scale"):
+        shape = getattr(pools[0], name).shape
+        fill = ((torch.randn(shape, generator=gen) * 40).clamp(-127, 127).to(torch.int8)
+                if name.endswith("buffer") else (torch.rand(shape, generator=gen) + 0.5) / 40)
+        for pool in pools:
+            getattr(pool, name).copy_(fill)
+    layers = [AttentionLayerSpec(),
+              AttentionLayerSpec(sliding_window=20, sinks=torch.linspace(-1.0, 2.0, num_heads)),
+              AttentionLayerSpec(softcap=20.0, scale=0.1)]
+    if shared:
+        layers = [AttentionLayerSpec(), AttentionLayerSpec(scale=0.1), AttentionLayerSpec()]
+    backends = [TorchAttention(pools[0], num_heads, num_kv_heads, head_dim, layers),
+                create_attention_backend("native", pools[1], num_heads, num_kv_heads, head_dim,
+                                         layers)]
+    native = backends[1]
+    assert isinstance(native, NativeAttention) and native.enabled
+    assert native.kv_dtype_code == native_kernels.DTYPES[torch.int8] == 5
+    for layer_id in range(3):
+        k_scale, v_scale = native.scales_of(layer_id)
+        assert k_scale is not None and v_scale is not None
+        assert k_scale.data_ptr() == pools[1].k_scale[layer_id].data_ptr()  # views, not copies
+        assert v_scale.data_ptr() == pools[1].v_scale[layer_id].data_ptr()
+        assert k_scale.is_contiguous() and k_scale.shape == (capacity + 1, num_kv_heads)
+    prepared = [backend.prepare(batch) for backend in backends]
+    assert isinstance(prepared[1].attn_meta, NativeAttentionMeta)
+    if shared:
+        assert prepared[0].attn_meta.shared_slots is not None
+    n = batch.num_tokens
+    for layer_id in range(3):
+        q = torch.randn(n, num_heads, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
+        outs = [b.forward(layer_id, q, k, v, p) for b, p in zip(backends, prepared)]
+        assert outs[1].dtype == dtype
+        # torch's path rounds the widened rows (and more) to bf16 in between; the kernel not
+        atol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=0)
+    for name in ("k_buffer", "v_buffer", "k_scale", "v_scale"):
+        assert torch.equal(getattr(pools[1], name), getattr(pools[0], name))
+    assert pools[1].k_buffer.dtype == torch.int8
+
+
+def test_native_backend_scales_of_a_pool_without_scales():
+    pool = layer_pools(torch.Generator().manual_seed(0), torch.float32, 2, 20, 2, 64)[0]
+    assert NativeAttention(pool, 4, 2, 64).scales_of(1) == (None, None)
+    fp8 = KVPool(2, 20, 2, 64, torch.float32, kv_dtype=torch.float8_e4m3fn)
+    assert NativeAttention(fp8, 4, 2, 64).scales_of(0) == (None, None)
 
 
 def test_native_backend_defers_long_extends_and_odd_heads():

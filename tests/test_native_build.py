@@ -104,3 +104,52 @@ def test_forklm_doctor_reports_each_kernel(prebuilt, tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"CPU level: {level.name}" in done.stdout
     assert done.stdout.count(f"prebuilt for {level.name}") == len(native_build.LIBRARIES)
+
+
+WIDEN_CHECK = """
+import torch
+from forklm.kernels.cpu import bindings
+from forklm.runtime.kvcache.pool import KVPool
+assert bindings.status()['paged attention'] == 'prebuilt for x86_64', bindings.status()
+torch.manual_seed(0)
+q = torch.randn(3, 4, 64)
+for kv_dtype in (torch.float8_e5m2, torch.float8_e4m3fn, torch.int8):
+    pool = KVPool(1, 40, 2, 64, torch.float32, kv_dtype=kv_dtype)
+    k, v = torch.randn(40, 2, 64) * 3, torch.randn(40, 2, 64)
+    k[0, 0, :8] = 1e-5  # subnormal in both 8-bit float formats
+    pool.store(0, torch.arange(40), k, v)
+    table = torch.randperm(40)[None].repeat(3, 1).contiguous()
+    out = torch.empty_like(q)
+    scales = (None, None) if pool.k_scale is None else (pool.k_scale[0], pool.v_scale[0])
+    bindings.paged_attention(q, pool.k_buffer[0], pool.v_buffer[0], out, table,
+                             torch.zeros(3, dtype=torch.int64), torch.tensor([40, 17, 1]),
+                             0.125, None, None, None, None, *scales)
+    for t, end in enumerate((40, 17, 1)):
+        idx = table[0, :end]
+        keys = pool.read_k(0, idx).double().repeat_interleave(2, 1)
+        values = pool.read_v(0, idx).double().repeat_interleave(2, 1)
+        p = (torch.einsum('hd,nhd->hn', q[t].double(), keys) * 0.125).softmax(-1)
+        want = torch.einsum('hn,nhd->hd', p, values)
+        torch.testing.assert_close(out[t].double(), want, rtol=1e-5, atol=1e-5)
+print('ok')
+"""
+
+
+def test_the_plain_x86_64_kernels_widen_8_bit_pools(prebuilt, tmp_path):
+    """The portable paths of the 8-bit KV formats (no F16C, no AVX2: the fp8 bits built in
+    integers, int8 codes widened one by one), loaded as a CPU without AVX would load them,
+    against a float64 reference over the pool's own widened rows."""
+    out, _ = prebuilt
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    manifest = {name: entry for name, entry in
+                json.loads((out / native_build.MANIFEST).read_text()).items()
+                if entry["level"] == "x86_64"}
+    for name in manifest:
+        (plain / f"{name}.so").write_bytes((out / f"{name}.so").read_bytes())
+    (plain / native_build.MANIFEST).write_text(json.dumps(manifest))
+    done = subprocess.run([sys.executable, "-c", WIDEN_CHECK], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PATH": str(tmp_path),
+                                            "FORKLM_PREBUILT_DIR": str(plain)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

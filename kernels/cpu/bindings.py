@@ -37,10 +37,10 @@ INT4_SOURCE = Path(__file__).with_name("int4_gemv.c")
 INT4_MAX_ROWS = 16  # int4_gemv.c's MAX_CALL_ROWS
 KQUANT_SOURCE = Path(__file__).with_name("kquant_vnni.c")
 GREEDY_SOURCE = Path(__file__).with_name("greedy_pick.c")
-# The last two are KV-pool formats only (--kv-cache-dtype): queries and outputs are one of the
-# first three.
+# The last three are KV-pool formats only (--kv-cache-dtype; int8 with a scale per row):
+# queries and outputs are one of the first three.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e5m2: 3,
-          torch.float8_e4m3fn: 4}
+          torch.float8_e4m3fn: 4, torch.int8: 5}
 
 # Multiply-adds above which a call uses all of torch's threads (2 cores, default model). With
 # sleeping OpenMP workers (OMP_WAIT_POLICY=PASSIVE) a parallel call pays ~45 us to wake them:
@@ -130,29 +130,36 @@ class AttentionPlan:
     def run(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
             out: torch.Tensor, scale: float, softcap: float, window: int, dtype: int,
             kv_dtype: int, alibi: torch.Tensor | None = None,
-            sinks: torch.Tensor | None = None) -> None:
+            sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> None:
         """out = attention of q over the plan's keys in (k_layer, v_layer). Shapes and dtypes as
         plan() was told, unchecked here: q, out [num_tokens, num_heads, head_dim] contiguous
         (out may be [num_tokens, num_heads * head_dim]); k_layer, v_layer [num_slots,
         num_kv_heads, head_dim] contiguous; q and out of DTYPES code `dtype`, the K/V layers of
-        `kv_dtype` (the same, or an 8-bit float). softcap 0 / window 0: none.
+        `kv_dtype` (the same, an 8-bit float, or int8 codes whose rows scale by k_scale /
+        v_scale [num_slots, num_kv_heads] contiguous float32). softcap 0 / window 0: none.
         alibi: [num_heads] contiguous float32 ALiBi slopes (None: none); sinks: [num_heads]
         contiguous fp32 logits that join each head's softmax (gpt-oss; None: none)."""
         for x in (alibi, sinks):
             assert x is None or (x.dtype == torch.float32 and x.is_contiguous()
                                  and x.numel() == self.batch.num_heads)
+        for x in (k_scale, v_scale):
+            assert x is None or (x.dtype == torch.float32 and x.is_contiguous()
+                                 and x.numel() * self.batch.head_dim == k_layer.numel())
         self.run_addresses(q.data_ptr(), k_layer.data_ptr(), v_layer.data_ptr(), out.data_ptr(),
                            scale, softcap, window, dtype, kv_dtype,
                            0 if alibi is None else alibi.data_ptr(),
-                           0 if sinks is None else sinks.data_ptr())
+                           0 if sinks is None else sinks.data_ptr(),
+                           0 if k_scale is None else k_scale.data_ptr(),
+                           0 if v_scale is None else v_scale.data_ptr())
 
     def run_addresses(self, q: int, k_layer: int, v_layer: int, out: int, scale: float,
                       softcap: float, window: int, dtype: int, kv_dtype: int, alibi: int = 0,
-                      sinks: int = 0) -> None:
+                      sinks: int = 0, k_scale: int = 0, v_scale: int = 0) -> None:
         """run() on the tensors' data_ptr()s (the fused decode layers keep them per layer);
-        alibi 0: no ALiBi, sinks 0: no sinks."""
+        alibi 0: no ALiBi, sinks 0: no sinks, scales 0: none (not an int8 pool)."""
         rc = self.fn(self.address, q, k_layer, v_layer, out, scale, softcap, window, dtype,
-                     kv_dtype, alibi or None, sinks or None)
+                     kv_dtype, alibi or None, sinks or None, k_scale or None, v_scale or None)
         assert rc == 0, (f"paged_attention rejected dtype {dtype} over a pool of {kv_dtype}, "
                          f"head_dim {self.batch.head_dim}")
 
@@ -180,14 +187,16 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
                     out: torch.Tensor, slot_table: torch.Tensor, tok_req: torch.Tensor,
                     tok_end: torch.Tensor, scale: float, softcap: float | None,
                     window: int | None, alibi: torch.Tensor | None = None,
-                    sinks: torch.Tensor | None = None) -> None:
+                    sinks: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
     """One call of plan(...).run(...): out[t] = attention of q[t] over keys [start, tok_end[t])
     of request tok_req[t] (start = tok_end - window with a sliding window, else 0), biased by
     ALiBi's slopes `alibi` [num_heads] float32 when given.
 
     q, out [num_tokens, num_heads, head_dim], k_layer, v_layer [num_slots, num_kv_heads,
-    head_dim]: contiguous CPU tensors, q and out of one dtype, the K/V layers of that or an 8-bit
-    float; index tensors as plan() takes them."""
+    head_dim]: contiguous CPU tensors, q and out of one dtype, the K/V layers of that, an 8-bit
+    float, or int8 (with k_scale / v_scale [num_slots, num_kv_heads] float32); index tensors as
+    plan() takes them."""
     num_tokens, num_heads, head_dim = q.shape
     for x in (q, out, k_layer, v_layer):
         assert x.is_contiguous() and x.device.type == "cpu"
@@ -195,7 +204,7 @@ def paged_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tenso
     assert out.shape == q.shape and k_layer.shape == v_layer.shape
     p = plan(slot_table, tok_req, tok_end, num_heads, k_layer.shape[1], head_dim)
     p.run(q, k_layer, v_layer, out, scale, softcap or 0.0, window or 0, DTYPES[q.dtype],
-          DTYPES[k_layer.dtype], alibi, sinks)
+          DTYPES[k_layer.dtype], alibi, sinks, k_scale, v_scale)
 
 
 def _load_function(name: str) -> Callable[..., int]:
@@ -288,7 +297,7 @@ def _build_and_load_fused() -> _Loaded:
     lib.fused_add_rms_norm.argtypes = [_i64, _i64, _p, _p, _p, _p, _f32, _f32, _int]
     lib.fused_rope_store.restype = None
     lib.fused_rope_store.argtypes = [_i64, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p,
-                                     _p, _p, _f32, _f32, _int, _int]
+                                     _p, _p, _p, _p, _f32, _f32, _int, _int]
     lib.fused_max_head_dim.restype = _int
     lib.fused_silu_mul.restype = None
     lib.fused_silu_mul.argtypes = [_i64, _i64, _p, _p, _int]
@@ -580,7 +589,7 @@ def _build_and_load() -> _Loaded:
         return _Loaded(None, origin)
     lib.paged_attention_batch.restype = _int
     lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int, _int, _p,
-                                          _p]
+                                          _p, _p, _p]
     lib.paged_attention_threads.restype = _int
     lib.paged_attention_supports.restype = _int
     lib.paged_attention_supports.argtypes = [_int, _int]

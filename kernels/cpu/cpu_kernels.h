@@ -10,12 +10,30 @@
 #include <stdint.h>
 #include <string.h>
 
-/* A tensor's dtype as the bindings pass it (bindings.py's DTYPES). The two 8-bit floats are
- * KV-pool formats only (--kv-cache-dtype): torch's float8_e5m2 and float8_e4m3fn. */
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_FP8_E5M2 = 3, DTYPE_FP8_E4M3 = 4 };
+/* A tensor's dtype as the bindings pass it (bindings.py's DTYPES). The 8-bit ones are KV-pool
+ * formats only (--kv-cache-dtype): torch's float8_e5m2 and float8_e4m3fn, and int8 codes with
+ * one float32 scale per token and KV head (int8_from_f32 below). */
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_FP8_E5M2 = 3, DTYPE_FP8_E4M3 = 4,
+       DTYPE_INT8 = 5 };
 
 static inline int64_t dtype_bytes(int dtype) {
     return dtype == DTYPE_F32 ? 4 : dtype >= DTYPE_FP8_E5M2 ? 1 : 2;
+}
+
+/* One head's n values x (of dtype) as int8 codes q and their scale, as KVPool.store computes
+ * them: scale = max |x| / 127 (1 for an all-zero head), q = x / scale rounded to nearest even
+ * and clamped to +-127;
+ * returns the scale. All in fp32, division included, so the codes are bit-equal to torch's. */
+static inline float int8_from_values(const float *x, int64_t n, int8_t *q) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+        /* clamped: with a subnormal max |x| the rounded scale can make x / scale 127.5 */
+        const float r = nearbyintf(x[i] / scale);
+        q[i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    return scale;
 }
 
 /* The largest finite value of an 8-bit KV format: stores saturate to it (the pool clamps the

@@ -96,30 +96,37 @@ static inline void rotate_head(const void *x, int64_t xi, const void *cos, const
     }
 }
 
-/* n values from src[si..] (of dtype) to the pool's row at pool[pi..] (of kv_dtype): a copy, or
- * each value rounded to the 8-bit format as the pool's torch path stores it. */
+/* One head's n values from src[si..] (of dtype) to the pool's row at pool[pi..] (of kv_dtype),
+ * as the pool's torch path stores them: a copy, each value rounded to an 8-bit float, or int8
+ * codes with the head's scale written to *scale. */
 static inline __attribute__((always_inline)) void store_kv(const void *src, int64_t si,
                                                            void *pool, int64_t pi, int64_t n,
-                                                           int dtype, int kv_dtype) {
+                                                           float *scale, int dtype,
+                                                           int kv_dtype) {
     if (kv_dtype == dtype) {
         int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
         memcpy((char *)pool + pi * elem, (const char *)src + si * elem, (size_t)(n * elem));
-        return;
+    } else if (kv_dtype == DTYPE_INT8) {
+        float x[FUSED_MAX_HEAD_DIM];
+        for (int64_t i = 0; i < n; i++) x[i] = load(src, si + i, dtype);
+        *scale = int8_from_values(x, n, (int8_t *)pool + pi);
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            ((uint8_t *)pool)[pi + i] = fp8_from_f32(load(src, si + i, dtype), kv_dtype);
     }
-    for (int64_t i = 0; i < n; i++)
-        ((uint8_t *)pool)[pi + i] = fp8_from_f32(load(src, si + i, dtype), kv_dtype);
 }
 
 /* qkv [tokens, qkv_stride] holds each token's q heads, then k heads, then v heads (d values
  * each). Writes rotated q to q_out [tokens, heads * d]; rotated k and v to rows out_slots[t] of
- * k_layer / v_layer [slots, kv_heads * d] (of kv_dtype: dtype, or an 8-bit float). cos / sin [tokens, d] are the tokens' table rows in
+ * k_layer / v_layer [slots, kv_heads * d] (of kv_dtype: dtype, an 8-bit float, or int8 codes with
+ * their scales in k_scale / v_scale [slots, kv_heads], else NULL). cos / sin [tokens, d] are the tokens' table rows in
  * the same dtype. q_norm / k_norm [d] (or NULL): an RMSNorm of each q / k head before its
  * rotation. The caller checks out_slots against the pool and d <= FUSED_MAX_HEAD_DIM. */
 static inline __attribute__((always_inline)) void rope_store(
         int64_t tokens, const void *qkv, int64_t qkv_stride, int64_t heads, int64_t kv_heads,
         int64_t d, const void *cos, const void *sin, const int64_t *out_slots, void *k_layer,
-        void *v_layer, void *q_out, const void *q_norm, const void *k_norm, float eps,
-        float offset, int dtype, int kv_dtype) {
+        void *v_layer, float *k_scale, float *v_scale, void *q_out, const void *q_norm,
+        const void *k_norm, float eps, float offset, int dtype, int kv_dtype) {
     int64_t kv_row = kv_heads * d;
     float normed[FUSED_MAX_HEAD_DIM]; /* one head after its norm (bf16 values use half of it) */
     float rotated[FUSED_MAX_HEAD_DIM]; /* a k head in dtype before an 8-bit pool's rounding */
@@ -140,11 +147,13 @@ static inline __attribute__((always_inline)) void rope_store(
                             dtype);
             else {
                 rotate_head(x, xi, cos, sin, ci, rotated, 0, d, dtype);
-                store_kv(rotated, 0, k_layer, slot * kv_row + (h - heads) * d, d, dtype, kv_dtype);
+                store_kv(rotated, 0, k_layer, slot * kv_row + (h - heads) * d, d,
+                         k_scale ? k_scale + slot * kv_heads + h - heads : 0, dtype, kv_dtype);
             }
         }
-        store_kv(qkv, src + (heads + kv_heads) * d, v_layer, slot * kv_row, kv_row, dtype,
-                 kv_dtype);
+        for (int64_t h = 0; h < kv_heads; h++)
+            store_kv(qkv, src + (heads + kv_heads + h) * d, v_layer, slot * kv_row + h * d, d,
+                     v_scale ? v_scale + slot * kv_heads + h : 0, dtype, kv_dtype);
     }
 }
 
@@ -174,17 +183,19 @@ void fused_add_rms_norm(int64_t rows, int64_t dim, void *residual, const void *h
 
 void fused_rope_store(int64_t tokens, const void *qkv, int64_t qkv_stride, int64_t heads,
                       int64_t kv_heads, int64_t d, const void *cos, const void *sin,
-                      const int64_t *out_slots, void *k_layer, void *v_layer, void *q_out,
-                      const void *q_norm, const void *k_norm, float eps, float offset,
-                      int dtype, int kv_dtype) {
+                      const int64_t *out_slots, void *k_layer, void *v_layer, float *k_scale,
+                      float *v_scale, void *q_out, const void *q_norm, const void *k_norm,
+                      float eps, float offset, int dtype, int kv_dtype) {
 #define ROPE_STORE(DTYPE, KV)                                                                  \
     rope_store(tokens, qkv, qkv_stride, heads, kv_heads, d, cos, sin, out_slots, k_layer,      \
-               v_layer, q_out, q_norm, k_norm, eps, offset, DTYPE, KV)
+               v_layer, k_scale, v_scale, q_out, q_norm, k_norm, eps, offset, DTYPE, KV)
 #define ROPE_STORE_KV(DTYPE)                         \
     if (kv_dtype == DTYPE_FP8_E5M2)                  \
         ROPE_STORE(DTYPE, DTYPE_FP8_E5M2);           \
     else if (kv_dtype == DTYPE_FP8_E4M3)             \
         ROPE_STORE(DTYPE, DTYPE_FP8_E4M3);           \
+    else if (kv_dtype == DTYPE_INT8)                 \
+        ROPE_STORE(DTYPE, DTYPE_INT8);               \
     else                                             \
         ROPE_STORE(DTYPE, DTYPE)
     if (dtype == DTYPE_BF16) {

@@ -4,7 +4,7 @@
  * throughout, so a given build's results do not depend on the thread count. */
 #include <math.h>
 #include <omp.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -32,7 +32,9 @@ typedef struct {
     float scale, softcap;
     const float *alibi; /* [num_heads] ALiBi slopes, or NULL */
     const float *sinks; /* [num_heads] logits that join each softmax's denominator, or NULL */
-    int kv_dtype;       /* the pool's: q's dtype, or an 8-bit float (--kv-cache-dtype) */
+    int kv_dtype;       /* the pool's: q's dtype, or an 8-bit one (--kv-cache-dtype) */
+    /* int8 pools: [num_slots, num_kv_heads] float32 scales of each K / V row (else NULL) */
+    const float *k_scale, *v_scale;
 } pa_job;
 
 static inline void store_elem(void *base, int64_t i, float x, int dtype) {
@@ -93,8 +95,30 @@ static inline v16 widen_fp8(u8x16 b, int dtype) {
 #endif
 }
 
+/* 16 int8 codes as fp32: sign-extended and converted with intrinsics where there are some (GCC
+ * scalarizes __builtin_convertvector from int8 lanes, ~3x slower attention). */
+static inline v16 widen_int8(const int8_t *p) {
+    v16 x;
+#if defined(__AVX512F__)
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    memcpy(&x, &f, sizeof x);
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    memcpy(&x, &lo, sizeof lo);
+    memcpy((char *)&x + sizeof lo, &hi, sizeof hi);
+#else
+    for (int l = 0; l < 16; l++) x[l] = (float)p[l];
+#endif
+    return x;
+}
+
 /* 16 elements from base[i..i+16) as fp32. */
 static inline v16 load16(const void *base, int64_t i, int dtype) {
+    if (dtype == DTYPE_INT8) { /* codes; the row's scale is applied to its score / weight */
+        return widen_int8((const int8_t *)base + i);
+    }
     if (dtype == DTYPE_FP8_E5M2 || dtype == DTYPE_FP8_E4M3) {
         u8x16 b;
         memcpy(&b, (const uint8_t *)base + i, sizeof b);
@@ -156,7 +180,8 @@ static inline void prefetch_row(const void *base, int64_t i, int dtype, int64_t 
 
 /* One (token, kv head): the group's query heads against keys [start, end) of the token's
  * request, each K and V row read once for the whole group. `d` (a multiple of 16) is a
- * compile-time constant in the specialized callers below. */
+ * compile-time constant in the specialized callers below. An int8 pool's row scales multiply
+ * each key's score and each value's softmax weight (not the softmax's denominator). */
 static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64_t t, int64_t h,
                                                          int dtype, int kv_dtype, int64_t d) {
     const int64_t group = jb->num_heads / jb->num_kv_heads, nc = d / 16;
@@ -181,8 +206,9 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
         q[i] = load16(jb->q, q_off + 16 * i, dtype);
         acc[i] = (v16){0};
     }
-    const int64_t kv_off = h * d;
+    const int64_t kv_off = h * d, kvh = jb->num_kv_heads;
     const int64_t row_bytes = d * dtype_bytes(kv_dtype);
+    const int scaled = kv_dtype == DTYPE_INT8;
     /* Pass 1: scores, four keys at a time (their lane sums share the shuffles), then the rest. */
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
@@ -205,6 +231,8 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
                 for (int64_t c = 1; c < nc; c++) part[r] += q[g * nc + c] * k[r][c];
             }
             v4 sums4 = hsum4(part[0], part[1], part[2], part[3]) * jb->scale;
+            if (scaled)
+                for (int r = 0; r < 4; r++) sums4[r] *= jb->k_scale[slots[j + r] * kvh + h];
             memcpy(sc + g * n + j, &sums4, sizeof sums4);
         }
     }
@@ -217,6 +245,7 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
             v16 part = q[g * nc] * k[0];
             for (int64_t c = 1; c < nc; c++) part += q[g * nc + c] * k[c];
             sc[g * n + j] = hsum(part) * jb->scale;
+            if (scaled) sc[g * n + j] *= jb->k_scale[slots[j] * kvh + h];
         }
     }
     /* Softmax numerators in place, with soft-capping first when the layer has it, and ALiBi's
@@ -258,8 +287,11 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
             v0[c] = load16(jb->v_pool, base0 + 16 * c, kv_dtype);
             v1[c] = load16(jb->v_pool, base1 + 16 * c, kv_dtype);
         }
+        const float s0 = scaled ? jb->v_scale[slots[j] * kvh + h] : 1.0f;
+        const float s1 = scaled ? jb->v_scale[slots[j + 1] * kvh + h] : 1.0f;
         for (int64_t g = 0; g < group; g++) {
-            const float p0 = sc[g * n + j], p1 = sc[g * n + j + 1];
+            float p0 = sc[g * n + j], p1 = sc[g * n + j + 1];
+            if (scaled) p0 *= s0, p1 *= s1;
             for (int64_t c = 0; c < nc; c++) {
                 v16 a = acc[g * nc + c];
                 a += p0 * v0[c];
@@ -272,8 +304,9 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
         const int64_t base = slots[j] * jb->row_stride + kv_off;
         v16 v[nc];
         for (int64_t c = 0; c < nc; c++) v[c] = load16(jb->v_pool, base + 16 * c, kv_dtype);
+        const float s0 = scaled ? jb->v_scale[slots[j] * kvh + h] : 1.0f;
         for (int64_t g = 0; g < group; g++) {
-            const float p = sc[g * n + j];
+            const float p = scaled ? sc[g * n + j] * s0 : sc[g * n + j];
             for (int64_t c = 0; c < nc; c++) acc[g * nc + c] += p * v[c];
         }
     }
@@ -305,10 +338,13 @@ PA_SIZES(attend_f32_e5m2, DTYPE_F32, DTYPE_FP8_E5M2)
 PA_SIZES(attend_bf16_e5m2, DTYPE_BF16, DTYPE_FP8_E5M2)
 PA_SIZES(attend_f32_e4m3, DTYPE_F32, DTYPE_FP8_E4M3)
 PA_SIZES(attend_bf16_e4m3, DTYPE_BF16, DTYPE_FP8_E4M3)
+PA_SIZES(attend_f32_i8, DTYPE_F32, DTYPE_INT8)
+PA_SIZES(attend_bf16_i8, DTYPE_BF16, DTYPE_INT8)
 #if PA_HAVE_F16
 PA_SIZES(attend_f16, DTYPE_F16, KV_SAME)
 PA_SIZES(attend_f16_e5m2, DTYPE_F16, DTYPE_FP8_E5M2)
 PA_SIZES(attend_f16_e4m3, DTYPE_F16, DTYPE_FP8_E4M3)
+PA_SIZES(attend_f16_i8, DTYPE_F16, DTYPE_INT8)
 #define PA_F16_ROW(PREFIX) PA_ROW(PREFIX)
 #else
 #define PA_F16_ROW(PREFIX) {0, 0, 0}
@@ -317,15 +353,18 @@ PA_SIZES(attend_f16_e4m3, DTYPE_F16, DTYPE_FP8_E4M3)
 /* The kernel for q's dtype (f32, bf16, f16: that one needs the compiler's _Float16) over a
  * pool of kv_dtype (the same, or an 8-bit float). */
 static attend_fn pick(int dtype, int kv_dtype, int64_t d) {
-    static const attend_fn table[3][3][3] = {
-        /* kv: same as q, e5m2, e4m3 */
-        {PA_ROW(attend_f32), PA_ROW(attend_f32_e5m2), PA_ROW(attend_f32_e4m3)},
-        {PA_ROW(attend_bf16), PA_ROW(attend_bf16_e5m2), PA_ROW(attend_bf16_e4m3)},
-        {PA_F16_ROW(attend_f16), PA_F16_ROW(attend_f16_e5m2), PA_F16_ROW(attend_f16_e4m3)},
+    static const attend_fn table[3][4][3] = {
+        /* kv: same as q, e5m2, e4m3, int8 */
+        {PA_ROW(attend_f32), PA_ROW(attend_f32_e5m2), PA_ROW(attend_f32_e4m3),
+         PA_ROW(attend_f32_i8)},
+        {PA_ROW(attend_bf16), PA_ROW(attend_bf16_e5m2), PA_ROW(attend_bf16_e4m3),
+         PA_ROW(attend_bf16_i8)},
+        {PA_F16_ROW(attend_f16), PA_F16_ROW(attend_f16_e5m2), PA_F16_ROW(attend_f16_e4m3),
+         PA_F16_ROW(attend_f16_i8)},
     };
     if (dtype < 0 || dtype > 2) return 0;
     const int kv = kv_dtype == dtype ? 0 : kv_dtype == DTYPE_FP8_E5M2 ? 1
-                                         : kv_dtype == DTYPE_FP8_E4M3 ? 2 : -1;
+                 : kv_dtype == DTYPE_FP8_E4M3 ? 2 : kv_dtype == DTYPE_INT8 ? 3 : -1;
     if (kv < 0) return 0;
     return table[dtype][kv][d == 64 ? 0 : d == 128 ? 1 : 2];
 }
@@ -357,18 +396,20 @@ typedef struct {
  *   slot_table[tok_req[t] * table_stride + j]. softcap 0 = none, window 0 = none.
  *   alibi: [num_heads] float32 slopes, head h's scores + alibi[h] * (j - (tok_end[t] - 1));
  *   NULL = none. sinks: [num_heads] fp32 or NULL = none. kv_dtype: the pool's (dtype's, or
- *   DTYPE_FP8_*).
+ *   DTYPE_FP8_*, or DTYPE_INT8 with k_scale / v_scale [num_slots, num_kv_heads] float32: key
+ *   j's K row in head h is k_pool's codes times k_scale[slot * num_kv_heads + h]).
  * The caller guarantees tok_end[t] <= table_stride and every slot read < num_slots. */
 int paged_attention_batch(const pa_batch *b, const void *q, const void *k_pool,
                           const void *v_pool, void *out, float scale, float softcap,
                           int64_t window, int dtype, int kv_dtype, const float *alibi,
-                          const float *sinks) {
+                          const float *sinks, const float *k_scale, const float *v_scale) {
     const int64_t kvh = b->num_kv_heads, d = b->head_dim;
     attend_fn fn = pick(dtype, kv_dtype, d);
     if (!fn || kvh <= 0 || b->num_heads % kvh || d <= 0 || d % 16) return -1;
+    if (kv_dtype == DTYPE_INT8 && (!k_scale || !v_scale)) return -1;
     const pa_job jb = {q, k_pool, v_pool, out, b->slot_table, b->tok_req, b->tok_end,
                        b->table_stride, b->num_heads, kvh, d, b->row_stride, window, scale,
-                       softcap, alibi, sinks, kv_dtype};
+                       softcap, alibi, sinks, kv_dtype, k_scale, v_scale};
     int64_t keys = 0;
     for (int64_t t = 0; t < b->num_tokens; t++) {
         int64_t end = b->tok_end[t];
@@ -398,5 +439,5 @@ int paged_attention(const void *q, const void *k_pool, const void *v_pool, void 
     const pa_batch b = {slot_table, tok_req, tok_end, table_stride, num_tokens, num_heads,
                         num_kv_heads, head_dim, row_stride, PA_PARALLEL_WORK};
     return paged_attention_batch(&b, q, k_pool, v_pool, out, scale, softcap, window, dtype, dtype,
-                                 0, sinks);
+                                 0, sinks, 0, 0);
 }

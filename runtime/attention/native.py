@@ -49,6 +49,9 @@ class NativeAttention(TorchAttention):
         self.kv_dtype_code = native_kernels.DTYPES.get(pool.kv_dtype, -1)
         # Per layer: the pool's views (indexing per call costs ~1 us) and the kernel's arguments.
         self.k_layers, self.v_layers = pool.k_buffer.unbind(0), pool.v_buffer.unbind(0)
+        # an int8 pool's per-row scales, per layer (None: not int8)
+        self.k_scales = None if pool.k_scale is None else pool.k_scale.unbind(0)
+        self.v_scales = None if pool.v_scale is None else pool.v_scale.unbind(0)
         self.kernel_specs = [(scale, spec.softcap or 0.0, spec.sliding_window or 0)
                              for scale, spec in zip(self.scales, self.layers)]
         self.sinks = [None if spec.sinks is None else spec.sinks.float().contiguous()
@@ -81,8 +84,14 @@ class NativeAttention(TorchAttention):
         scale, softcap, window = self.kernel_specs[layer_id]
         meta.plan.run(q.contiguous(), self.k_layers[layer_id], self.v_layers[layer_id], out,
                       scale, softcap, window, self.dtype_code, self.kv_dtype_code, self.alibi,
-                      self.sinks[layer_id])
+                      self.sinks[layer_id], *self.scales_of(layer_id))
         return out
+
+    def scales_of(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer `layer_id`'s K and V row scales of an int8 pool; (None, None) otherwise."""
+        if self.k_scales is None or self.v_scales is None:
+            return None, None
+        return self.k_scales[layer_id], self.v_scales[layer_id]
 
 
 def _token_map(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,6 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from forklm.runtime.distributed.group import TPGroup, free_local_address, init_group, leave_group
 from forklm.runtime.distributed.processes import STOP_TIMEOUT_S, WorkerProcesses
 from forklm.runtime.distributed.runner import TensorParallelRunner

@@ -1,9 +1,11 @@
 """Paged KV memory with page size 1: a slot allocator and per-layer K/V buffers addressed by slot.
 
 A slot is one token's K and V in every layer; the radix cache and requests hold slot indices.
-The buffers hold the model's dtype, or an 8-bit float (SGLang's --kv-cache-dtype fp8_e5m2 /
-fp8_e4m3): half the bytes per token, so twice the cached tokens per GB and half the bytes decode
-attention reads, at the cost of rounding each stored K and V value to 2-3 mantissa bits.
+The buffers hold the model's dtype, or 8 bits a value (--kv-cache-dtype): SGLang's fp8_e5m2 /
+fp8_e4m3 (each value rounded to 2-3 mantissa bits), or int8 codes with one float32 scale per
+token and KV head (max |x| / 127: the head's largest value keeps 8 bits, small ones are exact
+to 1/254 of it). About half the bytes per token: twice the cached tokens per GB and half the
+bytes decode attention reads.
 """
 
 from __future__ import annotations
@@ -93,10 +95,12 @@ class SlotAllocator:
         assert bool(self._is_free[free].all()), "free stack slot not marked free"
 
 
-# 8-bit KV formats: torch has no index_copy_/index_select for them, so the pool moves their
-# bytes as uint8. Stores saturate at the format's largest value (e4m3fn has no inf, and an
+# 8-bit float KV formats: torch has no index_copy_/index_select for them, so the pool moves
+# their bytes as uint8. Stores saturate at the format's largest value (e4m3fn has no inf, and an
 # e5m2 inf would turn a softmax into NaN); no scale is applied (SGLang's default of 1.0).
 FP8_KV_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
+# int8 codes, each K/V row (one token's head) with its own float32 scale beside the pool.
+INT8_LEVELS = 127
 
 
 class KVPool:
@@ -121,8 +125,8 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
-        assert self.kv_dtype == dtype or self.kv_dtype in FP8_KV_DTYPES, (
-            f"a KV pool holds the model's dtype or an 8-bit float, not {self.kv_dtype}")
+        assert self.kv_dtype in (dtype, torch.int8, *FP8_KV_DTYPES), (
+            f"a KV pool holds the model's dtype, an 8-bit float or int8, not {self.kv_dtype}")
         self.narrow = self.kv_dtype != dtype  # 8-bit buffers, widened on reading
         self.device = torch.device(device)
         # One row past the allocatable slots that no request ever owns: the padding rows of a
@@ -133,13 +137,19 @@ class KVPool:
         # to 9 s in direct compaction (kernels/cpu/huge_pages.py), once per engine.
         self.k_buffer = _reserved_zeros(shape, self.kv_dtype, self.device)
         self.v_buffer = _reserved_zeros(shape, self.kv_dtype, self.device)
+        # int8: each row's scale, [num_layers, capacity + 1, num_kv_heads] float32; else None
+        self.k_scale = self.v_scale = None
+        if self.kv_dtype == torch.int8:
+            self.k_scale = _reserved_zeros(shape[:3], torch.float32, self.device)
+            self.v_scale = _reserved_zeros(shape[:3], torch.float32, self.device)
         self.allocator = SlotAllocator(capacity)
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v ([n, num_kv_heads, head_dim]) into rows `slots` of layer `layer_id`, in place.
 
         The caller must own `slots` (allocated, not yet freed); k and v are cast to the pool's
-        kv_dtype (an 8-bit one saturated at its largest value, as the native kernels store).
+        kv_dtype (an 8-bit float saturated at its largest value, int8 codes with their rows'
+        scales; as the native kernels store).
         """
         n = slots.numel()
         expected = (n, self.num_kv_heads, self.head_dim)
@@ -150,11 +160,19 @@ class KVPool:
             self.k_buffer[layer_id].index_copy_(0, index, k.to(self.kv_dtype))
             self.v_buffer[layer_id].index_copy_(0, index, v.to(self.kv_dtype))
             return
+        if self.kv_dtype == torch.int8:
+            assert self.k_scale is not None and self.v_scale is not None
+            for buffer, scales, x in ((self.k_buffer, self.k_scale, k),
+                                      (self.v_buffer, self.v_scale, v)):
+                codes, scale = int8_rows(x)
+                buffer[layer_id].index_copy_(0, index, codes)
+                scales[layer_id].index_copy_(0, index, scale)
+            return
         for buffer, x in ((self.k_buffer, k), (self.v_buffer, v)):
             buffer[layer_id].view(torch.uint8).index_copy_(0, index, self._narrowed(x))
 
     def _narrowed(self, x: torch.Tensor) -> torch.Tensor:
-        """x rounded to the 8-bit kv_dtype, as its bytes."""
+        """x rounded to the 8-bit float kv_dtype, as its bytes."""
         limit = torch.finfo(self.kv_dtype).max
         return x.clamp(-limit, limit).to(self.kv_dtype).view(torch.uint8)
 
@@ -169,6 +187,11 @@ class KVPool:
     def _read(self, buffer: torch.Tensor, layer_id: int, index: torch.Tensor) -> torch.Tensor:
         if not self.narrow:
             return buffer[layer_id].index_select(0, index)
+        if self.kv_dtype == torch.int8:
+            scales = self.k_scale if buffer is self.k_buffer else self.v_scale
+            assert scales is not None
+            codes = buffer[layer_id].index_select(0, index).float()
+            return (codes * scales[layer_id].index_select(0, index)[..., None]).to(self.dtype)
         rows = buffer[layer_id].view(torch.uint8).index_select(0, index)
         return rows.view(self.kv_dtype).to(self.dtype)
 
@@ -176,8 +199,22 @@ class KVPool:
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        """Bytes one slot takes across all layers, K and V together (`dtype`: the buffers')."""
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+        """Bytes one slot takes across all layers, K and V together (`dtype`: the buffers'; int8
+        rows carry a float32 scale each)."""
+        per_row = head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)
+        return 2 * num_layers * num_kv_heads * per_row
+
+
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (int8 codes of the same shape, float32 scales [...]): each row's
+    scale is max |x| / 127 (1 for an all-zero row), its codes x / scale rounded to nearest even
+    and clamped to +-127, computed in float32 as kernels/cpu/cpu_kernels.h's int8_from_values does."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / INT8_LEVELS, torch.ones_like(amax))
+    # clamped: with a subnormal max |x| the rounded scale can make x / scale 127.5
+    codes = torch.round(xf / scale[..., None]).clamp(-INT8_LEVELS, INT8_LEVELS)
+    return codes.to(torch.int8), scale
 
 
 def _reserved_zeros(shape: tuple[int, ...], dtype: torch.dtype,

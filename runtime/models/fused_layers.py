@@ -87,6 +87,8 @@ class FusedDecodeLayers:
                             _qk_norm_weights(layer),
                             attn.k_layers[layer.self_attn.layer_id].data_ptr(),
                             attn.v_layers[layer.self_attn.layer_id].data_ptr(),
+                            tuple(0 if x is None else x.data_ptr()
+                                  for x in attn.scales_of(layer.self_attn.layer_id)),
                             attn.kernel_specs[layer.self_attn.layer_id])
                            for layer in self.layers]
         self.pool_ptrs = (attn.pool.k_buffer.data_ptr(), attn.pool.v_buffer.data_ptr())
@@ -122,7 +124,8 @@ class FusedDecodeLayers:
         h: torch.Tensor | None = None
         for (qkv_proj, o_proj, gate_up_proj, down_proj), (
                 rotary, in_norm, post_norm, (q_norm, k_norm), k_layer, v_layer,
-                (scale, softcap, window)) in zip(self.matmuls, self.layer_args):
+                (k_scale, v_scale), (scale, softcap, window)) in zip(self.matmuls,
+                                                                     self.layer_args):
             add_rms_norm(num_tokens, hidden, res_ptr, _ptr_of(h, residual), in_norm, normed_ptr,
                          eps, offset, dtype)
             qkv = qkv_proj(normed).contiguous()  # [T, (heads + 2 kv_heads) * d]
@@ -130,10 +133,10 @@ class FusedDecodeLayers:
             cos, sin = rotary.tables_for(positions, x.dtype)
             assert cos.is_contiguous() and sin.is_contiguous()
             rope_store(num_tokens, qkv.data_ptr(), qkv.shape[1], heads, kv_heads, d,
-                       cos.data_ptr(), sin.data_ptr(), slots_ptr, k_layer, v_layer, q_ptr,
-                       q_norm, k_norm, eps, offset, dtype, kv_dtype)
+                       cos.data_ptr(), sin.data_ptr(), slots_ptr, k_layer, v_layer, k_scale,
+                       v_scale, q_ptr, q_norm, k_norm, eps, offset, dtype, kv_dtype)
             run_attention(q_ptr, k_layer, v_layer, out_ptr, scale, softcap, window, kernel_dtype,
-                          kv_dtype)
+                          kv_dtype, 0, 0, k_scale, v_scale)
             h = o_proj(attn_out).contiguous()
             add_rms_norm(num_tokens, hidden, res_ptr, _ptr_of(h, residual), post_norm,
                          normed_ptr, eps, offset, dtype)
