@@ -381,6 +381,26 @@ def decode_like_batch(kv_lens: list[int], q_lens: list[int]) -> ForwardBatch:
         is_decode=all(q == 1 for q in q_lens))
 
 
+def eager_and_fused(model, pools: list[KVPool], batch) -> tuple:
+    """`batch` through the model's eager layers over pools[0] and its fused layers over
+    pools[1] (both with NativeAttention): (eager output, fused output, [their logits])."""
+    spec = model.spec
+    backends = [NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                model.attention_layers) for pool in pools]
+    assert all(backend.enabled for backend in backends)
+    fused = FusedDecodeLayers(model, backends[1])
+    with torch.inference_mode():
+        prepared = [backend.prepare(batch) for backend in backends]
+        assert isinstance(prepared[1].attn_meta, NativeAttentionMeta)
+        x = model._embed(batch.input_ids)
+        eager = x.clone()
+        for layer in model.model.layers:
+            eager = layer(eager, prepared[0], backends[0])
+        assert fused.takes(prepared[1], x)
+        out = fused.run(x.clone(), prepared[1])
+    return eager, out, [model._head(model.model.norm(h)) for h in (eager, out)]
+
+
 def test_fused_forward_matches_eager_layers(make_engine):
     """The default model (fp32): a decode batch and a speculative-verify-like batch through the
     fused layers and through the eager layers over copies of one random KV pool: the same
@@ -398,19 +418,7 @@ def test_fused_forward_matches_eager_layers(make_engine):
         pools[0].v_buffer.normal_(generator=gen)
         pools[1].k_buffer.copy_(pools[0].k_buffer)
         pools[1].v_buffer.copy_(pools[0].v_buffer)
-        backends = [NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                    model.attention_layers) for pool in pools]
-        fused = FusedDecodeLayers(model, backends[1])
-        with torch.inference_mode():
-            prepared = [backend.prepare(batch) for backend in backends]
-            assert isinstance(prepared[1].attn_meta, NativeAttentionMeta)
-            x = model._embed(batch.input_ids)
-            eager = x.clone()
-            for layer in model.model.layers:
-                eager = layer(eager, prepared[0], backends[0])
-            assert fused.takes(prepared[1], x)
-            out = fused.run(x.clone(), prepared[1])
-        logits = [model._head(model.model.norm(h)) for h in (eager, out)]
+        eager, out, logits = eager_and_fused(model, pools, batch)
         # The last layers' stream reaches thousands: noise is relative to its largest value.
         torch.testing.assert_close(out, eager, atol=1e-4 * float(eager.abs().max()), rtol=0)
         torch.testing.assert_close(logits[1], logits[0],
@@ -447,19 +455,8 @@ def test_fused_forward_over_an_int8_pool_matches_eager_layers(make_engine):
                     if name.endswith("buffer") else torch.rand(shape, generator=gen) / 20 + 0.005)
             for pool in pools:
                 getattr(pool, name).copy_(fill)
-        backends = [NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                    model.attention_layers) for pool in pools]
-        assert all(b.enabled and b.scales_of(0)[0] is not None for b in backends)
-        fused = FusedDecodeLayers(model, backends[1])
-        with torch.inference_mode():
-            prepared = [backend.prepare(batch) for backend in backends]
-            x = model._embed(batch.input_ids)
-            eager = x.clone()
-            for layer in model.model.layers:
-                eager = layer(eager, prepared[0], backends[0])
-            assert fused.takes(prepared[1], x)
-            out = fused.run(x.clone(), prepared[1])
-        logits = [model._head(model.model.norm(h)) for h in (eager, out)]
+        assert all(pool.k_scale is not None for pool in pools)
+        eager, out, logits = eager_and_fused(model, pools, batch)
         torch.testing.assert_close(out, eager, atol=5e-2 * float(eager.abs().max()), rtol=0)
         torch.testing.assert_close(logits[1], logits[0],
                                    atol=5e-2 * float(logits[0].abs().max()), rtol=0)
