@@ -58,7 +58,8 @@ FULL_SYSTEMS = "forklm,forklm-nocache,forklm-fcfs,forklm-http,hf8,llama-server-n
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens}
+    opts: dict[str, Any] = {"dtype": args.dtype, "max_total_tokens": args.max_total_tokens,
+                            "kv_cache_dtype": args.kv_cache_dtype}
     if args.model:
         opts["model_path"] = args.model
     if args.num_threads:
@@ -226,6 +227,8 @@ def _parse_args() -> argparse.Namespace:
                         "llama-server systems, e.g. a synthetic file of benchmarks.gguf_sizes; "
                         "default: the default model")
     p.add_argument("--max-total-tokens", type=int, default=65536)
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the in-process engines' KV pool: auto, fp8_e5m2, fp8_e4m3 or int8")
     p.add_argument("--num-threads", type=int, default=None,
                    help="threads for every system (engine, transformers, llama.cpp; default 2 "
                         "for llama.cpp and torch's default elsewhere)")
