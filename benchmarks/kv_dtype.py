@@ -84,13 +84,15 @@ def accuracy(model: str | None, new_tokens: int, long_tokens: int) -> list[dict]
     runs: dict[str, dict] = {}
     reference: list[list[int]] = []
     texts: list[str] = []
+    prompt_ids: list[list[int]] = []
     for kv in KV_DTYPES:
         kwargs = {"model_path": model} if model else {}
         engine = Engine(kv_cache_dtype=kv, max_total_tokens=32768, **kwargs)
         if not texts:
             texts = prompts(engine.parts.tokenizer, long_tokens)
+            prompt_ids = [engine.parts.tokenizer.encode(t, add_special_tokens=False)
+                          for t in texts]
         outs = engine.generate(texts, greedy)
-        prompt_ids = [engine.parts.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         if kv == "auto":
             reference = [p + o["output_ids"] for p, o in zip(prompt_ids, outs)]
         engine.flush_cache()

@@ -323,7 +323,7 @@ class EngineConfig:
 
     @property
     def kv_torch_dtype_name(self) -> str:
-        """The torch dtype (by name) the KV pool holds: the model's, or an 8-bit float."""
+        """The torch dtype (by name) the KV pool holds: the model's, or an 8-bit one."""
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype_name)
 
     @property

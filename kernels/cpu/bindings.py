@@ -79,7 +79,6 @@ class _Loaded:
 
     lib: ctypes.CDLL | None
     reason: str = ""
-    dtypes: frozenset[torch.dtype] = frozenset()
     origin: str = ""
 
 
@@ -251,7 +250,7 @@ def _build_and_load_greedy() -> _Loaded:
         return _Loaded(None, reason)
     lib.greedy_pick.restype = None
     lib.greedy_pick.argtypes = [_i64, _i64, _p, _i64, _int, _p]
-    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)), reason)
+    return _Loaded(lib, "", reason)
 
 
 def _load_once(name: str, build: Callable[[], _Loaded]) -> _Loaded:
@@ -301,7 +300,7 @@ def _build_and_load_fused() -> _Loaded:
     lib.fused_max_head_dim.restype = _int
     lib.fused_silu_mul.restype = None
     lib.fused_silu_mul.argtypes = [_i64, _i64, _p, _p, _int]
-    return _Loaded(lib, "", frozenset((torch.float32, torch.bfloat16)), origin)
+    return _Loaded(lib, "", origin)
 
 
 def int4_ops() -> ctypes.CDLL | None:
@@ -451,7 +450,7 @@ def _build_and_load_int4() -> _Loaded:
     lib.int8_vnni_repack.argtypes = [_p, _p]
     lib.int8_vnni_bf16.restype = _int
     lib.int8_vnni_bf16.argtypes = [_p, _p, _p, _p, _i64]
-    return _Loaded(lib, "", frozenset((torch.bfloat16,)), origin)
+    return _Loaded(lib, "", origin)
 
 
 def kquant_ops() -> ctypes.CDLL | None:
@@ -477,7 +476,7 @@ def _build_and_load_kquant() -> _Loaded:
     lib.kquant_matmul_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _i64, _p, _p, _i64]
     lib.kquant_dequantize_t_bf16.restype = _int
     lib.kquant_dequantize_t_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p]
-    return _Loaded(lib, "", frozenset((torch.bfloat16,)), origin)
+    return _Loaded(lib, "", origin)
 
 
 def kquant_repack(ggml_type: int, row_addresses: torch.Tensor, out_features: int,
@@ -593,9 +592,7 @@ def _build_and_load() -> _Loaded:
     lib.paged_attention_threads.restype = _int
     lib.paged_attention_supports.restype = _int
     lib.paged_attention_supports.argtypes = [_int, _int]
-    dtypes = frozenset(dt for dt, code in DTYPES.items()
-                       if lib.paged_attention_supports(code, code))
-    return _Loaded(lib, "", dtypes, origin)
+    return _Loaded(lib, "", origin)
 
 
 def _compiled_library(source_path: Path) -> Path:

@@ -12,7 +12,7 @@
 
 /* A tensor's dtype as the bindings pass it (bindings.py's DTYPES). The 8-bit ones are KV-pool
  * formats only (--kv-cache-dtype): torch's float8_e5m2 and float8_e4m3fn, and int8 codes with
- * one float32 scale per token and KV head (int8_from_f32 below). */
+ * one float32 scale per token and KV head (int8_from_values below). */
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_FP8_E5M2 = 3, DTYPE_FP8_E4M3 = 4,
        DTYPE_INT8 = 5 };
 
@@ -20,10 +20,9 @@ static inline int64_t dtype_bytes(int dtype) {
     return dtype == DTYPE_F32 ? 4 : dtype >= DTYPE_FP8_E5M2 ? 1 : 2;
 }
 
-/* One head's n values x (of dtype) as int8 codes q and their scale, as KVPool.store computes
+/* One head's n values x as int8 codes q and their scale (returned), as KVPool.store computes
  * them: scale = max |x| / 127 (1 for an all-zero head), q = x / scale rounded to nearest even
- * and clamped to +-127;
- * returns the scale. All in fp32, division included, so the codes are bit-equal to torch's. */
+ * and clamped to +-127. All in fp32, division included, so the codes are bit-equal to torch's. */
 static inline float int8_from_values(const float *x, int64_t n, int8_t *q) {
     float amax = 0.0f;
     for (int64_t i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;

@@ -32,7 +32,6 @@ typedef struct {
     float scale, softcap;
     const float *alibi; /* [num_heads] ALiBi slopes, or NULL */
     const float *sinks; /* [num_heads] logits that join each softmax's denominator, or NULL */
-    int kv_dtype;       /* the pool's: q's dtype, or an 8-bit one (--kv-cache-dtype) */
     /* int8 pools: [num_slots, num_kv_heads] float32 scales of each K / V row (else NULL) */
     const float *k_scale, *v_scale;
 } pa_job;
@@ -224,6 +223,9 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
         v16 k[4][nc];
         for (int r = 0; r < 4; r++)
             for (int64_t c = 0; c < nc; c++) k[r][c] = load16(jb->k_pool, base[r] + 16 * c, kv_dtype);
+        v4 key_scale = {1.0f, 1.0f, 1.0f, 1.0f};
+        if (scaled)
+            for (int r = 0; r < 4; r++) key_scale[r] = jb->k_scale[slots[j + r] * kvh + h];
         for (int64_t g = 0; g < group; g++) {
             v16 part[4];
             for (int r = 0; r < 4; r++) {
@@ -231,8 +233,7 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
                 for (int64_t c = 1; c < nc; c++) part[r] += q[g * nc + c] * k[r][c];
             }
             v4 sums4 = hsum4(part[0], part[1], part[2], part[3]) * jb->scale;
-            if (scaled)
-                for (int r = 0; r < 4; r++) sums4[r] *= jb->k_scale[slots[j + r] * kvh + h];
+            if (scaled) sums4 *= key_scale;
             memcpy(sc + g * n + j, &sums4, sizeof sums4);
         }
     }
@@ -241,11 +242,12 @@ static inline __attribute__((always_inline)) void attend(const pa_job *jb, int64
         if (j + PA_PREFETCH < n) prefetch_row(jb->k_pool, slots[j + PA_PREFETCH] * jb->row_stride + kv_off, kv_dtype, row_bytes);
         v16 k[nc];
         for (int64_t c = 0; c < nc; c++) k[c] = load16(jb->k_pool, base + 16 * c, kv_dtype);
+        const float key_scale = scaled ? jb->k_scale[slots[j] * kvh + h] : 1.0f;
         for (int64_t g = 0; g < group; g++) {
             v16 part = q[g * nc] * k[0];
             for (int64_t c = 1; c < nc; c++) part += q[g * nc + c] * k[c];
             sc[g * n + j] = hsum(part) * jb->scale;
-            if (scaled) sc[g * n + j] *= jb->k_scale[slots[j] * kvh + h];
+            if (scaled) sc[g * n + j] *= key_scale;
         }
     }
     /* Softmax numerators in place, with soft-capping first when the layer has it, and ALiBi's
@@ -351,7 +353,7 @@ PA_SIZES(attend_f16_i8, DTYPE_F16, DTYPE_INT8)
 #endif
 
 /* The kernel for q's dtype (f32, bf16, f16: that one needs the compiler's _Float16) over a
- * pool of kv_dtype (the same, or an 8-bit float). */
+ * pool of kv_dtype (the same, an 8-bit float, or int8 codes with row scales). */
 static attend_fn pick(int dtype, int kv_dtype, int64_t d) {
     static const attend_fn table[3][4][3] = {
         /* kv: same as q, e5m2, e4m3, int8 */
@@ -409,7 +411,7 @@ int paged_attention_batch(const pa_batch *b, const void *q, const void *k_pool,
     if (kv_dtype == DTYPE_INT8 && (!k_scale || !v_scale)) return -1;
     const pa_job jb = {q, k_pool, v_pool, out, b->slot_table, b->tok_req, b->tok_end,
                        b->table_stride, b->num_heads, kvh, d, b->row_stride, window, scale,
-                       softcap, alibi, sinks, kv_dtype, k_scale, v_scale};
+                       softcap, alibi, sinks, k_scale, v_scale};
     int64_t keys = 0;
     for (int64_t t = 0; t < b->num_tokens; t++) {
         int64_t end = b->tok_end[t];

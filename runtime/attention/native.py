@@ -37,8 +37,9 @@ class NativeAttentionMeta:
 
 class NativeAttention(TorchAttention):
     """TorchAttention with the decode-like batches (max_q_len <= NATIVE_MAX_Q_LEN, CPU tensors,
-    a pool dtype the kernel handles: the model's, or an 8-bit float) run by the native kernel: no K/V gather, no padding, the
-    GQA group's query heads scored together against each K/V row. Prefill stays on SDPA."""
+    a pool dtype the kernel handles: the model's, or an 8-bit format) run by the native kernel:
+    no K/V gather, no padding, the GQA group's query heads scored together against each K/V row.
+    Prefill stays on SDPA."""
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  layers: Sequence[AttentionLayerSpec] | None = None):
@@ -49,9 +50,10 @@ class NativeAttention(TorchAttention):
         self.kv_dtype_code = native_kernels.DTYPES.get(pool.kv_dtype, -1)
         # Per layer: the pool's views (indexing per call costs ~1 us) and the kernel's arguments.
         self.k_layers, self.v_layers = pool.k_buffer.unbind(0), pool.v_buffer.unbind(0)
-        # an int8 pool's per-row scales, per layer (None: not int8)
-        self.k_scales = None if pool.k_scale is None else pool.k_scale.unbind(0)
-        self.v_scales = None if pool.v_scale is None else pool.v_scale.unbind(0)
+        # Per layer, an int8 pool's K and V row scales ((None, None): not int8).
+        self.layer_scales: list[tuple[torch.Tensor | None, torch.Tensor | None]] = (
+            [(None, None)] * pool.num_layers if pool.k_scale is None or pool.v_scale is None
+            else list(zip(pool.k_scale.unbind(0), pool.v_scale.unbind(0))))
         self.kernel_specs = [(scale, spec.softcap or 0.0, spec.sliding_window or 0)
                              for scale, spec in zip(self.scales, self.layers)]
         self.sinks = [None if spec.sinks is None else spec.sinks.float().contiguous()
@@ -89,9 +91,7 @@ class NativeAttention(TorchAttention):
 
     def scales_of(self, layer_id: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Layer `layer_id`'s K and V row scales of an int8 pool; (None, None) otherwise."""
-        if self.k_scales is None or self.v_scales is None:
-            return None, None
-        return self.k_scales[layer_id], self.v_scales[layer_id]
+        return self.layer_scales[layer_id]
 
 
 def _token_map(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

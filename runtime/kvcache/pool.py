@@ -107,7 +107,8 @@ class KVPool:
     """Preallocated K/V for all layers, addressed by slot; slot ownership lives in `allocator`.
 
     `dtype` is what attention computes in (the model's); `kv_dtype` what the buffers hold: the
-    same, or an 8-bit float that store() rounds to and read_k()/read_v() widen back from."""
+    same, or an 8-bit format (a float, or int8 codes with row scales) that store() rounds to and
+    read_k()/read_v() widen back from."""
 
     def __init__(
         self,
@@ -156,44 +157,40 @@ class KVPool:
         assert tuple(k.shape) == expected, f"k shape {tuple(k.shape)} != {expected}"
         assert tuple(v.shape) == expected, f"v shape {tuple(v.shape)} != {expected}"
         index = slots.reshape(-1).to(device=self.device, dtype=torch.int64)
-        if not self.narrow:
-            self.k_buffer[layer_id].index_copy_(0, index, k.to(self.kv_dtype))
-            self.v_buffer[layer_id].index_copy_(0, index, v.to(self.kv_dtype))
-            return
-        if self.kv_dtype == torch.int8:
-            assert self.k_scale is not None and self.v_scale is not None
-            for buffer, scales, x in ((self.k_buffer, self.k_scale, k),
-                                      (self.v_buffer, self.v_scale, v)):
-                codes, scale = int8_rows(x)
-                buffer[layer_id].index_copy_(0, index, codes)
-                scales[layer_id].index_copy_(0, index, scale)
-            return
-        for buffer, x in ((self.k_buffer, k), (self.v_buffer, v)):
-            buffer[layer_id].view(torch.uint8).index_copy_(0, index, self._narrowed(x))
+        self._store(self.k_buffer[layer_id], _layer(self.k_scale, layer_id), index, k)
+        self._store(self.v_buffer[layer_id], _layer(self.v_scale, layer_id), index, v)
 
-    def _narrowed(self, x: torch.Tensor) -> torch.Tensor:
-        """x rounded to the 8-bit float kv_dtype, as its bytes."""
-        limit = torch.finfo(self.kv_dtype).max
-        return x.clamp(-limit, limit).to(self.kv_dtype).view(torch.uint8)
+    def _store(self, rows: torch.Tensor, scales: torch.Tensor | None, index: torch.Tensor,
+               x: torch.Tensor) -> None:
+        """x into one layer's `rows` (and an int8 pool's row `scales`) at `index`."""
+        if not self.narrow:
+            rows.index_copy_(0, index, x.to(self.kv_dtype))
+        elif scales is not None:
+            codes, scale = int8_rows(x)
+            rows.index_copy_(0, index, codes)
+            scales.index_copy_(0, index, scale)
+        else:
+            limit = torch.finfo(self.kv_dtype).max
+            narrowed = x.clamp(-limit, limit).to(self.kv_dtype)
+            rows.view(torch.uint8).index_copy_(0, index, narrowed.view(torch.uint8))
 
     def read_k(self, layer_id: int, index: torch.Tensor) -> torch.Tensor:
         """K rows `index` (int64 slots) of layer `layer_id` in the model's dtype."""
-        return self._read(self.k_buffer, layer_id, index)
+        return self._read(self.k_buffer[layer_id], _layer(self.k_scale, layer_id), index)
 
     def read_v(self, layer_id: int, index: torch.Tensor) -> torch.Tensor:
         """V rows `index` of layer `layer_id` in the model's dtype."""
-        return self._read(self.v_buffer, layer_id, index)
+        return self._read(self.v_buffer[layer_id], _layer(self.v_scale, layer_id), index)
 
-    def _read(self, buffer: torch.Tensor, layer_id: int, index: torch.Tensor) -> torch.Tensor:
+    def _read(self, rows: torch.Tensor, scales: torch.Tensor | None,
+              index: torch.Tensor) -> torch.Tensor:
         if not self.narrow:
-            return buffer[layer_id].index_select(0, index)
-        if self.kv_dtype == torch.int8:
-            scales = self.k_scale if buffer is self.k_buffer else self.v_scale
-            assert scales is not None
-            codes = buffer[layer_id].index_select(0, index).float()
-            return (codes * scales[layer_id].index_select(0, index)[..., None]).to(self.dtype)
-        rows = buffer[layer_id].view(torch.uint8).index_select(0, index)
-        return rows.view(self.kv_dtype).to(self.dtype)
+            return rows.index_select(0, index)
+        if scales is not None:  # int8: codes * their row's scale
+            codes = rows.index_select(0, index).float()
+            return (codes * scales.index_select(0, index)[..., None]).to(self.dtype)
+        narrowed = rows.view(torch.uint8).index_select(0, index).view(self.kv_dtype)
+        return narrowed.to(self.dtype)
 
     @staticmethod
     def bytes_per_token(
@@ -203,6 +200,11 @@ class KVPool:
         rows carry a float32 scale each)."""
         per_row = head_dim * dtype.itemsize + (4 if dtype == torch.int8 else 0)
         return 2 * num_layers * num_kv_heads * per_row
+
+
+def _layer(scales: torch.Tensor | None, layer_id: int) -> torch.Tensor | None:
+    """One layer of an int8 pool's row scales; None for a pool without them."""
+    return None if scales is None else scales[layer_id]
 
 
 def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
