@@ -36,6 +36,7 @@ import psutil
 
 from benchmarks.report import machine
 from benchmarks.servers import ServerProcess, forklm_server, llama_server
+from forklm.runtime.models.gguf_file import GGUFFile
 from forklm.runtime.models.source import default_model_gguf
 
 
@@ -122,18 +123,17 @@ def write_f16(path: pathlib.Path, shape: Shape, seed: int = 0) -> None:
 def _add_padded_vocab(writer: gguf.GGUFWriter, size: int) -> None:
     """The default model's BPE vocabulary, merges and special tokens, padded with plain tokens
     (never produced by a merge) to `size` entries."""
-    fields = gguf.GGUFReader(default_model_gguf()).fields
-    value = {name: fields[name].contents() for name in fields if name.startswith("tokenizer.")}
-    tokens = list(value["tokenizer.ggml.tokens"])
-    types = list(value["tokenizer.ggml.token_type"])
+    fields = GGUFFile(default_model_gguf()).fields
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    types = fields["tokenizer.ggml.token_type"].tolist()
     pad = size - len(tokens)
-    writer.add_tokenizer_model(value["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(value["tokenizer.ggml.pre"])
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
     writer.add_token_list(tokens + [f"<pad_{i}>" for i in range(pad)])
     writer.add_token_types(types + [int(gguf.TokenType.NORMAL)] * pad)
-    writer.add_token_merges(value["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(value["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(value["tokenizer.ggml.eos_token_id"])
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
 
 
 def ensure_file(workdir: pathlib.Path, name: str, shape: Shape, mix: str,

@@ -6,6 +6,7 @@ tests/tiny_models.py's, with the fields a GGUF cannot carry set to what llama.cp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import gguf
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from forklm.runtime.engine.engine import Engine
+from forklm.runtime.models.gguf_file import GGUFFile
 from forklm.runtime.models.source import default_model_gguf
 from tests.conftest import hf_greedy
 from tests.test_model_loader import _permute_qk, write_shape
@@ -368,13 +370,18 @@ def _write_gemma4_metadata(writer, config) -> None:
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
+@functools.cache
+def _default_tokenizer_fields() -> dict:
+    fields = GGUFFile(default_model_gguf()).fields
+    return {name: value for name, value in fields.items() if name.startswith("tokenizer.")}
+
+
 def _copy_tokenizer(writer) -> None:
-    fields = gguf.GGUFReader(default_model_gguf()).fields
-    value = {name: fields[name].contents() for name in fields if name.startswith("tokenizer.")}
+    value = _default_tokenizer_fields()
     writer.add_tokenizer_model(value["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(value["tokenizer.ggml.pre"])
     writer.add_token_list(value["tokenizer.ggml.tokens"])
-    writer.add_token_types(value["tokenizer.ggml.token_type"])
+    writer.add_token_types(value["tokenizer.ggml.token_type"].tolist())
     writer.add_token_merges(value["tokenizer.ggml.merges"])
     writer.add_bos_token_id(value["tokenizer.ggml.bos_token_id"])
     writer.add_eos_token_id(value["tokenizer.ggml.eos_token_id"])

@@ -29,6 +29,7 @@ from tokenizers import (
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from forklm.runtime.models import gguf_loader
+from forklm.runtime.models.gguf_file import GGUFFile
 from forklm.runtime.models.gguf_loader import END_OF_GENERATION_TEXTS, GGUFModel
 from forklm.runtime.models.loader import load_model
 from forklm.runtime.models.source import default_model_gguf
@@ -208,29 +209,30 @@ def _sentencepiece_vocab(name: str, arch: str, add_space_prefix: bool | None,
 def _default_model_vocab() -> Vocab:
     """The default model's GGUF vocabulary, with SmolLM2's own pre-tokenizer (digits alone,
     then GPT-2's split): llama.cpp's `smollm`."""
-    fields = gguf.GGUFReader(default_model_gguf()).fields
-    value = {name: fields[name].contents() for name in fields if name.startswith("tokenizer.")}
-    tokens = value["tokenizer.ggml.tokens"]
+    fields = GGUFFile(default_model_gguf()).fields
+    tokens = fields["tokenizer.ggml.tokens"]
     vocab = {token: i for i, token in enumerate(tokens)}
-    merges = [tuple(m.split(" ")) for m in value["tokenizer.ggml.merges"]]
+    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"]]
     original = Tokenizer(models.BPE(vocab, merges))
     original.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     original.decoder = decoders.ByteLevel()
-    original.add_special_tokens([t for t, kind in zip(tokens, value["tokenizer.ggml.token_type"])
+    original.add_special_tokens([t for t, kind in zip(tokens, fields["tokenizer.ggml.token_type"])
                                  if kind == CONTROL])
     return Vocab("smollm2", original, arch="llama", model="gpt2", pre="smollm",
-                 bos_id=value["tokenizer.ggml.bos_token_id"],
-                 eos_id=value["tokenizer.ggml.eos_token_id"],
-                 add_bos=value["tokenizer.ggml.add_bos_token"],
-                 chat_template=value["tokenizer.chat_template"], path=default_model_gguf())
+                 bos_id=fields["tokenizer.ggml.bos_token_id"],
+                 eos_id=fields["tokenizer.ggml.eos_token_id"],
+                 add_bos=fields["tokenizer.ggml.add_bos_token"],
+                 chat_template=fields["tokenizer.chat_template"], path=default_model_gguf())
 
 
-def write_gguf(path: pathlib.Path, vocab: Vocab) -> pathlib.Path:
+def write_gguf(path: pathlib.Path, vocab: Vocab, name: str | None = None) -> pathlib.Path:
     """`vocab` as llama.cpp's converter writes a tokenizer, in a GGUF with a tiny model's sizes
-    and no tensors (the tokenizer and config need none)."""
+    and no tensors (the tokenizer and config need none); `name`: general.name."""
     writer = gguf.GGUFWriter(path, vocab.arch)
+    if name is not None:
+        writer.add_name(name)
     for add, size in [(writer.add_block_count, 1), (writer.add_context_length, 256),
                       (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 128),
                       (writer.add_head_count, 2), (writer.add_head_count_kv, 2)]:
@@ -358,7 +360,7 @@ ADDS_BOS = {"smollm2": False, "qwen2": False, "llama-bpe": True, "llama-bpe-no-k
 def test_bos_eos_and_chat_template_from_the_metadata(loaded, load):
     model, vocab = getattr(loaded, load), loaded.vocab
     tokenizer = model.tokenizer
-    tokens = gguf.GGUFReader(loaded.path).fields["tokenizer.ggml.tokens"].contents()
+    tokens = GGUFFile(loaded.path).fields["tokenizer.ggml.tokens"]
     assert (tokenizer.bos_token, tokenizer.eos_token) == (tokens[vocab.bos_id],
                                                           tokens[vocab.eos_id])
     ends = [vocab.eos_id, vocab.eot_id, vocab.eom_id]
@@ -448,3 +450,37 @@ def test_a_gguf_tokenizer_path_is_read_alike(loaded, monkeypatch):
     tokenizer = load_model(str(loaded.path), tokenizer_path=str(loaded.path)).tokenizer
     for name, text in samples(loaded.vocab).items():
         assert tokenizer.encode(text) == loaded.first.tokenizer.encode(text), name
+
+
+def _class_picking_meta(path: pathlib.Path) -> dict:
+    fields = GGUFFile(path).fields
+    return {k: fields[k] for k in ("general.architecture", "general.name") if k in fields}
+
+
+def test_the_tokenizer_class_is_the_one_auto_tokenizer_picks(loaded):
+    """forklm picks AutoTokenizer's class for a GGUF without AutoTokenizer's config read (which
+    parses the whole vocabulary with gguf-py: seconds on a real one)."""
+    from forklm.runtime.models.gguf_tokenizer import _tokenizer_class
+
+    assert _tokenizer_class(_class_picking_meta(loaded.path)) is type(loaded.hf)
+
+
+@pytest.mark.parametrize("arch,name", [
+    ("llama", "mistral"), ("llama", "Mistral 7B"), ("qwen3", None), ("gemma3", None),
+    ("phi3", None), ("starcoder2", None), ("falcon", None), ("stablelm", None),
+    ("nemotron", None), ("gpt2", None), ("bloom", None), ("qwen2moe", None), ("olmo2", None)])
+def test_each_architecture_gets_auto_tokenizers_class(arch, name, tmp_path):
+    """The same for the other architectures forklm serves, on a small byte-level vocabulary
+    written under each (`general.name` "mistral" makes transformers read a Llama as Mistral).
+    Architectures transformers' GGUF reader does not name as they are (qwen2moe, olmo2) keep
+    the tokenizers backend."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from forklm.runtime.models.gguf_tokenizer import _tokenizer_class
+
+    vocab = _byte_level_vocab("qwen2", "qwen2", QWEN2_SPLIT, False, bos=False, arch=arch)
+    path = write_gguf(tmp_path / "t.gguf", vocab, name=name)
+    expected = transformers.TokenizersBackend
+    if arch in GGUF_SUPPORTED_ARCHITECTURES:
+        expected = type(transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name))
+    assert _tokenizer_class(_class_picking_meta(path)) is expected

@@ -196,7 +196,7 @@ def test_one_key_cannot_abort_or_continue_another_keys_requests(server):
     base = server.base_url
     result: list[dict] = []
     long = {"text": "Tell me a story.", "rid": "alice-story",
-            "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+            "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
     thread = threading.Thread(target=lambda: result.append(httpx.post(
         base + "/generate", json=long, headers=_auth("alice"), timeout=120).json()))
     thread.start()
@@ -268,7 +268,7 @@ def test_a_flood_from_one_key_costs_another_key_no_more_than_two_neighbours(serv
                 while not stop.is_set():
                     answers.append(client.post(base + "/generate", headers=_auth(key), json={
                         "text": "Write a long essay.",
-                        "sampling_params": {"max_new_tokens": 60, "ignore_eos": True}}
+                        "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}}
                     ).status_code)
 
         workers = [threading.Thread(target=send) for _ in range(threads)]

@@ -37,16 +37,7 @@ def gguf_tokenizer(path: pathlib.Path, meta: dict[str, Any]) -> transformers.Pre
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
     add_bos = meta.get("tokenizer.ggml.add_bos_token",
                        model == "llama" or (model == "gpt2" and pre in _BOS_BY_DEFAULT))
-    # AutoTokenizer first reads the file's config, which it refuses for architectures it has no
-    # GGUF config mapping for (SmolLM3, Granite, OLMo 2) or whose per-layer arrays it cannot
-    # read (Gemma 4's MLP widths); the tokenizers backend builds the same tokenizer from the
-    # tokenizer.* keys alone.
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-    arch = meta.get("general.architecture")
-    auto = arch in GGUF_SUPPORTED_ARCHITECTURES and arch != "gemma4"
-    tokenizer_class = transformers.AutoTokenizer if auto else transformers.TokenizersBackend
-    tokenizer = tokenizer_class.from_pretrained(
+    tokenizer = _tokenizer_class(meta).from_pretrained(
         path.parent, gguf_file=path.name, local_files_only=True, add_bos_token=bool(add_bos),
         add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
     if model == "llama":
@@ -59,6 +50,41 @@ def gguf_tokenizer(path: pathlib.Path, meta: dict[str, Any]) -> transformers.Pre
     return tokenizer
 
 
+def _tokenizer_class(meta: dict[str, Any]) -> type[transformers.PreTrainedTokenizerBase]:
+    """The class AutoTokenizer picks for this file: the one registered for the model type
+    transformers' GGUF reader gives it, else the tokenizers backend (which builds the same
+    tokenizer from the tokenizer.* keys alone). Picked here because AutoTokenizer gets that type
+    by parsing every metadata field with gguf-py's reader, vocabulary included: 3-4 s for a
+    49k-token vocabulary on a first load. Architectures transformers has no GGUF config mapping
+    for (SmolLM3, Granite, OLMo 2) or reads wrongly (Gemma 4's per-layer MLP widths) take the
+    backend, as AutoTokenizer would refuse them."""
+    from transformers.models.auto.tokenization_auto import (
+        TOKENIZER_MAPPING_NAMES,
+        tokenizer_class_from_name,
+    )
+
+    name = TOKENIZER_MAPPING_NAMES.get(_transformers_model_type(meta) or "")
+    picked = tokenizer_class_from_name(name) if name else None
+    if picked is None or picked.__name__ == "MistralCommonBackend":  # needs Mistral's own files
+        return transformers.TokenizersBackend
+    return picked
+
+
+def _transformers_model_type(meta: dict[str, Any]) -> str | None:
+    """The model_type transformers' GGUF config reader (load_gguf_checkpoint) gives a file of
+    these metadata; None for architectures it does not read."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    arch, name = meta.get("general.architecture"), meta.get("general.name")
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES or arch == "gemma4":
+        return None
+    if arch == "llama" and name == "mistral":  # it tests the name list for the exact string
+        return "mistral"
+    if arch in ("t5", "t5encoder"):
+        return "umt5" if "umt5" in str(name or "").lower() else "t5"
+    return {"gemma3": "gemma3_text"}.get(arch, arch)
+
+
 def tokenizer_of_gguf(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:
     """gguf_tokenizer of a GGUF file alone (`tokenizer_path`): only its tokenizer metadata is
     read, so any architecture's file will do."""
@@ -67,7 +93,8 @@ def tokenizer_of_gguf(path: pathlib.Path) -> transformers.PreTrainedTokenizerBas
     fields = GGUFFile(path).fields
     return gguf_tokenizer(path, {name: value.tolist() if isinstance(value, np.ndarray) else value
                                  for name, value in fields.items()
-                                 if (name.startswith("tokenizer.") or name == "general.architecture")
+                                 if (name.startswith("tokenizer.")
+                                     or name in ("general.architecture", "general.name"))
                                  and name not in TOKENIZER_ARRAYS})
 
 
