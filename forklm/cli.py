@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Any
 
+import forklm.startup as startup
 from forklm.runtime.config import EngineConfig
 from forklm.server.flags import add_engine_flags, add_serve_flags, dataclass_kwargs, engine_kwargs
 
@@ -18,6 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
     from forklm.runtime.sampling.params import SamplingParams
 
     with Engine(**engine_kwargs(args)) as engine:
+        startup.started()
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template(
@@ -43,16 +45,19 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"forklm serve: error: {e}", file=sys.stderr)
         return 2
     if args.ray:  # replicas as a Ray Serve deployment (forklm/ray_serve/); Ray is optional
+        startup.started()
         return _serve_ray(args, server_config)
     if server_config.dp_size > 1:  # N replicas behind a router (forklm/router/)
+        startup.started()
         from forklm.router.launch import serve_dp
 
         return serve_dp(engine_kwargs(args), server_config, dataclass_kwargs(args, ServerConfig))
     if engine_config.node_rank > 0:  # another machine's tensor-parallel ranks: no server here
         from forklm.runtime.distributed import run_worker_node
 
+        startup.started()
         return run_worker_node(engine_config)
-    return serve(engine_config, server_config)
+    return serve(engine_config, server_config)  # calls startup.started() once it is up
 
 
 def _serve_ray(args: argparse.Namespace, server_config: Any) -> int:
@@ -94,6 +99,7 @@ def _run(args: argparse.Namespace) -> int:
         defaults["max_new_tokens"] = args.max_new_tokens
     try:
         with Engine(**engine_kwargs(args)) as engine:
+            startup.started()
             state = run_program_file(args.file, arguments, backend=engine, name=args.name,
                                      **defaults)
             variables = state.variables()
@@ -186,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    # the collector off while the commands' modules load (the parser's flags import the server
+    # and engine stacks) and an engine builds; each long-running command calls started()
+    startup.pause_collection()
     args = build_parser().parse_args(argv)
     from forklm.runtime.errors import ModelNotFoundError
 

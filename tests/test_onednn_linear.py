@@ -17,9 +17,9 @@ from forklm.runtime.models import spec_from_config
 from forklm.runtime.models.loader import load_model
 from forklm.runtime.models.onednn_linear import (
     OneDNNLinear,
-    attach_dense_copies,
     can_pack,
     pack_linears,
+    plan_dense_copies,
 )
 from forklm.runtime.models.weights import FusedLinear
 from forklm.runtime.quant.linear import (
@@ -86,9 +86,11 @@ def test_packed_model_matches_plain_model(arch, tmp_path, tokenizer, monkeypatch
 def test_dense_copies_serve_larger_batches_of_quantized_layers(ggml_type):
     weight = make_weight(ggml_type, 80, 512)
     model = nn.Sequential(QuantizedLinear.from_gguf([weight], None, torch.bfloat16))
-    assert attach_dense_copies(model, max_bytes=80 * 512 * 2 - 1) == 0  # too large: none
+    assert plan_dense_copies(model, max_bytes=80 * 512 * 2 - 1) is None  # too large: none
     assert model[0].dense is None
-    assert attach_dense_copies(model) == 80 * 512 * 2
+    build = plan_dense_copies(model)
+    assert build is not None and build.nbytes == 80 * 512 * 2
+    build.run()
     ref = model[0].dequantize().double()
     dense_rows: list[int] = []
     model[0].dense.register_forward_hook(lambda m, args, out: dense_rows.append(args[0].shape[0]))
@@ -107,3 +109,42 @@ def test_dense_copies_serve_larger_batches_of_quantized_layers(ggml_type):
         # bf16 rounding of x, the weight and the output on either path
         assert (model(x).double() - expected).abs().max() <= 2e-2 * expected.abs().max()
     assert dense_rows == [first, 40]  # the int4 kernel below, the copy from there
+
+
+@needs_bf16_onednn
+def test_a_deferred_dense_copy_is_built_by_the_first_call_that_needs_it(monkeypatch):
+    """A planned copy not yet built: calls below its rows run on the quantized kernels and build
+    nothing; the first call of its rows builds it (or waits for a background build) and gives
+    what the copy gives. A build that fails leaves every call on the quantized kernels."""
+    from forklm.runtime.models import onednn_linear
+
+    weight = make_weight(GGMLQuantizationType.Q4_K, 80, 512)
+    layer = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    build = plan_dense_copies(nn.Sequential(layer))
+    assert build is not None and layer.has_dense_copy and layer.dense is None
+    call = layer.direct()  # made before the copy exists, as the fused decode layers do
+    first = layer.dense_copy_min_rows()
+    small, large = (torch.randn(n, 512, dtype=torch.bfloat16) for n in (1, first + 3))
+    call(small)
+    assert layer.dense is None and not build.done.is_set()  # not needed yet
+    y = call(large)
+    assert build.done.is_set() and layer.dense is not None and layer.dense_build is None
+    assert torch.equal(y, layer.dense(large))
+
+    background = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    started = plan_dense_copies(nn.Sequential(background))
+    assert started is not None
+    started.start()
+    assert torch.equal(background(large), y)  # waited for the background build, or built
+    started.start()  # a second start builds nothing more
+    assert started.done.wait(60) and background.dense is not None
+
+    failing = QuantizedLinear.from_gguf([weight], None, torch.bfloat16)
+    broken = plan_dense_copies(nn.Sequential(failing))
+    assert broken is not None
+    monkeypatch.setattr(onednn_linear, "_attach", lambda module: 1 / 0)
+    y = failing(large)  # the build fails; the quantized kernels answer
+    assert failing.dense is None and not failing.has_dense_copy
+    assert torch.equal(y, failing(large))
+    reference = large.double() @ failing.dequantize().double().T
+    assert (y.double() - reference).abs().max() <= 2e-2 * reference.abs().max()

@@ -11,6 +11,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from forklm.runtime.engine.engine import Engine
 
 HEAVY_MODULES = ("transformers.models.llama.configuration_llama", "torch.distributed.tensor",
@@ -81,3 +84,63 @@ def test_grammar_warm_up_waits_for_a_quiet_engine_and_ends_with_it(monkeypatch):
     engine.shutdown()
     _warm_up_grammar_when_idle(engine, idle_s=0.05)  # returns: nothing to wait for
     assert len(calls) == 1
+
+
+def test_start_up_pauses_the_collector_then_freezes_what_it_made():
+    """The command line's start-up (forklm/startup.py): collection paused, then back on with
+    start-up's objects frozen; started() leaves a collector nothing paused alone."""
+    import gc
+
+    import forklm.startup as startup
+
+    assert gc.isenabled()
+    startup.started()  # nothing paused it: no freeze
+    assert gc.get_freeze_count() == 0
+    try:
+        startup.pause_collection()
+        assert not gc.isenabled()
+        made = [[] for _ in range(100)]
+        startup.started()
+        assert gc.isenabled() and gc.get_freeze_count() >= len(made)
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def _dense_copies(engine: Engine) -> list:
+    from forklm.runtime.quant.linear import QuantizedLinear
+
+    return [m.dense for m in engine.parts.runner.model.modules()
+            if isinstance(m, QuantizedLinear)]
+
+
+def test_dense_copies_are_built_once_the_engine_idles_or_when_a_call_needs_them():
+    """An engine leaves the default model's dense bf16 copies to its idle time (a second after
+    its last request), or to the first call that needs one: greedy tokens are the same either
+    way."""
+    import time
+
+    from forklm.runtime.engine.loop import IDLE_BUILD_AFTER_S
+    from forklm.runtime.models.onednn_linear import can_pack
+
+    if not can_pack(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN bf16 on this CPU: no dense copies")
+    long_prompt = "Tell me about the sea. " * 12  # more rows than the quantized kernels take
+    params = {"max_new_tokens": 8, "temperature": 0}
+    eager = Engine(max_total_tokens=2048)
+    try:
+        assert not any(_dense_copies(eager))  # not yet: the engine has just started
+        first = eager.generate(long_prompt, params)  # a call that needs them builds them
+        assert all(_dense_copies(eager))
+    finally:
+        eager.shutdown()
+    idle = Engine(max_total_tokens=2048)
+    try:
+        deadline = time.monotonic() + IDLE_BUILD_AFTER_S + 30
+        while not all(_dense_copies(idle)):
+            assert time.monotonic() < deadline, "the idle engine never built its dense copies"
+            time.sleep(0.05)
+        assert idle.parts.runner.model.pending_dense_copies is None
+        assert idle.generate(long_prompt, params)["output_ids"] == first["output_ids"]
+    finally:
+        idle.shutdown()

@@ -13,6 +13,7 @@ from types import FrameType
 
 import uvicorn
 
+import forklm.startup as startup
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.engine.engine import Engine
 from forklm.runtime.errors import ForkLMError
@@ -48,6 +49,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         # slowed that load by more than it saved: benchmarks/startup.py).
         threading.Thread(target=_warm_up_grammar_when_idle, args=(engine,),
                          name="grammar-warm-up", daemon=True).start()
+        startup.started()  # the garbage collector back on, start-up's objects frozen
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", engine.config.model_path,
                     server_config.host, server_config.port)
         try:

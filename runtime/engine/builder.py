@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from forklm.runtime.config import EngineConfig
     from forklm.runtime.distributed.processes import WorkerProcesses
     from forklm.runtime.lora.registry import LoraRegistry
+    from forklm.runtime.models.onednn_linear import DenseCopyBuild
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class EngineParts:
     intake: RequestIntake
     pooling: str
     lora: LoraRegistry | None = None  # the LoRA adapters it serves (None: LoRA is off)
+    # weights the engine builds once it is first idle (or a call needs them first)
+    idle_build: DenseCopyBuild | None = None
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.config.model_path, self.config.tokenizer_path or self.config.model_path,
@@ -89,6 +92,7 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
     runner: ModelRunner
     lora: LoraRegistry | None = None
     vision: VisionStage | None = None
+    deferred: DenseCopyBuild | None = None
     if loaded.vision_config is not None:
         if workers is not None:
             raise InvalidArgumentError("tp_size", config.tp_size, "a vision-language model's "
@@ -106,8 +110,12 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
         kv = build_kv_manager(config, pool, context_len)
         runner = tp.runner(kv, spec.vocab_size)
     else:
-        model = build_model_for(config, loaded, spec, context_len)
-        capacity = kv_capacity(config, spec, context_len)
+        # the dense copies (~0.2 s on the default model) are left to the engine's idle time
+        # (EngineLoop), or to the first call that needs one (onednn_linear.DenseCopyBuild)
+        model = build_model_for(config, loaded, spec, context_len, defer_dense_copies=True)
+        deferred = model.pending_dense_copies
+        model.pending_dense_copies = None
+        capacity = kv_capacity(config, spec, context_len, deferred.nbytes if deferred else 0)
         pool, attn = build_kv_and_attention(config, spec, model, capacity)
         kv = build_kv_manager(config, pool, context_len)
         runner = ModelRunner(model, attn, kv, config.device)
@@ -134,6 +142,7 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
                              lora, vision),
         pooling=config.pooling or loaded.pooling or "last",
         lora=lora,
+        idle_build=deferred,
     )
 
 

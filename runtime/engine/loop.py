@@ -32,6 +32,12 @@ from forklm.runtime.engine.stats import EngineStats
 from forklm.runtime.errors import EngineShutdownError, WorkerLostError
 from forklm.runtime.scheduling.request import FinishReason, Req, ReqOutput
 
+# Seconds without requests after which the loop starts the engine's deferred build (dense
+# weight copies) in the background. Started at once, or after 0.3 s, it slowed a server's
+# start (its threads took the GIL from uvicorn's start-up and the routes' setup) and would slow
+# the first requests; a call that needs it first builds it on the spot.
+IDLE_BUILD_AFTER_S = 1.0
+
 if TYPE_CHECKING:
     from forklm.runtime.engine.builder import EngineParts
     from forklm.runtime.scheduling.scheduler import ScheduledBatch
@@ -53,6 +59,8 @@ class EngineLoop:
         self._worker: ForwardWorker | None = None  # set on the thread when overlap is on
         self._in_flight: InFlight | None = None
         self._governor: ThreadGovernor | None = None  # set on the thread: see _run
+        # built in the background once the loop has been idle for IDLE_BUILD_AFTER_S
+        self._idle_build = parts.idle_build
         self._thread = threading.Thread(target=self._run, name="forklm-engine", daemon=True)
         self._thread.start()
 
@@ -111,10 +119,20 @@ class EngineLoop:
         else:  # the forwards run on this thread, which can then tell whether it has its core
             self._governor = thread_governor(
                 torch.get_num_threads(), self.config.device == "cpu" and self.config.tp_size == 1)
+        busy_at = time.monotonic()  # when the loop last had requests
         try:
             while not self.closed:
                 idle = not self.parts.scheduler.has_work and self._in_flight is None
-                self._drain_inbox(block=idle)
+                timeout = 0.5
+                if not idle:
+                    busy_at = time.monotonic()
+                elif self._idle_build is not None:
+                    timeout = busy_at + IDLE_BUILD_AFTER_S - time.monotonic()
+                    if timeout <= 0:  # idle long enough: its turn
+                        self._idle_build.start()
+                        self._idle_build = None
+                        timeout = 0.5
+                self._drain_inbox(block=idle, timeout=min(max(timeout, 0.01), 0.5))
                 if not self.closed:
                     self._guarded_step()
                     if pins is not None:
@@ -161,9 +179,9 @@ class EngineLoop:
             self._in_flight = None
             self.parts.runner.close()
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool, timeout: float = 0.5) -> None:
         try:
-            fn = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            fn = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -25,10 +25,10 @@ from forklm.runtime.models.fp16_linear import (
 )
 from forklm.runtime.models.gemma4 import Gemma4CausalLM
 from forklm.runtime.models.onednn_linear import (
-    attach_dense_copies,
     can_pack,
     pack_linears,
     packed_tied_head,
+    plan_dense_copies,
 )
 
 if TYPE_CHECKING:
@@ -39,15 +39,18 @@ logger = logging.getLogger(__name__)
 
 
 def build_model_for(config: EngineConfig, loaded: LoadedModel, spec: ModelSpec,
-                    context_len: int) -> CausalLM:
+                    context_len: int, defer_dense_copies: bool = False) -> CausalLM:
     """The model `config` asks for (dtype, device, quantized or not) with `loaded`'s weights;
-    under tensor parallelism `spec` and `loaded` are this rank's shard of them."""
+    under tensor parallelism `spec` and `loaded` are this rank's shard of them. With
+    `defer_dense_copies` (and no torch.compile, whose graphs must see them built) its dense
+    copies are left to the caller: model.pending_dense_copies."""
     keep_quantized = keeps_gguf_quantized(config, loaded)
     return build_model(loaded, spec, getattr(torch, config.torch_dtype_name), config.device,
                        context_len, keep_quantized=keep_quantized,
                        dense_copies=config.quantization is None,
                        fp16_weights=uses_fp16_weights(config, keep_quantized),
-                       int8_activations=not config.disable_int8_activations)
+                       int8_activations=not config.disable_int8_activations,
+                       defer_dense_copies=defer_dense_copies and not config.enable_torch_compile)
 
 
 def causal_lm_class(spec: ModelSpec) -> type[CausalLM]:
@@ -58,13 +61,14 @@ def causal_lm_class(spec: ModelSpec) -> type[CausalLM]:
 def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device: str,
                 max_positions: int, keep_quantized: bool = False,
                 dense_copies: bool = False, fp16_weights: bool = False,
-                int8_activations: bool = False) -> CausalLM:
+                int8_activations: bool = False, defer_dense_copies: bool = False) -> CausalLM:
     """The model on the meta device (no memory), then its weights streamed in one by one.
     bf16 linears on a CPU with oneDNN bf16 get packed weights; with `dense_copies` a small
     quantized model also gets packed bf16 copies of its quantized matrices for larger batches;
     with `fp16_weights` float32 linears keep FBGEMM-packed float16 weights (fp16_linear.py);
     with `int8_activations` quantized matrices multiply decode-sized calls with int8 dot
-    products where the CPU has them (quant/linear.py)."""
+    products where the CPU has them (quant/linear.py); with `defer_dense_copies` the dense
+    copies are planned, not built (model.pending_dense_copies: run or start it)."""
     with torch.device("meta"):
         model = causal_lm_class(spec)(spec, loaded.config, max_positions)
     factory = None
@@ -76,8 +80,11 @@ def build_model(loaded: LoadedModel, spec: ModelSpec, dtype: torch.dtype, device
     WeightLoader(model, dtype, device, factory).load(loaded.weights(keep_quantized))
     if can_pack(dtype, device):
         pack_linears(model)
-        if keep_quantized and dense_copies:
-            attach_dense_copies(model)
+        build = plan_dense_copies(model) if keep_quantized and dense_copies else None
+        if build is not None and defer_dense_copies:
+            model.pending_dense_copies = build
+        elif build is not None:
+            build.run()
         if keep_quantized and int8_activations:
             from forklm.runtime.quant.linear import use_int8_activations
 
@@ -115,9 +122,11 @@ def keeps_gguf_quantized(config: EngineConfig, loaded: LoadedModel) -> bool:
     return config.dtype != "float32" and quantized_is_faster(config.device)
 
 
-def kv_capacity(config: EngineConfig, spec: ModelSpec, context_len: int) -> int:
+def kv_capacity(config: EngineConfig, spec: ModelSpec, context_len: int,
+                pending_bytes: int = 0) -> int:
     """KV slots for `spec`'s KV heads (a rank's own under tensor parallelism). Called after the
-    weights are loaded (a GPU's free memory then counts them)."""
+    weights are loaded (a GPU's free memory then counts them); `pending_bytes`: CPU memory
+    weights still to be built will take (deferred dense copies)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
     kv_dtype = getattr(torch, config.kv_torch_dtype_name)
@@ -129,7 +138,7 @@ def kv_capacity(config: EngineConfig, spec: ModelSpec, context_len: int) -> int:
         fraction = config.mem_fraction_static or kv_sizing.DEFAULT_MEM_FRACTION_STATIC
         tokens = kv_sizing.gpu_kv_tokens(kv_sizing.DeviceMemory(total, free), fraction, per_token)
     else:
-        tokens = kv_sizing.cpu_kv_tokens(psutil.virtual_memory().available,
+        tokens = kv_sizing.cpu_kv_tokens(psutil.virtual_memory().available - pending_bytes,
                                          config.max_total_tokens_fraction, per_token)
     capacity = kv_sizing.capped(tokens, config.max_running_requests, context_len)
     logger.info("KV pool: %d tokens, %.2f GiB", capacity, capacity * per_token / kv_sizing.GIB)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from forklm.runtime.forward.batch import ForwardBatch
     from forklm.runtime.forward.torch_compile import CompiledLayerSteps
     from forklm.runtime.models.fused_layers import FusedDecodeLayers
+    from forklm.runtime.models.onednn_linear import DenseCopyBuild
     from forklm.runtime.models.spec import ModelSpec
 
 
@@ -235,6 +236,9 @@ class CausalLM(nn.Module):
         self.compiled_steps: CompiledLayerSteps | None = None
         # The layers with fused C steps for decode-like CPU batches (fused_layers.py).
         self.fused_layers: FusedDecodeLayers | None = None
+        # dense copies of the quantized matrices still to be built (build_model's
+        # defer_dense_copies): the engine sizes its KV pool with their bytes, then starts them
+        self.pending_dense_copies: DenseCopyBuild | None = None
 
     @property
     def attention_layers(self) -> list[AttentionLayerSpec]:

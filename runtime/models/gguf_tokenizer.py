@@ -82,7 +82,7 @@ def _transformers_model_type(meta: dict[str, Any]) -> str | None:
         return "mistral"
     if arch in ("t5", "t5encoder"):
         return "umt5" if "umt5" in str(name or "").lower() else "t5"
-    return {"gemma3": "gemma3_text"}.get(arch, arch)
+    return "gemma3_text" if arch == "gemma3" else str(arch)
 
 
 def tokenizer_of_gguf(path: pathlib.Path) -> transformers.PreTrainedTokenizerBase:

@@ -10,13 +10,23 @@ own float32 forward uses, which the token-exact tests compare against.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from forklm.runtime.models.weights import BUILD_THREADS, replace_linears
+
+if TYPE_CHECKING:
+    from forklm.runtime.quant.linear import QuantizedLinear
+
+logger = logging.getLogger(__name__)
 
 # The weight layout is chosen for this many rows; 1 measured best for decode and within a few %
 # of the row-count-specific layout for 16-1024-row prefills (NOTES.md).
@@ -81,22 +91,76 @@ def packed_tied_head(table: torch.Tensor) -> OneDNNLinear | None:
     return OneDNNLinear(table, None)
 
 
-def attach_dense_copies(model: nn.Module, max_bytes: int = MAX_DENSE_COPY_BYTES) -> int:
-    """Give every QuantizedLinear under `model` a packed bf16 copy of its weight (used from
-    DENSE_COPY_MIN_ROWS rows) when all of them together fit in `max_bytes`; returns the bytes
-    attached (0: none). One fp32 matrix is dequantized at a time."""
+def plan_dense_copies(model: nn.Module, max_bytes: int = MAX_DENSE_COPY_BYTES
+                        ) -> DenseCopyBuild | None:
+    """Plan a packed bf16 copy of the weight of every QuantizedLinear under `model` (used from
+    dense_copy_min_rows() rows) when all of them together fit in `max_bytes`: the build, to be
+    run or started (None: no copies)."""
     from forklm.runtime.quant.linear import QuantizedLinear
 
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    total = sum(m.out_features * m.in_features * 2 for m in quantized)
-    if not quantized or total > max_bytes:
-        return 0
+    nbytes = sum(m.out_features * m.in_features * 2 for m in quantized)
+    return DenseCopyBuild(quantized, nbytes) if quantized and nbytes <= max_bytes else None
 
-    def attach(module: QuantizedLinear) -> None:
-        module.dense = OneDNNLinear(module.dequantize().to(torch.bfloat16), None)
 
-    # Two at a time: the dequantization (C), the bf16 rounding and oneDNN's reorder all let go of
-    # the GIL (the default model's copies take 0.34 s one by one).
-    with ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="forklm-dense") as pool:
-        list(pool.map(attach, quantized))
-    return total
+class DenseCopyBuild:
+    """The dense copies of some QuantizedLinears, built one fp32 matrix at a time on two
+    threads (the dequantization (C), the bf16 rounding and oneDNN's reorder all let go of the
+    GIL: the default model's copies take 0.34 s one by one). An engine leaves them to its idle
+    time (~0.2 s off its start): `start` builds them in the background, and a forward call that
+    needs a copy first (its rows at or above dense_copy_min_rows()) builds them itself, or waits
+    for the background build. Every call multiplies by the same weights the same way whenever
+    it comes."""
+
+    def __init__(self, modules: list[QuantizedLinear], nbytes: int) -> None:
+        self.modules, self.nbytes = modules, nbytes
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._claimed = False  # by the one caller that builds them
+        for module in modules:
+            module.dense_build = self
+
+    def run(self) -> None:
+        """Build them here and now (unless a build has begun), then return when they are built."""
+        if self._claim():
+            self._build()
+        self.done.wait()
+
+    def start(self) -> None:
+        """Build them in the background (unless a build has begun), on threads of the lowest CPU
+        priority: requests keep the cores they need, the copies take what is left."""
+        if self._claim():
+            threading.Thread(target=self._build, args=(_lowest_priority,),
+                             name="forklm-dense-copies", daemon=True).start()
+
+    def wait(self) -> None:
+        """A forward call that needs a copy: build them now if nothing has started them."""
+        self.run()
+
+    def _claim(self) -> bool:
+        with self._lock:
+            claimed, self._claimed = self._claimed, True
+            return not claimed
+
+    def _build(self, initializer: Callable[[], None] | None = None) -> None:
+        try:
+            with ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="forklm-dense",
+                                    initializer=initializer) as pool:
+                list(pool.map(_attach, self.modules))
+        except Exception:  # each module keeps its quantized kernels, which stay correct
+            logger.exception("building the dense bf16 copies failed; larger batches run on "
+                             "the quantized kernels")
+        finally:
+            for module in self.modules:
+                module.dense_build = None
+            self.done.set()
+
+
+def _lowest_priority() -> None:
+    """The calling thread (and the OpenMP workers it starts, which inherit it) at nice 19."""
+    with contextlib.suppress(OSError):  # not Linux, or not allowed: the build just competes
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def _attach(module: QuantizedLinear) -> None:
+    module.dense = OneDNNLinear(module.dequantize().to(torch.bfloat16), None)

@@ -40,7 +40,7 @@ RECORD_BYTES = {GGMLQuantizationType.Q4_K: 320 + 8 * 256, GGMLQuantizationType.Q
                 GGMLQuantizationType.Q5_0: 32 + 320, GGMLQuantizationType.Q8_0: 32 + 512}
 KQUANT_TYPES = frozenset(RECORD_BYTES)
 # Calls of this many rows or more use a model's dense bf16 copy where it has one (small models,
-# onednn_linear.attach_dense_copies): where the packed bf16 GEMM overtakes the int8 records
+# onednn_linear.plan_dense_copies): where the packed bf16 GEMM overtakes the int8 records
 # (benchmarks/kquant_matmul.py, session 16, 8192x2048 and 2048x8192 records / packed copy: 12
 # rows 0.75-0.92, 16 rows 0.96-1.12, 32 rows 0.90-1.17).
 DENSE_COPY_MIN_ROWS = 16

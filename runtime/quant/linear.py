@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from gguf import GGMLQuantizationType
@@ -18,6 +19,9 @@ from forklm.kernels.cpu.huge_pages import streamed_empty
 from forklm.runtime.quant import kquant
 from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
 from forklm.runtime.quant.kquant import KQuantMatrix
+
+if TYPE_CHECKING:
+    from forklm.runtime.models.onednn_linear import DenseCopyBuild
 
 _Fn = Callable[[torch.Tensor], torch.Tensor]
 KERNEL_GROUP = 32  # the smallest group the int4 kernel takes (it accepts 32, 64, 128, 256)
@@ -34,7 +38,7 @@ DENSE_MIN_ROWS = 128
 # ... but not for matrices this large (a vocabulary-sized LM head: dequantizing 49152x1152 codes
 # writes 113 MB per call, more than its few logits rows cost in the kernel).
 DENSE_MAX_ELEMENTS = 8 * 2**20
-# With a dense copy attached (small models, see onednn_linear.attach_dense_copies), calls of this
+# With a dense copy attached (small models, see onednn_linear.plan_dense_copies), calls of this
 # many rows or more use it: the int4 kernel is faster below (fewer weight bytes to stream), the
 # packed bf16 GEMM above (NOTES.md, "int4 for small batches, a dense copy for the rest"; session
 # 12 moved it from 8 to 9: a batch-8 decode step 18.1-23.3 -> 15.5-22.1 ms with int4, batch 10
@@ -227,6 +231,7 @@ class QuantizedLinear(nn.Module):
     quant_speed)."""
 
     bias: torch.Tensor | None  # [out] in `dtype`
+    dense: nn.Module | None
 
     def __init__(self, segments: list[Int4Matrix | KQuantMatrix], bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -239,8 +244,13 @@ class QuantizedLinear(nn.Module):
         self.dtype = dtype
         assert bias is None or bias.shape == (self.out_features,), f"bias {tuple(bias.shape)}"
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        # Optional bf16 copy of the weight for calls of DENSE_COPY_MIN_ROWS rows or more.
-        self.dense: nn.Module | None = None
+        # Optional bf16 copy of the weight for calls of dense_copy_min_rows() rows or more;
+        # registered empty so that a copy built on a background thread fills an existing entry
+        # (iterating the modules meanwhile stays safe)
+        self.register_module("dense", None)
+        # set while that copy is being built (onednn_linear.DenseCopyBuild): calls it would take
+        # wait for it
+        self.dense_build: DenseCopyBuild | None = None
 
     @classmethod
     def from_gguf(cls, parts: list[GGUFWeight], bias: torch.Tensor | None, dtype: torch.dtype,
@@ -274,8 +284,9 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(self.kernel_dtype).contiguous()  # [M, in]
         if x2.shape[0] == 0:
             y = x2.new_empty(0, self.out_features)
-        elif self.dense is not None and x2.shape[0] >= self.dense_copy_min_rows():
-            y = self.dense(x2.to(torch.bfloat16))
+        elif (self.has_dense_copy and x2.shape[0] >= self.dense_copy_min_rows()
+              and (dense := self._dense_copy()) is not None):
+            y = dense(x2.to(torch.bfloat16))
         else:
             outs = [segment.matmul(x2) for segment in self.matrices]
             y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)  # [M, out]
@@ -283,6 +294,18 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.view(*lead, self.out_features)
+
+    @property
+    def has_dense_copy(self) -> bool:
+        """Whether forward takes larger calls to a dense copy: attached, or being built."""
+        return self.dense is not None or self.dense_build is not None
+
+    def _dense_copy(self) -> nn.Module | None:
+        """The dense copy, once its background build is over (None if that build failed:
+        forward then keeps to the quantized kernels, which compute the same weights)."""
+        if self.dense is None and self.dense_build is not None:
+            self.dense_build.wait()
+        return self.dense
 
     def dense_copy_min_rows(self) -> int:
         """Rows from which forward uses the dense copy (when one is attached)."""
@@ -306,7 +329,7 @@ class QuantizedLinear(nn.Module):
         forward, native = self.forward, matrices[0].native()
         int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
         # rows at which forward leaves the int4 kernels (the dense copy, or a dequantized GEMM)
-        kernel_rows = self.dense_copy_min_rows() if self.dense is not None else DENSE_MIN_ROWS
+        kernel_rows = self.dense_copy_min_rows() if self.has_dense_copy else DENSE_MIN_ROWS
         native_rows = min(kernel_rows, native_kernels.INT4_MAX_ROWS + 1) if native else 0
 
         def call(x: torch.Tensor) -> torch.Tensor:
@@ -326,7 +349,7 @@ class QuantizedLinear(nn.Module):
         forward, native = self.forward, matrix.native()
         if native is None:
             return forward
-        dense_rows = self.dense_copy_min_rows() if self.dense is not None else 2**62
+        dense_rows = self.dense_copy_min_rows() if self.has_dense_copy else 2**62
         kernel_rows = min(dense_rows, kquant.DEQUANTIZE_MIN_ROWS)
 
         def call(x: torch.Tensor) -> torch.Tensor:
