@@ -195,14 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     # the collector off while the commands' modules load (the parser's flags import the server
     # and engine stacks) and an engine builds; each long-running command calls started()
     startup.pause_collection()
-    args = build_parser().parse_args(argv)
-    from forklm.runtime.errors import ModelNotFoundError
-
     try:
-        return args.func(args)
-    except ModelNotFoundError as e:  # a model that cannot be found or run: say why, no traceback
-        print(f"forklm {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+        from forklm.runtime.errors import ModelNotFoundError
+
+        try:
+            return args.func(args)
+        except ModelNotFoundError as e:  # a model that cannot be found or run: say why
+            print(f"forklm {args.command}: error: {e}", file=sys.stderr)
+            return 2
+    finally:  # a command that ends, or fails, before its start-up is over
+        startup.resumed()
 
 
 if __name__ == "__main__":

@@ -12,15 +12,33 @@ from __future__ import annotations
 
 import gc
 
+_paused = False  # by pause_collection, and not yet back on
+
 
 def pause_collection() -> None:
-    """Off until started(): call first thing in a command that builds an engine."""
-    gc.disable()
+    """Off until started() or resumed(): call first thing in a command that builds an engine.
+    A collector someone else turned off stays theirs to turn on."""
+    global _paused
+    if gc.isenabled():
+        gc.disable()
+        _paused = True
 
 
 def started() -> None:
-    """Start-up is over: freeze what it made and collect from here on. A no-op where the
-    collector is on (nothing paused it: an engine or server built inside someone's process)."""
-    if not gc.isenabled():
+    """Start-up is over: freeze what it made and collect from here on (where
+    pause_collection turned the collector off; a no-op otherwise)."""
+    global _paused
+    if _paused:
         gc.freeze()
         gc.enable()
+        _paused = False
+
+
+def resumed() -> None:
+    """The collector back on without freezing anything, where pause_collection turned it off
+    and start-up never ended (a command that failed, or did its work and returned: the command
+    line called in someone's process must leave it as it found it)."""
+    global _paused
+    if _paused:
+        gc.enable()
+        _paused = False

@@ -88,23 +88,47 @@ def test_grammar_warm_up_waits_for_a_quiet_engine_and_ends_with_it(monkeypatch):
 
 def test_start_up_pauses_the_collector_then_freezes_what_it_made():
     """The command line's start-up (forklm/startup.py): collection paused, then back on with
-    start-up's objects frozen; started() leaves a collector nothing paused alone."""
+    start-up's objects frozen; a collector that something else turned off is left to it."""
     import gc
 
     import forklm.startup as startup
 
-    assert gc.isenabled()
-    startup.started()  # nothing paused it: no freeze
-    assert gc.get_freeze_count() == 0
+    was_enabled = gc.isenabled()
+    gc.enable()
     try:
         startup.pause_collection()
         assert not gc.isenabled()
         made = [[] for _ in range(100)]
         startup.started()
         assert gc.isenabled() and gc.get_freeze_count() >= len(made)
+        gc.unfreeze()
+        startup.started()  # nothing paused it since: no freeze
+        assert gc.get_freeze_count() == 0
+        gc.disable()  # off by someone else: pause, started and resumed leave it off
+        startup.pause_collection()
+        startup.started()
+        startup.resumed()
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
-        gc.enable()
+        if was_enabled:
+            gc.enable()
+
+
+def test_the_command_line_leaves_the_collector_on_when_a_command_ends_early(capsys):
+    """main() called in a process (as tests and embedders do): a command that fails at its
+    flags, or returns, leaves the collector on, with nothing frozen."""
+    import gc
+
+    from forklm.cli import main
+
+    assert gc.isenabled()
+    with pytest.raises(SystemExit):
+        main(["serve", "--no-such-flag"])
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert main(["serve", "--dp-size", "0"]) == 2  # refused by its config
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert "dp_size" in capsys.readouterr().err
 
 
 def _dense_copies(engine: Engine) -> list:

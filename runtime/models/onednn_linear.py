@@ -121,7 +121,8 @@ class DenseCopyBuild:
             module.dense_build = self
 
     def run(self) -> None:
-        """Build them here and now (unless a build has begun), then return when they are built."""
+        """Build them here and now unless a build has begun (a forward call that needs a copy
+        first, or an engine that does not defer them), then return once they are built."""
         if self._claim():
             self._build()
         self.done.wait()
@@ -132,10 +133,6 @@ class DenseCopyBuild:
         if self._claim():
             threading.Thread(target=self._build, args=(_lowest_priority,),
                              name="forklm-dense-copies", daemon=True).start()
-
-    def wait(self) -> None:
-        """A forward call that needs a copy: build them now if nothing has started them."""
-        self.run()
 
     def _claim(self) -> bool:
         with self._lock:

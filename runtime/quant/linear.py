@@ -303,8 +303,9 @@ class QuantizedLinear(nn.Module):
     def _dense_copy(self) -> nn.Module | None:
         """The dense copy, once its background build is over (None if that build failed:
         forward then keeps to the quantized kernels, which compute the same weights)."""
-        if self.dense is None and self.dense_build is not None:
-            self.dense_build.wait()
+        build = self.dense_build  # read once: the build clears it when it ends
+        if self.dense is None and build is not None:
+            build.run()
         return self.dense
 
     def dense_copy_min_rows(self) -> int:
