@@ -27,18 +27,20 @@ def pause_collection() -> None:
 def started() -> None:
     """Start-up is over: freeze what it made and collect from here on (where
     pause_collection turned the collector off; a no-op otherwise)."""
-    global _paused
-    if _paused:
-        gc.freeze()
-        gc.enable()
-        _paused = False
+    _back_on(freeze=True)
 
 
 def resumed() -> None:
     """The collector back on without freezing anything, where pause_collection turned it off
     and start-up never ended (a command that failed, or did its work and returned: the command
     line called in someone's process must leave it as it found it)."""
+    _back_on(freeze=False)
+
+
+def _back_on(freeze: bool) -> None:
     global _paused
     if _paused:
+        if freeze:
+            gc.freeze()
         gc.enable()
         _paused = False

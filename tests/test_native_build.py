@@ -57,20 +57,19 @@ def prebuilt(tmp_path_factory):
 
 def _copy_current(source, out, names: set[str]) -> dict | None:
     """Copy every library of the levels `names` from `source` into `out`, with their manifest,
-    when all were built from the current sources; None (nothing copied) otherwise."""
-    try:
-        manifest = json.loads((source / native_build.MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    wanted = {f"{stem}-{name}": native_build.source_key(
-                  native_build.HERE / f"{stem}.c", level.target)
-              for stem in native_build.LIBRARIES for level in native_build.levels()
-              for name in names if level.name == name}
-    if any(manifest.get(key, {}).get("key") != current or not (source / f"{key}.so").is_file()
-           for key, current in wanted.items()):
-        return None
+    when all were built from the current sources (native_build.prebuilt_library finds each for
+    a CPU of exactly that level); None (nothing copied) otherwise."""
+    wanted = []
+    for stem in native_build.LIBRARIES:
+        for level in native_build.levels():
+            if level.name in names:
+                found = native_build.prebuilt_library(stem, source, level.needs)
+                if found is None or found[1] != level.name:  # missing, or from older sources
+                    return None
+                wanted.append(f"{stem}-{level.name}")
     for key in wanted:
         shutil.copy(source / f"{key}.so", out / f"{key}.so")
+    manifest = json.loads((source / native_build.MANIFEST).read_text())
     copied = {key: manifest[key] for key in wanted}
     (out / native_build.MANIFEST).write_text(json.dumps(copied))
     return copied

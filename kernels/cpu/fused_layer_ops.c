@@ -120,8 +120,9 @@ static inline __attribute__((always_inline)) void store_kv(const void *src, int6
  * each). Writes rotated q to q_out [tokens, heads * d]; rotated k and v to rows out_slots[t] of
  * k_layer / v_layer [slots, kv_heads * d] (of kv_dtype: dtype, an 8-bit float, or int8 codes
  * with their scales in k_scale / v_scale [slots, kv_heads], else NULL). cos / sin [tokens, d]
- * are the tokens' table rows in the same dtype. q_norm / k_norm [d] (or NULL): an RMSNorm of each q / k head before its
- * rotation. The caller checks out_slots against the pool and d <= FUSED_MAX_HEAD_DIM. */
+ * are the tokens' table rows in the same dtype. q_norm / k_norm [d] (or NULL): an RMSNorm of
+ * each q / k head before its rotation. The caller checks out_slots against the pool and
+ * d <= FUSED_MAX_HEAD_DIM. */
 static inline __attribute__((always_inline)) void rope_store(
         int64_t tokens, const void *qkv, int64_t qkv_stride, int64_t heads, int64_t kv_heads,
         int64_t d, const void *cos, const void *sin, const int64_t *out_slots, void *k_layer,

@@ -215,7 +215,8 @@ static inline __attribute__((always_inline)) void pack_group(int type, const uin
 }
 
 /* A legacy block (32 k of one row): its fp16 step and codes (Q8_0: c + 128, so 0..255). */
-static inline __attribute__((always_inline)) void unpack_legacy(int type, const uint8_t *b, uint16_t *d, uint8_t *q) {
+static inline __attribute__((always_inline)) void unpack_legacy(int type, const uint8_t *b,
+                                                                uint16_t *d, uint8_t *q) {
     memcpy(d, b, 2);
     if (type == KQ_Q8_0) {
         for (int j = 0; j < GROUP; j++) q[j] = (uint8_t)((int8_t)b[2 + j] + 128);
@@ -231,8 +232,9 @@ static inline __attribute__((always_inline)) void unpack_legacy(int type, const 
 }
 
 /* The legacy types' records: a header of the 16 rows' fp16 steps, then one group. */
-static inline __attribute__((always_inline)) void repack_legacy(int type, const int64_t *rows, int64_t n_out, int64_t n_rows, int64_t k,
-                          uint8_t *records) {
+static inline __attribute__((always_inline)) void repack_legacy(int type, const int64_t *rows,
+                                                                int64_t n_out, int64_t n_rows,
+                                                                int64_t k, uint8_t *records) {
     const int64_t rec = record_bytes(type), groups = k / GROUP;
     for (int64_t b = 0; b < n_rows / ROWS; b++)
         for (int64_t g = 0; g < groups; g++) {
@@ -250,30 +252,7 @@ static inline __attribute__((always_inline)) void repack_legacy(int type, const 
         }
 }
 
-/* records: n_rows / 16 blocks x k / record_k records. rows[r]: the file bytes of weight row r
- * (k / record_k blocks) for r < n_out; rows n_out .. n_rows - 1 are zero weights. Returns 0, or
- * -1 for a shape or type it does not take. */
-static inline __attribute__((always_inline)) void repack(int type, const int64_t *rows,
-                                                         int64_t n_out, int64_t n_rows, int64_t k,
-                                                         uint8_t *records);
-
-int kquant_repack(int type, const int64_t *rows, int64_t n_out, int64_t n_rows, int64_t k,
-                  uint8_t *records) {
-    if (!group_bytes(type) || k <= 0 || k % record_k(type) || n_rows % ROWS || n_out > n_rows ||
-        n_out < 0)
-        return -1;
-    memset(records, 0, (size_t)(n_rows / ROWS * (k / record_k(type)) * record_bytes(type)));
-    switch (type) { /* one copy of the repack per type, its branches folded away */
-    case KQ_Q4_0: repack(KQ_Q4_0, rows, n_out, n_rows, k, records); break;
-    case KQ_Q5_0: repack(KQ_Q5_0, rows, n_out, n_rows, k, records); break;
-    case KQ_Q8_0: repack(KQ_Q8_0, rows, n_out, n_rows, k, records); break;
-    case KQ_Q4_K: repack(KQ_Q4_K, rows, n_out, n_rows, k, records); break;
-    case KQ_Q5_K: repack(KQ_Q5_K, rows, n_out, n_rows, k, records); break;
-    default: repack(KQ_Q6_K, rows, n_out, n_rows, k, records); break;
-    }
-    return 0;
-}
-
+/* kquant_repack's work for one type (inlined with the type a constant). */
 static inline __attribute__((always_inline)) void repack(int type, const int64_t *rows,
                                                          int64_t n_out, int64_t n_rows, int64_t k,
                                                          uint8_t *records) {
@@ -308,6 +287,26 @@ static inline __attribute__((always_inline)) void repack(int type, const int64_t
                 pack_group(type, q, r + header_bytes(type) + g * gb);
             }
         }
+}
+
+/* records: n_rows / 16 blocks x k / record_k records. rows[r]: the file bytes of weight row r
+ * (k / record_k blocks) for r < n_out; rows n_out .. n_rows - 1 are zero weights. Returns 0, or
+ * -1 for a shape or type it does not take. */
+int kquant_repack(int type, const int64_t *rows, int64_t n_out, int64_t n_rows, int64_t k,
+                  uint8_t *records) {
+    if (!group_bytes(type) || k <= 0 || k % record_k(type) || n_rows % ROWS || n_out > n_rows ||
+        n_out < 0)
+        return -1;
+    memset(records, 0, (size_t)(n_rows / ROWS * (k / record_k(type)) * record_bytes(type)));
+    switch (type) { /* one copy of the repack per type, its branches folded away */
+    case KQ_Q4_0: repack(KQ_Q4_0, rows, n_out, n_rows, k, records); break;
+    case KQ_Q5_0: repack(KQ_Q5_0, rows, n_out, n_rows, k, records); break;
+    case KQ_Q8_0: repack(KQ_Q8_0, rows, n_out, n_rows, k, records); break;
+    case KQ_Q4_K: repack(KQ_Q4_K, rows, n_out, n_rows, k, records); break;
+    case KQ_Q5_K: repack(KQ_Q5_K, rows, n_out, n_rows, k, records); break;
+    default: repack(KQ_Q6_K, rows, n_out, n_rows, k, records); break;
+    }
+    return 0;
 }
 
 /* The code of row i (0..15 in its block) at k offset kk (0..record_k - 1) of a record. */

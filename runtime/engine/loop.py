@@ -124,15 +124,16 @@ class EngineLoop:
             while not self.closed:
                 idle = not self.parts.scheduler.has_work and self._in_flight is None
                 timeout = 0.5
-                if not idle:
-                    busy_at = time.monotonic()
-                elif self._idle_build is not None:
-                    timeout = busy_at + IDLE_BUILD_AFTER_S - time.monotonic()
-                    if timeout <= 0:  # idle long enough: its turn
+                if self._idle_build is not None:  # nothing to time once it has started
+                    now = time.monotonic()
+                    if not idle:
+                        busy_at = now
+                    elif now - busy_at >= IDLE_BUILD_AFTER_S:  # idle long enough: its turn
                         self._idle_build.start()
                         self._idle_build = None
-                        timeout = 0.5
-                self._drain_inbox(block=idle, timeout=min(max(timeout, 0.01), 0.5))
+                    else:
+                        timeout = min(busy_at + IDLE_BUILD_AFTER_S - now, timeout)
+                self._drain_inbox(block=idle, timeout=timeout)
                 if not self.closed:
                     self._guarded_step()
                     if pins is not None:
