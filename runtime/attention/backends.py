@@ -112,12 +112,16 @@ class TorchAttention:
         self.min_split_batch = MIN_SPLIT_BATCH.get(pool.dtype, MIN_SPLIT_BATCH_DEFAULT)
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
-        # Query i of request b sits at position prefix_b + i and sees keys j <= prefix_b + i.
+        # Query i of request b sits at position prefix_b + i and sees keys j <= prefix_b + i
+        # (or j < its key end, where the batch gives one: an image token sees its image).
         prefix = (batch.kv_lens - batch.q_lens)[:, None, None]  # [batch, 1, 1]
         device = batch.q_lens.device
         q_pos = torch.arange(batch.max_q_len, device=device)[None, :, None] + prefix  # [batch, max_q, 1]
         k_pos = torch.arange(batch.slot_table.shape[1], device=device)[None, None, :]  # [1, 1, max_kv]
-        mask = k_pos <= q_pos  # [batch, max_q, max_kv]; padded queries still see key 0
+        if batch.key_ends is None:
+            mask = k_pos <= q_pos  # [batch, max_q, max_kv]; padded queries still see key 0
+        else:  # padded queries repeat a real one's index, so they see its keys
+            mask = k_pos < batch.key_ends[batch.q_index][:, :, None]
         # The GQA group is folded into the query axis: row g * max_q + i.
         folded = mask.repeat(1, self.group, 1)[:, None]  # [batch, 1, group*max_q, max_kv]
         window_masks = {}
@@ -128,7 +132,8 @@ class TorchAttention:
                 for w in self.windows}
         # The split gathers only each request's suffix for every layer, so a model with a
         # windowed or soft-capped layer (which reads the whole context) never splits.
-        shared = 0 if self.windows or self.softcapped or self.alibi is not None else (
+        shared = 0 if (self.windows or self.softcapped or self.alibi is not None
+                       or batch.key_ends is not None) else (
             _shared_prefix_len(batch, self.min_split_batch))
         table = batch.slot_table
         # Additive mask for the own-suffix part of a split (the flash op takes q's dtype).

@@ -90,7 +90,11 @@ class BatchInvariantAttention:
         chunks = -(-batch.slot_table.shape[1] // KEY_CHUNK)
         table = F.pad(batch.slot_table, (0, chunks * KEY_CHUNK - batch.slot_table.shape[1]))
         k_pos = torch.arange(chunks * KEY_CHUNK, device=device)[None, None, :]
-        after = k_pos > q_pos  # [b, tiles*tile, keys]
+        if batch.key_ends is None:
+            after = k_pos > q_pos  # [b, tiles*tile, keys]
+        else:  # an image token sees its whole image: keys from its key end on are hidden
+            rows_q = batch.q_index.gather(1, i)  # [b, tiles*tile] packed index of each row
+            after = k_pos >= batch.key_ends[rows_q][:, :, None]
         hidden: dict[int | None, torch.Tensor] = {None: after}
         for w in self.windows:
             hidden[w] = after | (k_pos <= q_pos - w)

@@ -39,7 +39,7 @@ class NativeAttention(TorchAttention):
     """TorchAttention with the decode-like batches (max_q_len <= NATIVE_MAX_Q_LEN, CPU tensors,
     a pool dtype the kernel handles: the model's, or an 8-bit format) run by the native kernel:
     no K/V gather, no padding, the GQA group's query heads scored together against each K/V row.
-    Prefill stays on SDPA."""
+    Prefill, and a chunk whose image tokens see past themselves, stays on SDPA."""
 
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  layers: Sequence[AttentionLayerSpec] | None = None):
@@ -61,8 +61,8 @@ class NativeAttention(TorchAttention):
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         if (not self.enabled or batch.max_q_len > NATIVE_MAX_Q_LEN
-                or batch.q_lens.device.type != "cpu"):
-            return super().prepare(batch)
+                or batch.q_lens.device.type != "cpu" or batch.key_ends is not None):
+            return super().prepare(batch)  # the kernel's keys end at each query's position
         table = batch.slot_table.contiguous()
         # Never read outside the table row or the pool: the kernel trusts both bounds.
         assert int(batch.kv_lens.max()) <= table.shape[1], "kv_lens past the slot table"

@@ -13,7 +13,13 @@ import torch
 from forklm.kernels.triton.decode_attention import decode_attention
 from forklm.kernels.triton.extend_attention import extend_attention
 from forklm.kernels.triton.store_kv import store_kv
-from forklm.runtime.attention.backends import AttentionLayerSpec, alibi_slopes_of, layer_specs
+from forklm.runtime.attention.backends import (
+    AttentionLayerSpec,
+    TorchAttention,
+    TorchAttentionMeta,
+    alibi_slopes_of,
+    layer_specs,
+)
 from forklm.runtime.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -49,8 +55,13 @@ class TritonAttention:
                                        "(TRITON_INTERPRET=1 runs it on the CPU, slowly, for tests)")
         self.pool = pool
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # The kernels' keys end at each query's position: a chunk whose image tokens see their
+        # whole image (Gemma 3) runs on SDPA with its mask instead, over the same pool.
+        self.wide_keys = TorchAttention(pool, num_heads, num_kv_heads, head_dim, layers)
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
+        if batch.key_ends is not None:
+            return self.wide_keys.prepare(batch)
         table = batch.slot_table.contiguous()  # [batch, width]
         width = table.shape[1]
         meta = {
@@ -73,6 +84,8 @@ class TritonAttention:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim]
         -> [num_tokens, num_heads * head_dim]."""
         meta = batch.attn_meta
+        if isinstance(meta, TorchAttentionMeta):
+            return self.wide_keys.forward(layer_id, q, k, v, batch)
         assert isinstance(meta, dict), "run the batch prepare() returned"
         k_buffer = self.pool.k_buffer[layer_id]  # [num_slots, num_kv_heads, head_dim]
         v_buffer = self.pool.v_buffer[layer_id]

@@ -62,7 +62,8 @@ class RequestGroup:
 # Top logprobs per position: each costs a topk and a Python pair per generated token, so a large
 # one multiplies a request's memory (OpenAI's bound, and the HTTP server's: protocol.py).
 MAX_TOP_LOGPROBS_NUM = 20
-NO_IMAGES = "this model reads no images (serve a vision-language model: Idefics3, SmolVLM)"
+NO_IMAGES = ("this model reads no images (serve a vision-language model: Idefics3, SmolVLM, "
+             "Gemma 3 with its processor config)")
 # The Python API's image bounds (local files allowed); a server decodes its requests' images
 # with its own (no files, its URL allow-list) before they get here.
 IMAGE_LIMITS = ImageLimits(allow_files=True)

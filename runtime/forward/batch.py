@@ -32,6 +32,10 @@ class ForwardBatch:
     # Packed rows whose input embedding is given (image tokens' features) instead of looked up.
     embed_rows: torch.Tensor | None = None  # [m] int64
     embed_values: torch.Tensor | None = None  # [m, hidden]
+    # [num_tokens] int64: the end of the keys each packed token sees, where some token sees past
+    # its own position (an image token sees its whole image: MultimodalPrompt.blocks); None
+    # where every token's keys end at itself (causal).
+    key_ends: torch.Tensor | None = None
     # The attention backend's per-batch state (masks, index tensors on its device), set by its
     # prepare() on the copy of the batch the layers then run with.
     attn_meta: Any = None

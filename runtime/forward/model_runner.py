@@ -144,6 +144,7 @@ class ModelRunner:
         q_index: list[int] = []
         embed_rows: list[torch.Tensor] = []
         embed_values: list[torch.Tensor] = []
+        wider: list[tuple[int, int, int]] = []  # packed rows [lo, hi) seeing keys < end
         offset = 0
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.num_computed - n  # KV for [start, start + n) is computed now
@@ -152,6 +153,8 @@ class ModelRunner:
                 if len(image_positions):
                     embed_rows.append(image_positions - start + offset)
                     embed_values.append(features)
+                wider += [(lo - start + offset, hi - start + offset, end)
+                          for lo, hi, end in req.mm.key_ends(start, start + n)]
             draft = batch.drafts(i)  # computed after req's own tokens, not yet part of fill_ids
             if input_ids is None:
                 ids.extend(req.fill_slice(start, start + n - len(draft)))
@@ -184,6 +187,11 @@ class ModelRunner:
             q_index_t = torch.tensor(q_index)[:, None] + torch.arange(max_q)[None, :]
             q_index_t = torch.minimum(q_index_t, (torch.tensor(q_index) + q_lens_t - 1)[:, None])
             out_rows = torch.repeat_interleave(rows_t, q_lens_t)
+        key_ends = None
+        if wider:  # every token's own end, then the image blocks' ends
+            key_ends = positions_t + 1
+            for lo, hi, end in wider:
+                key_ends[lo:hi] = end
         # Built on the CPU (the slot rows live there); forward moves it to the model's device.
         fb = ForwardBatch(
             input_ids=torch.tensor(ids) if input_ids is None else input_ids,
@@ -197,6 +205,7 @@ class ModelRunner:
             max_q_len=max_q, is_decode=batch.is_decode,
             embed_rows=torch.cat(embed_rows) if embed_rows else None,
             embed_values=torch.cat(embed_values) if embed_values else None,
+            key_ends=key_ends,
         )
         return fb, layout
 

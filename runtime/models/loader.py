@@ -81,8 +81,10 @@ def load_model(model_path: str, revision: str | None = None,
 # transformers 5's); the vision tower and projector are not loaded here.
 _TEXT_OF_MULTIMODAL = frozenset({"gemma3", "gemma4"})
 # Vision-language checkpoints whose images forklm also reads: the language model as above, the
-# vision tower and projector by runtime/multimodal/ from the same files.
-VISION_LANGUAGE = frozenset({"idefics3", "smolvlm"})
+# vision tower and projector by runtime/multimodal/ from the same files. Where the checkpoint
+# has no image processor's config (a Gemma 3 saved without one), its text is served alone.
+VISION_LANGUAGE = frozenset({"idefics3", "smolvlm", "gemma3"})
+_PROCESSOR_CONFIGS = ("preprocessor_config.json", "processor_config.json")
 ALIBI_CONTEXT = 2048  # BLOOM's training sequence length
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."),
@@ -91,7 +93,8 @@ _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.languag
 
 def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
     outer = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    vision = outer.model_type in VISION_LANGUAGE
+    vision = outer.model_type in VISION_LANGUAGE and any(
+        (folder / name).is_file() for name in _PROCESSOR_CONFIGS)
     multimodal = vision or outer.model_type in _TEXT_OF_MULTIMODAL
     config = outer.get_text_config() if multimodal else outer
     if multimodal:  # the multimodal model ties (or not) its language model's head

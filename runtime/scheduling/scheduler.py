@@ -196,10 +196,13 @@ class Scheduler:
 
     def _chunk_len(self, req: Req, token_budget: int) -> int:
         """Tokens of req to compute this step: all that remain, or with chunked prefill on, at most
-        one chunk and what is left of the step's prefill budget."""
+        one chunk and what is left of the step's prefill budget (more where the chunk starts
+        inside or at a block of image tokens longer than that: MultimodalPrompt.chunk_end)."""
         n = req.fill_len - req.num_computed
         if self.config.chunked_prefill_size > 0:
             n = max(1, min(n, self.config.chunked_prefill_size, token_budget))
+            if req.mm is not None:  # a chunk never cuts a block of image tokens
+                n = req.mm.chunk_end(req.num_computed, req.num_computed + n) - req.num_computed
         return n
 
     def _try_admit(self, req: Req, token_budget: int, batch: list[Req]) -> int:
