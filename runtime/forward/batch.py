@@ -36,9 +36,17 @@ class ForwardBatch:
     # its own position (an image token sees its whole image: MultimodalPrompt.blocks); None
     # where every token's keys end at itself (causal).
     key_ends: torch.Tensor | None = None
+    # [num_tokens, 3] int64 M-RoPE positions (Qwen2.5-VL) where a request of the batch has images;
+    # None: the rotary turns every token by its position.
+    rope_positions: torch.Tensor | None = None
     # The attention backend's per-batch state (masks, index tensors on its device), set by its
     # prepare() on the copy of the batch the layers then run with.
     attn_meta: Any = None
+
+    @property
+    def rotary_positions(self) -> torch.Tensor:
+        """What the rotary tables are read at: the M-RoPE positions, or the positions."""
+        return self.positions if self.rope_positions is None else self.rope_positions
 
     @property
     def batch_size(self) -> int:

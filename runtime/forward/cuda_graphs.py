@@ -161,6 +161,7 @@ class DecodeGraphRunner:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.is_decode and self.bucket(batch.batch_size) is not None
+                and batch.rope_positions is None  # the graphs read the plain positions
                 and batch.slot_table.shape[1] <= self.buffers.max_context
                 and int(batch.logits_indices.numel()) == batch.batch_size)
 

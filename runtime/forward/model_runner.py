@@ -145,9 +145,12 @@ class ModelRunner:
         embed_rows: list[torch.Tensor] = []
         embed_values: list[torch.Tensor] = []
         wider: list[tuple[int, int, int]] = []  # packed rows [lo, hi) seeing keys < end
+        turned: list[tuple[int, torch.Tensor]] = []  # (first packed row, its M-RoPE rows)
         offset = 0
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start = req.num_computed - n  # KV for [start, start + n) is computed now
+            if req.mm is not None and req.mm.rope_positions is not None:
+                turned.append((offset, req.mm.rope_rows(start, start + n)))
             if req.mm is not None and start < len(req.origin_input_ids):
                 image_positions, features = req.mm.rows_in(start, start + n)
                 if len(image_positions):
@@ -187,6 +190,11 @@ class ModelRunner:
             q_index_t = torch.tensor(q_index)[:, None] + torch.arange(max_q)[None, :]
             q_index_t = torch.minimum(q_index_t, (torch.tensor(q_index) + q_lens_t - 1)[:, None])
             out_rows = torch.repeat_interleave(rows_t, q_lens_t)
+        rope_positions = None
+        if turned:  # text-only requests turn by their positions on all three axes
+            rope_positions = positions_t[:, None].repeat(1, 3)
+            for first, turns in turned:
+                rope_positions[first:first + len(turns)] = turns
         key_ends = None
         if wider:  # every token's own end, then the image blocks' ends
             key_ends = positions_t + 1
@@ -205,7 +213,7 @@ class ModelRunner:
             max_q_len=max_q, is_decode=batch.is_decode,
             embed_rows=torch.cat(embed_rows) if embed_rows else None,
             embed_values=torch.cat(embed_values) if embed_values else None,
-            key_ends=key_ends,
+            key_ends=key_ends, rope_positions=rope_positions,
         )
         return fb, layout
 

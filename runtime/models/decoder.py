@@ -140,7 +140,7 @@ class DecoderLayer(nn.Module):
         """x [T, hidden] -> [T, hidden]. The dense work before and after attention runs through
         `steps` (eager by default; torch_compile.py passes compiled ones), attention outside."""
         steps = steps or EAGER_STEPS
-        cos, sin = self.self_attn.rotary.tables_for(batch.positions, x.dtype)
+        cos, sin = self.self_attn.rotary.tables_for(batch.rotary_positions, x.dtype)
         q, k, v = steps.before_attention(self, x, cos, sin)
         return steps.after_attention(self, x, attn.forward(self.self_attn.layer_id, q, k, v, batch))
 

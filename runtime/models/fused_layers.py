@@ -119,7 +119,7 @@ class FusedDecodeLayers:
         eps, offset = spec.norm_eps, spec.norm_offset
         add_rms_norm, rope_store, silu_mul = (lib.fused_add_rms_norm, lib.fused_rope_store,
                                               lib.fused_silu_mul)
-        run_attention, positions = meta.plan.run_addresses, batch.positions
+        run_attention, positions = meta.plan.run_addresses, batch.rotary_positions
         out_ptr, kernel_dtype, kv_dtype = attn_out.data_ptr(), attn.dtype_code, attn.kv_dtype_code
         h: torch.Tensor | None = None
         for (qkv_proj, o_proj, gate_up_proj, down_proj), (

@@ -139,7 +139,7 @@ class Gemma4DecoderLayer(nn.Module):
         """x [T, hidden], per_layer_input [T, per_layer_width] -> [T, hidden]; `shared_kv`
         carries the K/V of the layers that later ones read, within this forward."""
         attn_mod = self.self_attn
-        cos, sin = attn_mod.rotary.tables_for(batch.positions, x.dtype)
+        cos, sin = attn_mod.rotary.tables_for(batch.rotary_positions, x.dtype)
         q, k, v = attn_mod.project(self.input_layernorm(x), cos, sin)
         if k is None or v is None:
             k, v = shared_kv[attn_mod.pool_layer]

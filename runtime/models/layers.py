@@ -113,6 +113,15 @@ class RotaryEmbedding(nn.Module):
                 # Plain attributes, not buffers: module.to(bfloat16) must not round fp32 tables.
                 self.cos = emb.cos() * scaling
                 self.sin = emb.sin() * scaling
+            # M-RoPE (Qwen2.5-VL): frequency j of each half turns by position axis section[j]
+            # (temporal, height, width: mrope_section's counts in order); None: one axis.
+            sections = rope.get("mrope_section")
+            self.section: torch.Tensor | None = None
+            if sections:
+                assert sum(sections) * 2 == self.rotary_dim, "mrope_section covers half the dims"
+                axis = torch.repeat_interleave(torch.arange(len(sections)),
+                                               torch.tensor(sections))
+                self.section = torch.cat((axis, axis))  # [rotary_dim]
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -128,13 +137,19 @@ class RotaryEmbedding(nn.Module):
                 torch.cat((_rotate(k[..., :r], cos, sin), k[..., r:]), dim=-1))
 
     def tables_for(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos/sin rows [T, 1, d] for this forward's positions, looked up once for all layers."""
+        """cos/sin rows [T, 1, d] for this forward's positions ([T], or [T, 3] M-RoPE positions:
+        ForwardBatch.rotary_positions), looked up once for all layers."""
         if self._rows is None or self._rows[0] is not positions:
             if self.cos.device != positions.device:  # the tables follow the model's device
                 self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
-            cos = self.cos[positions].to(dtype)[:, None, :]
-            sin = self.sin[positions].to(dtype)[:, None, :]
-            self._rows = (positions, cos, sin)
+            if positions.dim() == 1:
+                cos, sin = self.cos[positions], self.sin[positions]
+            else:  # column j read at the position of its axis: [T, d] rows of the same tables
+                assert self.section is not None, "3-D positions for a model without M-RoPE"
+                section = self.section.to(positions.device)
+                at = positions[:, section]  # [T, rotary_dim]
+                cos, sin = self.cos.gather(0, at), self.sin.gather(0, at)
+            self._rows = (positions, cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :])
         return self._rows[1], self._rows[2]
 
 

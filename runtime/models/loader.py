@@ -79,16 +79,19 @@ def load_model(model_path: str, revision: str | None = None,
 # Multimodal checkpoints whose language model forklm serves alone (text in, text out): their
 # config's text_config, and their weights under the language model's prefix (the Hub's names and
 # transformers 5's); the vision tower and projector are not loaded here.
-_TEXT_OF_MULTIMODAL = frozenset({"gemma3", "gemma4"})
+_TEXT_OF_MULTIMODAL = frozenset({"gemma3", "gemma4", "qwen2_5_vl"})
 # Vision-language checkpoints whose images forklm also reads: the language model as above, the
 # vision tower and projector by runtime/multimodal/ from the same files. Where the checkpoint
 # has no image processor's config (a Gemma 3 saved without one), its text is served alone.
-VISION_LANGUAGE = frozenset({"idefics3", "smolvlm", "gemma3"})
+VISION_LANGUAGE = frozenset({"idefics3", "smolvlm", "gemma3", "qwen2_5_vl"})
 _PROCESSOR_CONFIGS = ("preprocessor_config.json", "processor_config.json")
 ALIBI_CONTEXT = 2048  # BLOOM's training sequence length
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                             ("language_model.lm_head.", "lm_head."),
                             ("model.text_model.", "model."))  # Idefics3's, SmolVLM's
+# Checkpoints whose language model sits at the top ("model.layers..." beside "visual.": the Hub's
+# Qwen2.5-VL files): any other "model." name is the language model's, as named.
+_LANGUAGE_MODEL_AT_TOP = {"qwen2_5_vl": ("model.visual.",)}
 
 
 def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
@@ -117,7 +120,8 @@ def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
             with safe_open(shard, framework="pt") as f:
                 names = f.keys()  # a safe_open handle is not iterable itself
                 for name in names:
-                    hf_name = language_model_name(name) if multimodal else name
+                    hf_name = (language_model_name(name, outer.model_type) if multimodal
+                               else name)
                     if hf_name is None or (tied and hf_name == "lm_head.weight"):
                         continue  # tied models carry no lm_head, whatever the source
                     yield hf_name, f.get_tensor(name)
@@ -126,13 +130,18 @@ def _load_hf_dir(folder: pathlib.Path) -> LoadedModel:
                        vision_config=outer if vision else None, shards=shards if vision else None)
 
 
-def language_model_name(name: str) -> str | None:
+def language_model_name(name: str, model_type: str | None = None) -> str | None:
     """A multimodal checkpoint's tensor under its language model's own name (None: another
     tower's)."""
     for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
         if name.startswith(prefix):
             return replacement + name[len(prefix):]
-    return "lm_head.weight" if name == "lm_head.weight" else None
+    if name == "lm_head.weight":
+        return name
+    towers = _LANGUAGE_MODEL_AT_TOP.get(model_type or "")
+    if towers is not None and name.startswith("model.") and not name.startswith(towers):
+        return name
+    return None
 
 
 def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:

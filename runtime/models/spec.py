@@ -478,6 +478,7 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "llama": _llama,
     "mistral": _llama,  # Llama with a sliding window on every layer
     "qwen2": _qwen2,
+    "qwen2_5_vl_text": _qwen2,  # Qwen2.5-VL's decoder: Qwen2's, turned by M-RoPE (mrope_section)
     "qwen3": _qwen3,
     "gemma2": _gemma2,
     "gemma3_text": _gemma3,

@@ -14,6 +14,11 @@ mask elsewhere): each run of image tokens is a block (`MultimodalPrompt.blocks`)
 chunk never cuts (`chunk_end`) and whose queries see keys up to the block's end (`key_ends`,
 which the attention backends apply). A cached prefix may still end inside a block: its keys
 were computed with the whole block in view, and the rest of the block is computed in one chunk.
+
+Qwen2.5-VL turns its image tokens by 3-D rotary positions (M-RoPE: the image's row and column)
+and every later token by its position less what the images saved (runtime/multimodal/mrope.py);
+its image processor and tokenizer are used directly (its processor class wants torchvision's
+video processor), the placeholder expanded to the image's token count as that processor does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from safetensors import safe_open
 
 from forklm.runtime.errors import InvalidArgumentError, UnsupportedModelError
 from forklm.runtime.multimodal.images import Image
+from forklm.runtime.multimodal.mrope import mrope_positions
 
 if TYPE_CHECKING:
     from forklm.runtime.models.loader import LoadedModel
@@ -47,12 +53,26 @@ class MultimodalPrompt:
     # [start, end) prompt positions of each block of image tokens that attend to each other both
     # ways (Gemma 3's images), in order; empty where attention is causal throughout.
     blocks: tuple[tuple[int, int], ...] = ()
+    # M-RoPE (Qwen2.5-VL): [prompt_len, 3] int64 rotary positions of the prompt, and the shift of
+    # every later position (generated tokens turn by position + rope_delta); None: the positions.
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
     def rows_in(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The image tokens among prompt positions [start, end): (their positions, features)."""
         lo = int(torch.searchsorted(self.positions, start))
         hi = int(torch.searchsorted(self.positions, end))
         return self.positions[lo:hi], self.features[lo:hi]
+
+    def rope_rows(self, start: int, end: int) -> torch.Tensor:
+        """[end - start, 3] rotary positions of sequence positions [start, end) (M-RoPE)."""
+        assert self.rope_positions is not None, "a prompt with M-RoPE positions"
+        prompt_len = len(self.rope_positions)
+        head = self.rope_positions[start:min(end, prompt_len)]
+        if end <= prompt_len:
+            return head
+        tail = torch.arange(max(start, prompt_len), end) + self.rope_delta
+        return torch.cat((head, tail[:, None].expand(-1, 3)))
 
     def chunk_end(self, start: int, end: int) -> int:
         """Where a prefill chunk of positions [start, end) ends so that it cuts no block: before
@@ -80,22 +100,32 @@ class MultimodalPrompt:
 class _Family:
     """Where a family's checkpoint keeps its image stage, and how its image tokens attend."""
 
+    kind: str  # "idefics3" (tiles, pixel shuffle), "gemma3" or "qwen2_5_vl"
     # checkpoint name prefixes of the tower's and the projector's tensors, longest first (the
-    # Hub's names and transformers 5's, which nests the modules under "model.")
+    # Hub's names and transformers 5's, which nests the modules under "model."); no projector
+    # prefixes: the tower ends in its own (Qwen2.5-VL's merger)
     tower_prefixes: tuple[str, ...]
-    projector_prefixes: tuple[str, ...]
-    bidirectional: bool  # an image's tokens attend to each other both ways (Gemma 3)
+    projector_prefixes: tuple[str, ...] = ()
+    bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
+    mrope: bool = False  # image tokens turn by 3-D rotary positions (Qwen2.5-VL)
 
 
-_IDEFICS3 = _Family(("model.vision_model.",), ("model.connector.",), bidirectional=False)
+_IDEFICS3 = _Family("idefics3", ("model.vision_model.",), ("model.connector.",))
 FAMILIES = {
     "idefics3": _IDEFICS3,
     "smolvlm": _IDEFICS3,
-    "gemma3": _Family(("model.vision_tower.vision_model.", "model.vision_tower.",
-                       "vision_tower.vision_model.", "vision_tower."),
+    "gemma3": _Family("gemma3", ("model.vision_tower.vision_model.", "model.vision_tower.",
+                                 "vision_tower.vision_model.", "vision_tower."),
                       ("model.multi_modal_projector.", "multi_modal_projector."),
                       bidirectional=True),
+    "qwen2_5_vl": _Family("qwen2_5_vl", ("model.visual.", "visual."), mrope=True),
 }
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    features: torch.Tensor  # [tokens, hidden] in the model's dtype
+    grid: tuple[int, int, int] | None  # Qwen2.5-VL: the image's (t, h, w) patch grid
 
 
 class VisionStage:
@@ -108,31 +138,49 @@ class VisionStage:
             raise UnsupportedModelError(f"images of a {outer.model_type} model are not read")
         self.family = FAMILIES[outer.model_type]
         self.dtype, self.max_cached = dtype, max_cached_images
-        self.processor = transformers.AutoProcessor.from_pretrained(
-            loaded.source, local_files_only=True)
+        if self.family.mrope:
+            self.processor = None
+            self.image_processor = transformers.AutoImageProcessor.from_pretrained(
+                loaded.source, local_files_only=True)
+            self.tokenizer = loaded.tokenizer
+            self.placeholder = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+            self.merge_size = int(outer.vision_config.spatial_merge_size)
+        else:
+            self.processor = transformers.AutoProcessor.from_pretrained(
+                loaded.source, local_files_only=True)
+            self.image_processor = self.processor.image_processor
+            self.placeholder = getattr(self.processor, "image_token", "<image>")
         self.image_token_id = int(outer.image_token_id)
         self.vocab_size = int(loaded.config.vocab_size)
         self.tower, self.projector = _tower_and_projector(outer)
         self.patch_size = int(outer.vision_config.patch_size)
         _load(self.tower, self.projector, loaded.shards, self.family)
-        self.tower.to(dtype).eval()
-        self.projector.to(dtype).eval()
+        for module in (self.tower, self.projector):
+            if module is not None:
+                module.to(dtype).eval()
         self._lock = threading.Lock()  # the cache; the tower itself runs outside it
-        self._cache: collections.OrderedDict[bytes, torch.Tensor] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[bytes, _Encoded] = collections.OrderedDict()
         self.images_encoded = 0  # tower runs (cache misses), for tests and stats
 
     def prepare(self, text: str, images: list[Image], name: str = "image_data"
                 ) -> tuple[list[int], MultimodalPrompt]:
         """`text` with one image placeholder per image (the chat template writes them) ->
         (token ids, the image tokens' features). Raises InvalidArgumentError naming `name`."""
-        placeholder = getattr(self.processor, "image_token", "<image>")
+        placeholder = self.placeholder
         if text.count(placeholder) != len(images):
             raise InvalidArgumentError(name, f"<{len(images)} images>",
                                        f"the prompt has {text.count(placeholder)} image "
                                        f"placeholders ({placeholder!r}); give one per image")
-        ids = self.processor(text=[text], images=[[im.pixels for im in images]],
-                             return_tensors="pt")["input_ids"][0].tolist()
-        features = [self._features(image) for image in images]
+        encoded = [self._encoded(image) for image in images]
+        features = [e.features for e in encoded]
+        if self.processor is None:  # each placeholder stands for its image's tokens
+            pieces = text.split(placeholder)
+            expanded = pieces[0] + "".join(placeholder * len(f) + piece
+                                           for f, piece in zip(features, pieces[1:]))
+            ids = list(self.tokenizer(expanded)["input_ids"])
+        else:
+            ids = self.processor(text=[text], images=[[im.pixels for im in images]],
+                                 return_tensors="pt")["input_ids"][0].tolist()
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(positions) != sum(len(f) for f in features):
             raise InvalidArgumentError(name, f"<{len(images)} images>", "the prompt's image "
@@ -146,32 +194,48 @@ class VisionStage:
                 key_ids[p] = key
             at += len(rows)
         blocks = _runs(positions) if self.family.bidirectional else ()
+        rope_positions, rope_delta = None, 0
+        if self.family.mrope:
+            grids = [e.grid for e in encoded]
+            rope_positions, rope_delta = mrope_positions(ids, self.image_token_id, grids,
+                                                         self.merge_size)
         return ids, MultimodalPrompt(torch.tensor(positions, dtype=torch.int64),
-                                     torch.cat(features), key_ids, blocks)
+                                     torch.cat(features), key_ids, blocks, rope_positions,
+                                     rope_delta)
 
-    def _features(self, image: Image) -> torch.Tensor:
-        """One image's feature rows [tokens, hidden], from the cache or the tower."""
+    def _encoded(self, image: Image) -> _Encoded:
+        """One image's feature rows [tokens, hidden] (and grid), from the cache or the tower."""
         with self._lock:
             cached = self._cache.get(image.digest)
             if cached is not None:
                 self._cache.move_to_end(image.digest)
                 return cached
-        inputs = self.processor.image_processor(images=[[image.pixels]], return_tensors="pt")
+        kind = self.family.kind
+        images = [image.pixels] if kind == "qwen2_5_vl" else [[image.pixels]]
+        inputs = self.image_processor(images=images, return_tensors="pt")
         pixels = inputs["pixel_values"].to(self.dtype)
+        grid = None
         with torch.inference_mode():
-            if self.family is _IDEFICS3:  # [1, tiles, 3, H, W], a mask of each tile's padding
+            if kind == "idefics3":  # [1, tiles, 3, H, W], a mask of each tile's padding
                 mask = inputs.get("pixel_attention_mask")
                 features = self._encode_tiles(pixels[0], None if mask is None else mask[0])
-            else:  # Gemma 3: [views, 3, H, W] (the image, then any pan-and-scan crops)
+            elif kind == "gemma3":  # [views, 3, H, W] (the image, then any pan-and-scan crops)
+                assert self.projector is not None
                 hidden = self.tower(pixel_values=pixels).last_hidden_state
                 projected = self.projector(hidden)  # [views, mm_tokens_per_image, hidden]
                 features = projected.reshape(-1, projected.shape[-1]).contiguous()
+            else:  # Qwen2.5-VL: [patches, 3 * t * p * p] and the patch grid; merged in the tower
+                grid_thw = inputs["image_grid_thw"]
+                features = self.tower(pixels, grid_thw=grid_thw).pooler_output.contiguous()
+                t, h, w = (int(v) for v in grid_thw[0])
+                grid = (t, h, w)
+        encoded = _Encoded(features, grid)
         with self._lock:
             self.images_encoded += 1
-            self._cache[image.digest] = features
+            self._cache[image.digest] = encoded
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
-        return features
+        return encoded
 
     def _encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None
                       ) -> torch.Tensor:
@@ -183,11 +247,12 @@ class VisionStage:
         grid = pixel_mask.bool().unfold(1, patch, patch).unfold(2, patch, patch)
         patch_mask = grid.sum(dim=(-1, -2)) > 0
         hidden = self.tower(pixel_values=pixels, patch_attention_mask=patch_mask).last_hidden_state
+        assert self.projector is not None
         projected = self.projector(hidden)  # [tiles, image_seq_len, text hidden]
         return projected.reshape(-1, projected.shape[-1]).contiguous()
 
 
-def _tower_and_projector(outer: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _tower_and_projector(outer: Any) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     if outer.model_type == "idefics3":
         from transformers.models.idefics3 import modeling_idefics3 as m
 
@@ -199,6 +264,11 @@ def _tower_and_projector(outer: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
         return (s.SmolVLMVisionTransformer._from_config(outer.vision_config),
                 s.SmolVLMConnector(outer))
     import transformers
+
+    if outer.model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
+
+        return q.Qwen2_5_VisionTransformerPretrainedModel._from_config(outer.vision_config), None
     from transformers.models.gemma3 import modeling_gemma3 as g
 
     assert outer.model_type == "gemma3", outer.model_type  # FAMILIES names no other
@@ -217,11 +287,13 @@ def _runs(positions: list[int]) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
-def _load(tower: torch.nn.Module, projector: torch.nn.Module, shards: list[pathlib.Path],
-          family: _Family) -> None:
+def _load(tower: torch.nn.Module, projector: torch.nn.Module | None,
+          shards: list[pathlib.Path], family: _Family) -> None:
     """The tower's and projector's tensors from the checkpoint (all of them, or an error)."""
     parts: list[tuple[tuple[str, ...], torch.nn.Module, dict[str, torch.Tensor]]] = [
-        (family.tower_prefixes, tower, {}), (family.projector_prefixes, projector, {})]
+        (family.tower_prefixes, tower, {})]
+    if projector is not None:
+        parts.append((family.projector_prefixes, projector, {}))
     for shard in shards:
         with safe_open(shard, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - a safe_open handle is not iterable
