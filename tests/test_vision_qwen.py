@@ -1,10 +1,10 @@
-"""Qwen2.5-VL's images against transformers in fp32 on a tiny random
-Qwen2_5_VLForConditionalGeneration (its windowed vision tower and patch merger, a Qwen2 decoder
-turned by M-RoPE): an image's tokens take 3-D rotary positions (its rows and columns) and every
-later token, generated ones included, its position less what the images saved. Checked with the
-positions themselves, greedy tokens and prompt logprobs for text + one and two images batched
-with text-only requests, small prefill chunks, a cached image prefix, the Hub's tensor names,
-and over HTTP."""
+"""Qwen2.5-VL's and Qwen3-VL's images against transformers in fp32 on tiny random models (their
+vision towers and patch mergers; Qwen2 / Qwen3 decoders turned by M-RoPE, in blocks / interleaved;
+Qwen3-VL's deepstack features added after its first decoder layers): an image's tokens take 3-D
+rotary positions (its rows and columns) and every later token, generated ones included, its
+position less what the images saved. Checked with the positions themselves, greedy tokens and
+prompt logprobs for text + one and two images batched with text-only requests, small prefill
+chunks, a cached image prefix, the Hub's tensor names, and over HTTP."""
 
 from __future__ import annotations
 
@@ -37,10 +37,9 @@ PLAIN = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
 MERGE = 2  # the tower's spatial merge: 2 x 2 patches per image token
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory, tokenizer):
-    """(folder, transformers model, tokenizer, image processor) of a tiny Qwen2.5-VL."""
-    folder = tmp_path_factory.mktemp("qwen2_5_vl")
+def build(kind: str, folder, tokenizer):
+    """(folder, transformers model, tokenizer, image processor) of a tiny Qwen2.5-VL or
+    Qwen3-VL saved as a checkpoint."""
     tokenizer.save_pretrained(folder)
     tok = transformers.AutoTokenizer.from_pretrained(folder, extra_special_tokens={
         "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
@@ -49,28 +48,42 @@ def qwen(tmp_path_factory, tokenizer):
     images = transformers.Qwen2VLImageProcessor(min_pixels=8 * 8 * 4, max_pixels=64 * 64,
                                                 patch_size=4, merge_size=MERGE,
                                                 temporal_patch_size=2)
+    # 16-dim heads: 8 frequencies; Qwen2.5-VL's 2 temporal, 3 for rows, 3 for columns in
+    # blocks, Qwen3-VL's 2 rows and 2 columns interleaved with 4 temporal
+    sections = [2, 3, 3] if kind == "qwen2_5_vl" else [4, 2, 2]
     text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                # 16-dim heads: 8 frequencies, 2 temporal, 3 for rows, 3 for columns
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                 "mrope_section": [2, 3, 3]})
-    # windows of 4 x 4 patches (window_size in pixels): the 8-16 patch sides below span several
+                                 "mrope_section": sections})
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                  spatial_merge_size=MERGE, temporal_patch_size=2, window_size=16,
-                  out_hidden_size=64, fullatt_block_indexes=[1])
+                  spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=64)
     ids = tok.convert_tokens_to_ids
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=tok.image_token_id,
-        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
+    tokens = dict(image_token_id=tok.image_token_id, video_token_id=ids("<|video_pad|>"),
+                  vision_start_token_id=ids("<|vision_start|>"),
+                  vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False)
+    if kind == "qwen2_5_vl":
+        # windows of 4 x 4 patches (window_size in pixels): the 8-16 patch sides below span several
+        vision.update(window_size=16, fullatt_block_indexes=[1])
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
+    else:  # deepstack features from both tower layers, added after both decoder layers
+        vision.update(num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class = transformers.Qwen3VLForConditionalGeneration
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = randomized(transformers.Qwen2_5_VLForConditionalGeneration(config), 4.0)
+    model = randomized(model_class(config), 4.0)
     model.save_pretrained(folder)
     images.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder, model, tok, images
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen(request, tmp_path_factory, tokenizer):
+    return build(request.param, tmp_path_factory.mktemp(request.param), tokenizer)
 
 
 def hf_inputs(qwen, text: str, images: list) -> dict:
@@ -165,9 +178,11 @@ def test_a_cached_image_prefix_and_small_chunks(make_engine, qwen):
         assert_idle_and_clean(engine)
 
 
-def test_the_hubs_tensor_names_load_the_same_model(make_engine, qwen, tmp_path):
+def test_the_hubs_tensor_names_load_the_same_model(make_engine, tokenizer, tmp_path):
     """The Hub's Qwen2.5-VL files name the decoder "model.layers..." beside "visual...";
-    transformers 5 saves "model.language_model..." and "model.visual...": both load."""
+    transformers 5 saves "model.language_model..." and "model.visual..." (as do the Hub's
+    Qwen3-VL files): both load."""
+    qwen = build("qwen2_5_vl", tmp_path / "saved", tokenizer)
     folder = tmp_path / "hub_names"
     shutil.copytree(qwen[0], folder)
     tensors = safetensors.torch.load_file(folder / "model.safetensors")

@@ -63,7 +63,7 @@ class RequestGroup:
 # one multiplies a request's memory (OpenAI's bound, and the HTTP server's: protocol.py).
 MAX_TOP_LOGPROBS_NUM = 20
 NO_IMAGES = ("this model reads no images (serve a vision-language model: Idefics3, SmolVLM, "
-             "Gemma 3 and Qwen2.5-VL with their image processor config)")
+             "Gemma 3, Qwen2.5-VL, Qwen3-VL with their image processor config)")
 # The Python API's image bounds (local files allowed); a server decodes its requests' images
 # with its own (no files, its URL allow-list) before they get here.
 IMAGE_LIMITS = ImageLimits(allow_files=True)

@@ -32,6 +32,9 @@ class ForwardBatch:
     # Packed rows whose input embedding is given (image tokens' features) instead of looked up.
     embed_rows: torch.Tensor | None = None  # [m] int64
     embed_values: torch.Tensor | None = None  # [m, hidden]
+    # Qwen3-VL's deepstack: [layers, m, hidden] features added to those rows after each of the
+    # first decoder layers (layer i's output gets deep_values[i]); None: nothing added.
+    deep_values: torch.Tensor | None = None
     # [num_tokens] int64: the end of the keys each packed token sees, where some token sees past
     # its own position (an image token sees its whole image: MultimodalPrompt.blocks); None
     # where every token's keys end at itself (causal).

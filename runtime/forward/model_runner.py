@@ -144,6 +144,7 @@ class ModelRunner:
         q_index: list[int] = []
         embed_rows: list[torch.Tensor] = []
         embed_values: list[torch.Tensor] = []
+        deep_values: list[torch.Tensor] = []  # Qwen3-VL: each image row's deepstack features
         wider: list[tuple[int, int, int]] = []  # packed rows [lo, hi) seeing keys < end
         turned: list[tuple[int, torch.Tensor]] = []  # (first packed row, its M-RoPE rows)
         offset = 0
@@ -156,6 +157,9 @@ class ModelRunner:
                 if len(image_positions):
                     embed_rows.append(image_positions - start + offset)
                     embed_values.append(features)
+                    deep = req.mm.deep_in(start, start + n)
+                    if deep is not None:
+                        deep_values.append(deep)
                 wider += [(lo - start + offset, hi - start + offset, end)
                           for lo, hi, end in req.mm.key_ends(start, start + n)]
             draft = batch.drafts(i)  # computed after req's own tokens, not yet part of fill_ids
@@ -213,6 +217,7 @@ class ModelRunner:
             max_q_len=max_q, is_decode=batch.is_decode,
             embed_rows=torch.cat(embed_rows) if embed_rows else None,
             embed_values=torch.cat(embed_values) if embed_values else None,
+            deep_values=torch.cat(deep_values, dim=1) if deep_values else None,
             key_ends=key_ends, rope_positions=rope_positions,
         )
         return fb, layout

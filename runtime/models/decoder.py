@@ -291,11 +291,15 @@ class CausalLM(nn.Module):
     def _run_layers(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
                     ) -> torch.Tensor:
         """The decoder layers: embeddings [T, hidden] -> last hidden states [T, hidden]."""
-        if self.fused_layers is not None and self.fused_layers.takes(batch, x):
+        deep = batch.deep_values  # Qwen3-VL: added to the image rows after the first layers
+        if deep is None and self.fused_layers is not None and self.fused_layers.takes(batch, x):
             return self.fused_layers.run(x, batch)
         with self._layer_steps(batch) as steps:
-            for layer in self.model.layers:
+            for i, layer in enumerate(self.model.layers):
                 x = layer(x, batch, attn, steps)
+                if deep is not None and i < len(deep):
+                    assert batch.embed_rows is not None
+                    x = x.index_add(0, batch.embed_rows, deep[i].to(x.dtype))
         return x
 
     def _layer_steps(self, batch: ForwardBatch) -> contextlib.AbstractContextManager[LayerSteps]:

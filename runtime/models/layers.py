@@ -113,14 +113,13 @@ class RotaryEmbedding(nn.Module):
                 # Plain attributes, not buffers: module.to(bfloat16) must not round fp32 tables.
                 self.cos = emb.cos() * scaling
                 self.sin = emb.sin() * scaling
-            # M-RoPE (Qwen2.5-VL): frequency j of each half turns by position axis section[j]
-            # (temporal, height, width: mrope_section's counts in order); None: one axis.
+            # M-RoPE (Qwen-VL): frequency j of each half turns by position axis section[j]
+            # (temporal, height, width); None: one axis.
             sections = rope.get("mrope_section")
             self.section: torch.Tensor | None = None
             if sections:
-                assert sum(sections) * 2 == self.rotary_dim, "mrope_section covers half the dims"
-                axis = torch.repeat_interleave(torch.arange(len(sections)),
-                                               torch.tensor(sections))
+                axis = _mrope_axes(sections, self.rotary_dim // 2,
+                                   bool(rope.get("mrope_interleaved")))
                 self.section = torch.cat((axis, axis))  # [rotary_dim]
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -151,6 +150,21 @@ class RotaryEmbedding(nn.Module):
                 cos, sin = self.cos.gather(0, at), self.sin.gather(0, at)
             self._rows = (positions, cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :])
         return self._rows[1], self._rows[2]
+
+
+def _mrope_axes(sections: list[int], half: int, interleaved: bool) -> torch.Tensor:
+    """[half] int64: the position axis (0 temporal, 1 height, 2 width) of each frequency. In
+    blocks of mrope_section's counts (Qwen2.5-VL), or interleaved (Qwen3-VL): frequency j is a
+    height one for j % 3 == 1 below 3 x its count, a width one for j % 3 == 2 below 3 x its
+    count, the rest temporal."""
+    assert sum(sections) == half, f"mrope_section {sections} must cover {half} frequencies"
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(len(sections)), torch.tensor(sections))
+    j = torch.arange(half)
+    axis = torch.zeros(half, dtype=torch.int64)
+    for a in (1, 2):
+        axis[(j % 3 == a) & (j < 3 * sections[a])] = a
+    return axis
 
 
 def _inv_freq(config: Any, rope: dict[str, Any], dim: int, max_positions: int,

@@ -79,11 +79,11 @@ def load_model(model_path: str, revision: str | None = None,
 # Multimodal checkpoints whose language model forklm serves alone (text in, text out): their
 # config's text_config, and their weights under the language model's prefix (the Hub's names and
 # transformers 5's); the vision tower and projector are not loaded here.
-_TEXT_OF_MULTIMODAL = frozenset({"gemma3", "gemma4", "qwen2_5_vl"})
+_TEXT_OF_MULTIMODAL = frozenset({"gemma3", "gemma4", "qwen2_5_vl", "qwen3_vl"})
 # Vision-language checkpoints whose images forklm also reads: the language model as above, the
 # vision tower and projector by runtime/multimodal/ from the same files. Where the checkpoint
 # has no image processor's config (a Gemma 3 saved without one), its text is served alone.
-VISION_LANGUAGE = frozenset({"idefics3", "smolvlm", "gemma3", "qwen2_5_vl"})
+VISION_LANGUAGE = frozenset({"idefics3", "smolvlm", "gemma3", "qwen2_5_vl", "qwen3_vl"})
 _PROCESSOR_CONFIGS = ("preprocessor_config.json", "processor_config.json")
 ALIBI_CONTEXT = 2048  # BLOOM's training sequence length
 _LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),

@@ -250,6 +250,12 @@ def _qwen3(config: Any) -> ModelSpec:
     return ModelSpec(**_common(config, qk_norm="head"))
 
 
+def _qwen3_vl(config: Any) -> ModelSpec:
+    # Qwen3-VL's decoder: Qwen3's, its M-RoPE frequencies interleaved (row, column, time...)
+    rope = {**_rope_parameters(config, config.rope_parameters), "mrope_interleaved": True}
+    return ModelSpec(**_common(config, qk_norm="head", rope={"default": rope}))
+
+
 def _phi3(config: Any) -> ModelSpec:
     return ModelSpec(**_common(config))
 
@@ -480,6 +486,7 @@ _FAMILIES: dict[str, Callable[[Any], ModelSpec]] = {
     "qwen2": _qwen2,
     "qwen2_5_vl_text": _qwen2,  # Qwen2.5-VL's decoder: Qwen2's, turned by M-RoPE (mrope_section)
     "qwen3": _qwen3,
+    "qwen3_vl_text": _qwen3_vl,
     "gemma2": _gemma2,
     "gemma3_text": _gemma3,
     "gemma4_text": _gemma4,

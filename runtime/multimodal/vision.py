@@ -15,10 +15,12 @@ chunk never cuts (`chunk_end`) and whose queries see keys up to the block's end 
 which the attention backends apply). A cached prefix may still end inside a block: its keys
 were computed with the whole block in view, and the rest of the block is computed in one chunk.
 
-Qwen2.5-VL turns its image tokens by 3-D rotary positions (M-RoPE: the image's row and column)
-and every later token by its position less what the images saved (runtime/multimodal/mrope.py);
-its image processor and tokenizer are used directly (its processor class wants torchvision's
-video processor), the placeholder expanded to the image's token count as that processor does.
+Qwen2.5-VL and Qwen3-VL turn their image tokens by 3-D rotary positions (M-RoPE: the image's row
+and column) and every later token by its position less what the images saved
+(runtime/multimodal/mrope.py); their image processor and tokenizer are used directly (their
+processor classes want torchvision's video processor), the placeholder expanded to the image's
+token count as those processors do. Qwen3-VL's tower also gives features from its middle layers
+(deepstack), which the decoder adds to the image tokens after its first layers.
 """
 
 from __future__ import annotations
@@ -57,12 +59,25 @@ class MultimodalPrompt:
     # every later position (generated tokens turn by position + rope_delta); None: the positions.
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    # Qwen3-VL: [layers, k, hidden], row i added to positions[i]'s hidden state after each of
+    # the decoder's first layers; None: no such features.
+    deep_features: torch.Tensor | None = None
 
     def rows_in(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The image tokens among prompt positions [start, end): (their positions, features)."""
-        lo = int(torch.searchsorted(self.positions, start))
-        hi = int(torch.searchsorted(self.positions, end))
+        lo, hi = self._span(start, end)
         return self.positions[lo:hi], self.features[lo:hi]
+
+    def deep_in(self, start: int, end: int) -> torch.Tensor | None:
+        """The deepstack rows [layers, m, hidden] of the image tokens among [start, end)."""
+        if self.deep_features is None:
+            return None
+        lo, hi = self._span(start, end)
+        return self.deep_features[:, lo:hi]
+
+    def _span(self, start: int, end: int) -> tuple[int, int]:
+        return (int(torch.searchsorted(self.positions, start)),
+                int(torch.searchsorted(self.positions, end)))
 
     def rope_rows(self, start: int, end: int) -> torch.Tensor:
         """[end - start, 3] rotary positions of sequence positions [start, end) (M-RoPE)."""
@@ -100,14 +115,15 @@ class MultimodalPrompt:
 class _Family:
     """Where a family's checkpoint keeps its image stage, and how its image tokens attend."""
 
-    kind: str  # "idefics3" (tiles, pixel shuffle), "gemma3" or "qwen2_5_vl"
+    kind: str  # "idefics3" (tiles, pixel shuffle), "gemma3" or "qwen_vl"
     # checkpoint name prefixes of the tower's and the projector's tensors, longest first (the
     # Hub's names and transformers 5's, which nests the modules under "model."); no projector
     # prefixes: the tower ends in its own (Qwen2.5-VL's merger)
     tower_prefixes: tuple[str, ...]
     projector_prefixes: tuple[str, ...] = ()
     bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
-    mrope: bool = False  # image tokens turn by 3-D rotary positions (Qwen2.5-VL)
+    mrope: bool = False  # image tokens turn by 3-D rotary positions (Qwen-VL)
+    deepstack: bool = False  # the tower's middle layers' features join the decoder's (Qwen3-VL)
 
 
 _IDEFICS3 = _Family("idefics3", ("model.vision_model.",), ("model.connector.",))
@@ -118,14 +134,16 @@ FAMILIES = {
                                  "vision_tower.vision_model.", "vision_tower."),
                       ("model.multi_modal_projector.", "multi_modal_projector."),
                       bidirectional=True),
-    "qwen2_5_vl": _Family("qwen2_5_vl", ("model.visual.", "visual."), mrope=True),
+    "qwen2_5_vl": _Family("qwen_vl", ("model.visual.", "visual."), mrope=True),
+    "qwen3_vl": _Family("qwen_vl", ("model.visual.", "visual."), mrope=True, deepstack=True),
 }
 
 
 @dataclass(frozen=True)
 class _Encoded:
     features: torch.Tensor  # [tokens, hidden] in the model's dtype
-    grid: tuple[int, int, int] | None  # Qwen2.5-VL: the image's (t, h, w) patch grid
+    grid: tuple[int, int, int] | None  # Qwen-VL: the image's (t, h, w) patch grid
+    deep: torch.Tensor | None  # Qwen3-VL: [layers, tokens, hidden] deepstack features
 
 
 class VisionStage:
@@ -199,9 +217,12 @@ class VisionStage:
             grids = [e.grid for e in encoded]
             rope_positions, rope_delta = mrope_positions(ids, self.image_token_id, grids,
                                                          self.merge_size)
+        deep = None
+        if self.family.deepstack:
+            deep = torch.cat([e.deep for e in encoded if e.deep is not None], dim=1)
         return ids, MultimodalPrompt(torch.tensor(positions, dtype=torch.int64),
                                      torch.cat(features), key_ids, blocks, rope_positions,
-                                     rope_delta)
+                                     rope_delta, deep)
 
     def _encoded(self, image: Image) -> _Encoded:
         """One image's feature rows [tokens, hidden] (and grid), from the cache or the tower."""
@@ -211,10 +232,10 @@ class VisionStage:
                 self._cache.move_to_end(image.digest)
                 return cached
         kind = self.family.kind
-        images = [image.pixels] if kind == "qwen2_5_vl" else [[image.pixels]]
+        images = [image.pixels] if kind == "qwen_vl" else [[image.pixels]]
         inputs = self.image_processor(images=images, return_tensors="pt")
         pixels = inputs["pixel_values"].to(self.dtype)
-        grid = None
+        grid, deep = None, None
         with torch.inference_mode():
             if kind == "idefics3":  # [1, tiles, 3, H, W], a mask of each tile's padding
                 mask = inputs.get("pixel_attention_mask")
@@ -224,12 +245,15 @@ class VisionStage:
                 hidden = self.tower(pixel_values=pixels).last_hidden_state
                 projected = self.projector(hidden)  # [views, mm_tokens_per_image, hidden]
                 features = projected.reshape(-1, projected.shape[-1]).contiguous()
-            else:  # Qwen2.5-VL: [patches, 3 * t * p * p] and the patch grid; merged in the tower
+            else:  # Qwen-VL: [patches, 3 * t * p * p] and the patch grid; merged in the tower
                 grid_thw = inputs["image_grid_thw"]
-                features = self.tower(pixels, grid_thw=grid_thw).pooler_output.contiguous()
+                out = self.tower(pixels, grid_thw=grid_thw)
+                features = out.pooler_output.contiguous()
                 t, h, w = (int(v) for v in grid_thw[0])
                 grid = (t, h, w)
-        encoded = _Encoded(features, grid)
+                if self.family.deepstack:
+                    deep = torch.stack(out.deepstack_features).contiguous()
+        encoded = _Encoded(features, grid, deep)
         with self._lock:
             self.images_encoded += 1
             self._cache[image.digest] = encoded
@@ -269,6 +293,10 @@ def _tower_and_projector(outer: Any) -> tuple[torch.nn.Module, torch.nn.Module |
         from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
 
         return q.Qwen2_5_VisionTransformerPretrainedModel._from_config(outer.vision_config), None
+    if outer.model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl import modeling_qwen3_vl as q3
+
+        return q3.Qwen3VLVisionModel._from_config(outer.vision_config), None
     from transformers.models.gemma3 import modeling_gemma3 as g
 
     assert outer.model_type == "gemma3", outer.model_type  # FAMILIES names no other
