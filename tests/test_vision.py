@@ -40,6 +40,28 @@ def data_url(image: PIL.Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def chat_about(engine, image: PIL.Image.Image, max_tokens: int) -> str:
+    """The greedy reply of `engine`, served over HTTP, to one OpenAI chat message "Look: <the
+    image as an image_url part> what is it?"."""
+    import openai
+
+    from tests.conftest import serve_in_thread
+
+    server = serve_in_thread(engine)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        reply = client.chat.completions.create(
+            model="default", max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [
+                {"type": "text", "text": "Look: "},
+                {"type": "image_url", "image_url": {"url": data_url(image)}},
+                {"type": "text", "text": " what is it?"}]}])
+        return reply.choices[0].message.content
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory, tokenizer):
     """(folder, transformers model, processor) of a tiny Idefics3 saved as a checkpoint."""

@@ -14,7 +14,7 @@ import transformers
 
 from forklm.runtime.multimodal.vision import MultimodalPrompt
 from tests.conftest import assert_idle_and_clean
-from tests.test_vision import data_url, picture
+from tests.test_vision import chat_about, data_url, picture
 from tests.tiny_models import randomized, tiny_config
 
 NEW_TOKENS = 8
@@ -204,22 +204,6 @@ def test_triton_backend_runs_image_chunks_with_their_mask(make_engine, gemma3):
 
 
 def test_chat_with_an_image_over_http(engine, gemma3):
-    import openai
-
-    from tests.conftest import serve_in_thread
-
     image = picture(12, 50, 40)
-    server = serve_in_thread(engine)
-    try:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
-        reply = client.chat.completions.create(
-            model="default", max_tokens=NEW_TOKENS, temperature=0,
-            extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [
-                {"type": "text", "text": "Look: "},
-                {"type": "image_url", "image_url": {"url": data_url(image)}},
-                {"type": "text", "text": " what is it?"}]}])
-        want = hf_greedy(gemma3, ONE, [image])
-        assert reply.choices[0].message.content == gemma3[2].tokenizer.decode(want)
-    finally:
-        server.stop()
+    want = hf_greedy(gemma3, ONE, [image])
+    assert chat_about(engine, image, NEW_TOKENS) == gemma3[2].tokenizer.decode(want)

@@ -18,7 +18,7 @@ import transformers
 from forklm.runtime.models.loader import language_model_name
 from forklm.runtime.multimodal.mrope import mrope_positions
 from tests.conftest import assert_idle_and_clean
-from tests.test_vision import data_url, picture
+from tests.test_vision import chat_about, data_url, picture
 from tests.tiny_models import randomized
 
 NEW_TOKENS = 8
@@ -211,22 +211,6 @@ def test_without_an_image_processor_the_text_is_served(make_engine, qwen, tmp_pa
 
 
 def test_chat_with_an_image_over_http(engine, qwen):
-    import openai
-
-    from tests.conftest import serve_in_thread
-
     image = picture(8, 50, 40)
-    server = serve_in_thread(engine)
-    try:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
-        reply = client.chat.completions.create(
-            model="default", max_tokens=NEW_TOKENS, temperature=0,
-            extra_body={"ignore_eos": True},
-            messages=[{"role": "user", "content": [
-                {"type": "text", "text": "Look: "},
-                {"type": "image_url", "image_url": {"url": data_url(image)}},
-                {"type": "text", "text": " what is it?"}]}])
-        want = hf_greedy(qwen, ONE, [image])
-        assert reply.choices[0].message.content == qwen[2].decode(want)
-    finally:
-        server.stop()
+    want = hf_greedy(qwen, ONE, [image])
+    assert chat_about(engine, image, NEW_TOKENS) == qwen[2].decode(want)
