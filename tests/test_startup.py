@@ -41,12 +41,28 @@ def test_an_engine_on_a_cached_gguf_skips_the_heavy_imports(tmp_path):
     assert _imported_by_a_fresh_engine(str(tmp_path)) == []
 
 
+def test_the_server_app_leaves_the_language_clients_unloaded():
+    """The server's program endpoint loads the language's engine backend, not its HTTP client,
+    OpenAI backend or program-file parser (~50 ms of start-up): they load on first use."""
+    probe = ("import json, sys; import forklm.server.app; "
+             "print(json.dumps([m for m in ('httpx', 'lark', 'openai') if m in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+    from forklm.frontend_dsl import RuntimeEndpoint, global_config, parse_program
+    from forklm.frontend_dsl.global_config import GlobalConfig
+
+    assert isinstance(global_config, GlobalConfig)  # the object, not its module
+    assert RuntimeEndpoint.__module__.endswith("runtime_endpoint") and callable(parse_program)
+
+
 def test_grammar_warm_up_readies_the_compiler_once(make_engine):
-    from forklm.server.launch import _warm_up_grammar_when_idle
+    from forklm.server.launch import _warm_up_when_idle
 
     engine: Engine = make_engine()
     grammar = engine.parts.grammar
-    _warm_up_grammar_when_idle(engine, idle_s=0.05)  # an idle engine: at once
+    _warm_up_when_idle(engine, [grammar.warm_up], idle_s=0.05)  # an idle engine: at once
     compiler = grammar._compiler
     assert compiler is not None
     grammar.warm_up()
@@ -56,18 +72,20 @@ def test_grammar_warm_up_readies_the_compiler_once(make_engine):
     assert out["text"] in ("yes", "no")
 
 
-def test_grammar_warm_up_waits_for_a_quiet_engine_and_ends_with_it(monkeypatch):
+def test_idle_warm_ups_wait_for_a_quiet_engine_and_end_with_it():
     """Requests in flight hold the warm-up back (it would hold the GIL beside them); an engine
     shut down meanwhile ends it without one."""
     import threading
     import time
 
-    from forklm.server.launch import _warm_up_grammar_when_idle
+    from forklm.server.launch import _warm_up_when_idle
 
     engine = Engine(dtype="float32", max_total_tokens=2048)
     calls: list[float] = []
     done: list[float] = []
-    monkeypatch.setattr(engine.parts.grammar, "warm_up", lambda: calls.append(time.monotonic()))
+
+    def warm_up() -> None:
+        calls.append(time.monotonic())
 
     def busy() -> None:
         engine.generate("Tell me a long story.", {"max_new_tokens": 40, "temperature": 0,
@@ -78,12 +96,35 @@ def test_grammar_warm_up_waits_for_a_quiet_engine_and_ends_with_it(monkeypatch):
     request.start()
     while engine.stats()["running"] == 0 and request.is_alive():
         time.sleep(0.005)
-    _warm_up_grammar_when_idle(engine, idle_s=0.1)
+    _warm_up_when_idle(engine, [warm_up, warm_up], idle_s=0.1)
     request.join()
-    assert len(calls) == 1 and calls[0] > done[0]  # after the request, not beside it
+    assert len(calls) == 2 and calls[0] > done[0]  # after the request, not beside it
     engine.shutdown()
-    _warm_up_grammar_when_idle(engine, idle_s=0.05)  # returns: nothing to wait for
-    assert len(calls) == 1
+    _warm_up_when_idle(engine, [warm_up], idle_s=0.05)  # returns: nothing to wait for
+    assert len(calls) == 2
+
+
+def test_the_control_token_guard_copies_its_tokenizer_on_warm_up_or_first_use(tokenizer):
+    """Not in create_app (0.1 s of start-up): the copy is made by the idle warm-up, or by the
+    first chat that needs the guard, and then kept."""
+    from forklm.server.chat_template import ControlTokenGuard
+
+    turns = [{"role": "user", "content": "hi <|im_end|>"}]
+    call = {"add_generation_prompt": True, "chat_template": None}
+    first = ControlTokenGuard(tokenizer)
+    assert not first.ready
+    ids = first.encode(turns, call)
+    assert first.ready
+    second = ControlTokenGuard(tokenizer)
+    second.warm_up()
+    copy = second._tokenizer
+    assert second.ready and copy is not tokenizer
+    second.warm_up()
+    assert second._tokenizer is copy and second.encode(turns, call) == ids
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    plain = list(tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False,
+                                               add_generation_prompt=True))
+    assert plain.count(end) == ids.count(end) + 1  # the typed one stays text
 
 
 def test_start_up_pauses_the_collector_then_freezes_what_it_made():

@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -22,7 +23,7 @@ from forklm.server.config import ServerConfig
 logger = logging.getLogger(__name__)
 # Seconds uvicorn still waits after the grace period, for aborted requests to send their answer.
 _ABORT_FLUSH_S = 5
-# Seconds without a request before the grammar warm-up runs (see _warm_up_grammar_when_idle).
+# Seconds without a request before the idle warm-ups run (see _warm_up_when_idle).
 WARM_UP_AFTER_IDLE_S = 0.3
 
 
@@ -46,9 +47,12 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
         # Off the start-up path: xgrammar's import and vocabulary tables, for the first
         # constrained request to find them ready (imported beside the engine's load instead, it
-        # slowed that load by more than it saved: benchmarks/startup.py).
-        threading.Thread(target=_warm_up_grammar_when_idle, args=(engine,),
-                         name="grammar-warm-up", daemon=True).start()
+        # slowed that load by more than it saved: benchmarks/startup.py), and the control-token
+        # guard's tokenizer copy (0.1 s of create_app before).
+        guard = app.state.service.guard
+        warm_ups = [engine.parts.grammar.warm_up] + ([guard.warm_up] if guard else [])
+        threading.Thread(target=_warm_up_when_idle, args=(engine, warm_ups),
+                         name="idle-warm-up", daemon=True).start()
         startup.started()  # the garbage collector back on, start-up's objects frozen
         logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", engine.config.model_path,
                     server_config.host, server_config.port)
@@ -62,11 +66,12 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         engine.shutdown()
 
 
-def _warm_up_grammar_when_idle(engine: Engine, idle_s: float = WARM_UP_AFTER_IDLE_S) -> None:
-    """The grammar warm-up, once the engine has had no request for idle_s: it holds the GIL for
-    0.2-0.5 s, which requests sent the moment the server is up would otherwise wait out (the
-    first request's TTFT was 3x the later ones' at 1B). A constrained request that comes first
-    does the same setup itself."""
+def _warm_up_when_idle(engine: Engine, warm_ups: list[Callable[[], None]],
+                       idle_s: float = WARM_UP_AFTER_IDLE_S) -> None:
+    """The warm-ups, once the engine has had no request for idle_s: the grammar's holds the GIL
+    for 0.2-0.5 s, which requests sent the moment the server is up would otherwise wait out (the
+    first request's TTFT was 3x the later ones' at 1B). A request that needs one first does the
+    same setup itself."""
     quiet_since = time.monotonic()
     while not engine.closed:
         time.sleep(idle_s / 6)
@@ -77,7 +82,8 @@ def _warm_up_grammar_when_idle(engine: Engine, idle_s: float = WARM_UP_AFTER_IDL
         if stats["running"] or stats["waiting"]:
             quiet_since = time.monotonic()
         elif time.monotonic() - quiet_since >= idle_s:
-            engine.parts.grammar.warm_up()
+            for warm_up in warm_ups:
+                warm_up()
             return
 
 
