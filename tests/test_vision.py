@@ -40,6 +40,15 @@ def data_url(image: PIL.Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def prompt_logprobs(model, inputs: dict) -> torch.Tensor:
+    """[prompt_len - 1] log p(token t | tokens < t) of a prompt under a transformers model, from
+    its processed `inputs`."""
+    with torch.no_grad():
+        logits = model(**inputs).logits[0].log_softmax(-1)
+    ids = inputs["input_ids"][0]
+    return logits[:-1].gather(1, ids[1:, None])[:, 0]
+
+
 def chat_about(engine, image: PIL.Image.Image, max_tokens: int) -> str:
     """The greedy reply of `engine`, served over HTTP, to one OpenAI chat message "Look: <the
     image as an image_url part> what is it?"."""

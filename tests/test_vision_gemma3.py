@@ -14,7 +14,7 @@ import transformers
 
 from forklm.runtime.multimodal.vision import MultimodalPrompt
 from tests.conftest import assert_idle_and_clean
-from tests.test_vision import chat_about, data_url, picture
+from tests.test_vision import chat_about, data_url, picture, prompt_logprobs
 from tests.tiny_models import randomized, tiny_config
 
 NEW_TOKENS = 8
@@ -85,10 +85,7 @@ def hf_prompt_logprobs(gemma3, text: str, images: list, bidirectional: bool = Tr
     inputs = hf_inputs(gemma3, text, images)
     if not bidirectional:
         inputs.pop("token_type_ids", None)
-    with torch.no_grad():
-        logits = gemma3[1](**inputs).logits[0].log_softmax(-1)
-    ids = inputs["input_ids"][0]
-    return logits[:-1].gather(1, ids[1:, None])[:, 0]
+    return prompt_logprobs(gemma3[1], inputs)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import transformers
 from forklm.runtime.models.loader import language_model_name
 from forklm.runtime.multimodal.mrope import mrope_positions
 from tests.conftest import assert_idle_and_clean
-from tests.test_vision import chat_about, data_url, picture
+from tests.test_vision import chat_about, data_url, picture, prompt_logprobs
 from tests.tiny_models import randomized
 
 NEW_TOKENS = 8
@@ -112,11 +112,7 @@ def hf_greedy(qwen, text: str, images: list) -> list[int]:
 
 def hf_prompt_logprobs(qwen, text: str, images: list) -> torch.Tensor:
     """[prompt_len - 1] log p(token t | tokens < t) of the prompt under transformers."""
-    inputs = hf_inputs(qwen, text, images)
-    with torch.no_grad():
-        logits = qwen[1](**inputs).logits[0].log_softmax(-1)
-    ids = inputs["input_ids"][0]
-    return logits[:-1].gather(1, ids[1:, None])[:, 0]
+    return prompt_logprobs(qwen[1], hf_inputs(qwen, text, images))
 
 
 @pytest.fixture
