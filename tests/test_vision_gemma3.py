@@ -7,6 +7,8 @@ prefix that ends inside an image, on the batch-invariant backend, and over HTTP.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -197,6 +199,31 @@ def test_triton_backend_runs_image_chunks_with_their_mask(make_engine, gemma3):
     assert hf_greedy(gemma3, ONE, [image], bidirectional=False) != want
     results = engine.generate([ONE, PLAIN], GREEDY, image_data=[[data_url(image)], None])
     assert [r["output_ids"] for r in results] == [want, hf_greedy(gemma3, PLAIN, [])]
+    assert_idle_and_clean(engine)
+
+
+def test_an_image_processor_config_with_pan_and_scan_reads_as_the_processor_does(
+        make_engine, gemma3, tmp_path):
+    """Gemma3Processor turns pan-and-scan off unless a call asks for it (its own defaults win
+    over the image processor's config), so a checkpoint whose image processor config turns it
+    on is read as one view per image, as transformers' processor reads it: not as the crops the
+    image processor alone would make."""
+    folder = tmp_path / "pan_and_scan"
+    shutil.copytree(gemma3[0], folder)
+    images = transformers.Gemma3ImageProcessor(
+        size={"height": 32, "width": 32}, do_pan_and_scan=True, pan_and_scan_min_crop_size=8,
+        pan_and_scan_max_num_crops=3, pan_and_scan_min_ratio_to_activate=1.2)
+    processor = transformers.Gemma3Processor(images, gemma3[2].tokenizer,
+                                             image_seq_length=IMAGE_TOKENS,
+                                             chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(folder)
+    reference = (folder, gemma3[1], processor)
+    wide = picture(13, 90, 30)
+    assert len(images(images=[[wide]], return_tensors="pt")["pixel_values"]) == 4  # crops
+    assert len(hf_inputs(reference, ONE, [wide])["pixel_values"]) == 1  # the processor: none
+    engine = make_engine(model_path=str(folder))
+    assert engine.generate(ONE, GREEDY, image_data=wide)["output_ids"] == hf_greedy(
+        reference, ONE, [wide])
     assert_idle_and_clean(engine)
 
 

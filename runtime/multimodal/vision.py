@@ -233,7 +233,10 @@ class VisionStage:
                 return cached
         kind = self.family.kind
         images = [image.pixels] if kind == "qwen_vl" else [[image.pixels]]
-        inputs = self.image_processor(images=images, return_tensors="pt")
+        # Gemma3Processor's own defaults (pan-and-scan off) win over its image processor's
+        # config: the same here, so the features match the tokens the processor wrote.
+        defaults = getattr(self.processor, "images_kwargs", None) if kind == "gemma3" else None
+        inputs = self.image_processor(images=images, return_tensors="pt", **(defaults or {}))
         pixels = inputs["pixel_values"].to(self.dtype)
         grid, deep = None, None
         with torch.inference_mode():
