@@ -40,6 +40,14 @@ def data_url(image: PIL.Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def greedy_tokens(model, inputs: dict, new_tokens: int) -> list[int]:
+    """A transformers model's greedy continuation of its processed `inputs`."""
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
 def prompt_logprobs(model, inputs: dict) -> torch.Tensor:
     """[prompt_len - 1] log p(token t | tokens < t) of a prompt under a transformers model, from
     its processed `inputs`."""
@@ -101,10 +109,7 @@ def vlm(tmp_path_factory, tokenizer):
 def hf_greedy(vlm, text: str, images: list[PIL.Image.Image]) -> list[int]:
     _, model, processor = vlm
     inputs = processor(text=[text], images=[images] if images else None, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                             pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return greedy_tokens(model, inputs, NEW_TOKENS)
 
 
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}

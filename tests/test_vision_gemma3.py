@@ -16,7 +16,13 @@ import transformers
 
 from forklm.runtime.multimodal.vision import MultimodalPrompt
 from tests.conftest import assert_idle_and_clean
-from tests.test_vision import chat_about, data_url, picture, prompt_logprobs
+from tests.test_vision import (
+    chat_about,
+    data_url,
+    greedy_tokens,
+    picture,
+    prompt_logprobs,
+)
 from tests.tiny_models import randomized, tiny_config
 
 NEW_TOKENS = 8
@@ -75,10 +81,7 @@ def hf_greedy(gemma3, text: str, images: list, bidirectional: bool = True) -> li
     inputs = hf_inputs(gemma3, text, images)
     if not bidirectional:
         inputs.pop("token_type_ids", None)
-    with torch.no_grad():
-        out = gemma3[1].generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return greedy_tokens(gemma3[1], inputs, NEW_TOKENS)
 
 
 def hf_prompt_logprobs(gemma3, text: str, images: list, bidirectional: bool = True

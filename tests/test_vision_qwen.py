@@ -18,7 +18,13 @@ import transformers
 from forklm.runtime.models.loader import language_model_name
 from forklm.runtime.multimodal.mrope import mrope_positions
 from tests.conftest import assert_idle_and_clean
-from tests.test_vision import chat_about, data_url, picture, prompt_logprobs
+from tests.test_vision import (
+    chat_about,
+    data_url,
+    greedy_tokens,
+    picture,
+    prompt_logprobs,
+)
 from tests.tiny_models import randomized
 
 NEW_TOKENS = 8
@@ -103,11 +109,7 @@ def hf_inputs(qwen, text: str, images: list) -> dict:
 
 
 def hf_greedy(qwen, text: str, images: list) -> list[int]:
-    inputs = hf_inputs(qwen, text, images)
-    with torch.no_grad():
-        out = qwen[1].generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=0)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return greedy_tokens(qwen[1], hf_inputs(qwen, text, images), NEW_TOKENS)
 
 
 def hf_prompt_logprobs(qwen, text: str, images: list) -> torch.Tensor:

@@ -121,9 +121,17 @@ class _Family:
     # prefixes: the tower ends in its own (Qwen2.5-VL's merger)
     tower_prefixes: tuple[str, ...]
     projector_prefixes: tuple[str, ...] = ()
-    bidirectional: bool = False  # an image's tokens attend to each other both ways (Gemma 3)
-    mrope: bool = False  # image tokens turn by 3-D rotary positions (Qwen-VL)
     deepstack: bool = False  # the tower's middle layers' features join the decoder's (Qwen3-VL)
+
+    @property
+    def bidirectional(self) -> bool:
+        """An image's tokens attend to each other both ways (Gemma 3)."""
+        return self.kind == "gemma3"
+
+    @property
+    def mrope(self) -> bool:
+        """Image tokens turn by 3-D rotary positions (Qwen-VL)."""
+        return self.kind == "qwen_vl"
 
 
 _IDEFICS3 = _Family("idefics3", ("model.vision_model.",), ("model.connector.",))
@@ -132,10 +140,9 @@ FAMILIES = {
     "smolvlm": _IDEFICS3,
     "gemma3": _Family("gemma3", ("model.vision_tower.vision_model.", "model.vision_tower.",
                                  "vision_tower.vision_model.", "vision_tower."),
-                      ("model.multi_modal_projector.", "multi_modal_projector."),
-                      bidirectional=True),
-    "qwen2_5_vl": _Family("qwen_vl", ("model.visual.", "visual."), mrope=True),
-    "qwen3_vl": _Family("qwen_vl", ("model.visual.", "visual."), mrope=True, deepstack=True),
+                      ("model.multi_modal_projector.", "multi_modal_projector.")),
+    "qwen2_5_vl": _Family("qwen_vl", ("model.visual.", "visual.")),
+    "qwen3_vl": _Family("qwen_vl", ("model.visual.", "visual."), deepstack=True),
 }
 
 
