@@ -1,29 +1,37 @@
-"""streamed_empty: weight buffers that start on a 2 MiB boundary and are marked for transparent
-huge pages before first touch (kernels/cpu/huge_pages.py)."""
+"""streamed_empty: weight buffers that start on a 2 MiB boundary, loaded in ordinary pages and
+moved into transparent huge pages afterwards, a page per step (kernels/cpu/huge_pages.py)."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import pathlib
 
 import pytest
 import torch
 
-from forklm.kernels.cpu.huge_pages import HUGE_PAGE, streamed_empty
+from forklm.kernels.cpu import huge_pages
+from forklm.kernels.cpu.huge_pages import HUGE_PAGE, collapse_weights, streamed_empty
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _vm_flags(address: int) -> list[str]:
-    """VmFlags of this process' mapping that holds `address`."""
+def _mapping_field(address: int, name: str) -> list[str]:
+    """A field of /proc/self/smaps for the mapping that holds `address`."""
     inside = False
     for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and line.startswith("VmFlags:"):
+        elif inside and line.startswith(f"{name}:"):
             return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _collapse_supported() -> bool:
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    return THP.exists() and "[never]" not in THP.read_text() and release >= (6, 1)
 
 
 @pytest.mark.parametrize("shape,dtype", [((3 * HUGE_PAGE + 100,), torch.uint8),
@@ -36,14 +44,43 @@ def test_large_buffers_start_on_a_huge_page_and_keep_their_shape(shape, dtype) -
     assert int(t.sum()) == t.numel()
 
 
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
-                    reason="this kernel has no transparent huge pages to ask for")
-def test_large_buffers_are_marked_for_huge_pages() -> None:
-    t = streamed_empty((4 * HUGE_PAGE,), torch.uint8)
-    assert "hg" in _vm_flags(t.data_ptr())  # MADV_HUGEPAGE took
+@pytest.mark.skipif(not _collapse_supported(),
+                    reason="no transparent huge pages or no MADV_COLLAPSE (Linux < 6.1)")
+def test_live_buffers_move_into_huge_pages_a_page_per_step() -> None:
+    t = streamed_empty((4 * HUGE_PAGE + 100,), torch.uint8)
+    t.fill_(3)
+    if "[madvise]" in THP.read_text():  # ordinary pages until moved
+        assert _mapping_field(t.data_ptr(), "AnonHugePages")[0] == "0"
+    dead = streamed_empty((2 * HUGE_PAGE,), torch.uint8)
+    del dead  # gone before its turn: skipped
+    moved = list(collapse_weights())
+    assert len(moved) >= 4 and moved[-1] >= 4 * HUGE_PAGE
+    assert all(0 <= b - a <= HUGE_PAGE for a, b in zip([0, *moved], moved))  # a page a step
+    assert int(_mapping_field(t.data_ptr(), "AnonHugePages")[0]) >= 4 * HUGE_PAGE // 1024
+    assert int(t.sum()) == 3 * t.numel()  # the same bytes
+    assert not list(collapse_weights())  # each buffer is moved once
+
+
+def test_without_madv_collapse_buffers_are_marked_for_khugepaged(monkeypatch) -> None:
+    calls = []
+
+    def madvise(address: int, nbytes: int, advice: int) -> int:
+        calls.append((address, nbytes, advice))
+        if advice == huge_pages._MADV_COLLAPSE:  # as a kernel before 6.1 answers
+            ctypes.set_errno(huge_pages._EINVAL)
+            return -1
+        return 0
+
+    monkeypatch.setattr(huge_pages, "_madvise", lambda: madvise)
+    t = streamed_empty((3 * HUGE_PAGE,), torch.uint8)
+    assert list(collapse_weights()) == []
+    address = t.data_ptr()
+    assert calls == [(address, HUGE_PAGE, huge_pages._MADV_COLLAPSE),
+                     (address, 3 * HUGE_PAGE, huge_pages._MADV_HUGEPAGE)]
 
 
 def test_small_buffers_are_plain() -> None:
+    pending = len(huge_pages._pending)
     t = streamed_empty((1000, 10), torch.float32)
     assert t.shape == (1000, 10) and t.untyped_storage().nbytes() == 40000
-
+    assert len(huge_pages._pending) == pending  # nothing to move

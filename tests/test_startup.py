@@ -209,3 +209,46 @@ def test_dense_copies_are_built_once_the_engine_idles_or_when_a_call_needs_them(
         assert idle.generate(long_prompt, params)["output_ids"] == first["output_ids"]
     finally:
         idle.shutdown()
+
+
+def test_idle_work_runs_a_slice_at_a_time_and_only_while_the_engine_has_no_requests():
+    """The loop's idle work (runtime/engine/idle_work.py) starts once the engine has been idle
+    for IDLE_BUILD_AFTER_S; a request that arrives meanwhile waits for one slice at most, no
+    slice runs while it is served, and the rest runs once the engine is idle again."""
+    import time
+
+    from forklm.runtime.engine.loop import IDLE_BUILD_AFTER_S
+
+    class Slices:
+        def __init__(self, count: int) -> None:
+            self.left, self.spans = count, []
+
+        def run_slice(self) -> bool:
+            start = time.monotonic()
+            time.sleep(0.005)
+            self.spans.append((start, time.monotonic()))
+            self.left -= 1
+            return self.left > 0
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + IDLE_BUILD_AFTER_S + 30
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    engine = Engine(max_total_tokens=512)
+    try:
+        work = Slices(300)
+        engine._loop.call(lambda: engine._loop._idle_work.append(work))
+        wait_for(lambda: len(work.spans) >= 5, "the idle engine never ran its idle work")
+        submitted = time.monotonic()
+        engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+        served = time.monotonic()
+        assert work.left > 0  # the request came in the middle of it
+        started_meanwhile = [s for s, _ in work.spans if submitted < s < served]
+        assert len(started_meanwhile) <= 1  # the one under way as the request was posted
+        wait_for(lambda: work.left == 0, "the idle work never finished")
+        resumed = min(s for s, _ in work.spans if s > served)
+        assert resumed - served >= IDLE_BUILD_AFTER_S - 0.05
+    finally:
+        engine.shutdown()

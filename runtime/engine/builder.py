@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,13 +20,14 @@ from forklm.runtime.kvcache.manager import KVCacheManager
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.kvcache.radix_cache import RadixCache
 from forklm.runtime.models import CausalLM, spec_from_config
-from forklm.runtime.models.loader import load_model
+from forklm.runtime.models.loader import LoadedModel, load_model
 from forklm.runtime.sampling.constraints import GrammarBackend
 from forklm.runtime.scheduling.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from forklm.runtime.config import EngineConfig
     from forklm.runtime.distributed.processes import WorkerProcesses
+    from forklm.runtime.engine.idle_work import IdleWork
     from forklm.runtime.lora.registry import LoraRegistry
     from forklm.runtime.models.onednn_linear import DenseCopyBuild
 
@@ -60,8 +61,10 @@ class EngineParts:
     intake: RequestIntake
     pooling: str
     lora: LoraRegistry | None = None  # the LoRA adapters it serves (None: LoRA is off)
-    # weights the engine builds once it is first idle (or a call needs them first)
-    idle_build: DenseCopyBuild | None = None
+    # what the engine does once it is idle (runtime/engine/idle_work.py): dense weight copies
+    # (or a call that needs one first builds them), the K-quant records written to disk for the
+    # next load, weights moved to huge pages
+    idle_work: list[IdleWork] = field(default_factory=list)
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.config.model_path, self.config.tokenizer_path or self.config.model_path,
@@ -142,8 +145,24 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
                              lora, vision),
         pooling=config.pooling or loaded.pooling or "last",
         lora=lora,
-        idle_build=deferred,
+        idle_work=_idle_work(deferred, loaded),
     )
+
+
+def _idle_work(dense_copies: DenseCopyBuild | None, loaded: LoadedModel) -> list[IdleWork]:
+    """The dense copies first (larger batches wait on them), then the K-quant records this load
+    built written to disk for the next one (runtime/quant/records_cache.py), then the weights
+    this process built moved into huge pages (kernels/cpu/huge_pages.py: asked for at load,
+    they cost a 1B model 1-2 s of start-up)."""
+    from forklm.kernels.cpu import huge_pages
+    from forklm.runtime.engine.idle_work import InSlices
+
+    work: list[IdleWork] = [] if dense_copies is None else [dense_copies]
+    if loaded.records_cache is not None and loaded.records_cache.unsaved:
+        work.append(InSlices(loaded.records_cache.saving()))
+    if huge_pages.pending_bytes():
+        work.append(InSlices(huge_pages.collapse_weights()))
+    return work
 
 
 def _install_lora(config: EngineConfig, runner: ModelRunner, dtype: torch.dtype) -> LoraRegistry:

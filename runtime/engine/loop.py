@@ -32,10 +32,12 @@ from forklm.runtime.engine.stats import EngineStats
 from forklm.runtime.errors import EngineShutdownError, WorkerLostError
 from forklm.runtime.scheduling.request import FinishReason, Req, ReqOutput
 
-# Seconds without requests after which the loop starts the engine's deferred build (dense
-# weight copies) in the background. Started at once, or after 0.3 s, it slowed a server's
-# start (its threads took the GIL from uvicorn's start-up and the routes' setup) and would slow
-# the first requests; a call that needs it first builds it on the spot.
+# Seconds without requests after which the loop starts the engine's idle work (dense weight
+# copies in the background, records cached on disk, weights moved to huge pages:
+# runtime/engine/idle_work.py). Started
+# at once, or after 0.3 s, the copies slowed a server's start (their threads took the GIL from
+# uvicorn's start-up and the routes' setup) and would slow the first requests; a call that
+# needs one first builds them on the spot.
 IDLE_BUILD_AFTER_S = 1.0
 
 if TYPE_CHECKING:
@@ -59,8 +61,8 @@ class EngineLoop:
         self._worker: ForwardWorker | None = None  # set on the thread when overlap is on
         self._in_flight: InFlight | None = None
         self._governor: ThreadGovernor | None = None  # set on the thread: see _run
-        # built in the background once the loop has been idle for IDLE_BUILD_AFTER_S
-        self._idle_build = parts.idle_build
+        # done a slice at a time once the loop has been idle for IDLE_BUILD_AFTER_S
+        self._idle_work = list(parts.idle_work)
         self._thread = threading.Thread(target=self._run, name="forklm-engine", daemon=True)
         self._thread.start()
 
@@ -124,13 +126,14 @@ class EngineLoop:
             while not self.closed:
                 idle = not self.parts.scheduler.has_work and self._in_flight is None
                 timeout = 0.5
-                if self._idle_build is not None:  # nothing to time once it has started
+                if self._idle_work:  # nothing to time once it is done
                     now = time.monotonic()
                     if not idle:
                         busy_at = now
-                    elif now - busy_at >= IDLE_BUILD_AFTER_S:  # idle long enough: its turn
-                        self._idle_build.start()
-                        self._idle_build = None
+                    elif now - busy_at >= IDLE_BUILD_AFTER_S:  # idle long enough: a slice of it
+                        if not self._idle_work[0].run_slice():
+                            self._idle_work.pop(0)
+                        timeout = 0.0
                     else:
                         timeout = min(busy_at + IDLE_BUILD_AFTER_S - now, timeout)
                 self._drain_inbox(block=idle, timeout=timeout)

@@ -39,6 +39,8 @@ from forklm.runtime.models.gguf_tokenizer import (
     load_saved_tokenizer,
 )
 from forklm.runtime.models.unsupported import missing_mechanism
+from forklm.runtime.quant.records_cache import RecordsCache, RecordsOrigin
+from forklm.runtime.quant.records_cache import enabled as records_cache_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ class GGUFModel:
         self.arch, self.spec = arch, arch_of(arch, self.file.fields.get(f"{arch}.expert_count"),
                                              {t.name for t in self.file.tensors})
         cached = _cache_dir_for(path)
+        # K-quant records cached beside the config (read where an earlier load wrote them)
+        self.records_cache = RecordsCache(cached) if records_cache_enabled() else None
         if cached.is_dir():
             logger.info("config and tokenizer of %s from cache %s", path.name, cached)
             self.config = _cached_config(cached)
@@ -113,6 +117,11 @@ class GGUFModel:
             from forklm.runtime.quant.linear import supported_gguf_type
 
             supported = supported_gguf_type
+        cache = self.records_cache
+
+        def origin(name: str) -> RecordsOrigin | None:
+            return None if cache is None else RecordsOrigin(cache, name)
+
         dequantized = set()
         for tensor in self.file.tensors:
             if tensor.name == _ROPE_FREQS or tensor.name in _ROPE_FACTORS:
@@ -124,18 +133,21 @@ class GGUFModel:
                 if rows is None:  # the mapped blocks: their pages are let go once packed
                     release = functools.partial(self.file.release, tensor)
                     yield name, GGUFWeight(tensor.data, tensor.tensor_type, (shape[0], shape[1]),
-                                           release=release, release_rows=release)
+                                           release=release, release_rows=release,
+                                           origin=origin(tensor.name))
                 else:  # reordered rows: a copy, so the mapped pages can go at once
                     reordered = np.ascontiguousarray(tensor.data[rows.numpy()])
                     self.file.release(tensor)
-                    yield name, GGUFWeight(reordered, tensor.tensor_type, (shape[0], shape[1]))
+                    yield name, GGUFWeight(reordered, tensor.tensor_type, (shape[0], shape[1]),
+                                           origin=origin(tensor.name))
                 continue
             if (supported is not None and len(shape) == 3 and "{expert}" in name
                     and supported(tensor.tensor_type)):  # a stack of experts: one matrix each
                 for expert in range(shape[0]):
                     yield name.format(expert=expert), GGUFWeight(
                         tensor.data[expert], tensor.tensor_type, (shape[1], shape[2]),
-                        release=functools.partial(self.file.release, tensor, expert, 1))
+                        release=functools.partial(self.file.release, tensor, expert, 1),
+                        origin=origin(f"{tensor.name}[{expert}]"))
                 continue
             if keep_quantized and len(shape) == 2 and not name.endswith(".bias"):
                 dequantized.add(tensor.tensor_type.name)

@@ -10,7 +10,7 @@ import json
 import pathlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -20,6 +20,9 @@ from forklm.runtime.errors import ModelNotFoundError
 from forklm.runtime.models.checkpoint_layouts import forklm_layout
 from forklm.runtime.models.pooling_config import folder_pooling, gguf_pooling
 from forklm.runtime.models.source import resolve_model_source, resolve_tokenizer_source
+
+if TYPE_CHECKING:
+    from forklm.runtime.quant.records_cache import RecordsCache
 
 
 @dataclass
@@ -40,6 +43,9 @@ class LoadedModel:
     # config (the text model's is `config`) and its weight files; None for a text model.
     vision_config: transformers.PretrainedConfig | None = None
     shards: list[pathlib.Path] | None = None
+    # a GGUF's K-quant records cached on disk (runtime/quant/records_cache.py): the model's
+    # builder saves what it built there
+    records_cache: RecordsCache | None = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight as a float32 tensor in one dict (tests and references, not the engine)."""
@@ -60,7 +66,8 @@ def load_model(model_path: str, revision: str | None = None,
         gguf = GGUFModel(path)
         loaded = LoadedModel(gguf.config, gguf.tokenizer, str(path), gguf.eos_token_ids,
                              gguf.weights, is_gguf=True,
-                             pooling=gguf_pooling(path, gguf.file.fields, gguf.arch))
+                             pooling=gguf_pooling(path, gguf.file.fields, gguf.arch),
+                             records_cache=gguf.records_cache)
     if tokenizer_path is not None:
         folder = resolve_tokenizer_source(tokenizer_path)
         if folder.is_dir():

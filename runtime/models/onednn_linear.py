@@ -134,6 +134,12 @@ class DenseCopyBuild:
             threading.Thread(target=self._build, args=(_lowest_priority,),
                              name="forklm-dense-copies", daemon=True).start()
 
+    def run_slice(self) -> bool:
+        """As an engine's IdleWork (runtime/engine/idle_work.py): started in the background, and
+        nothing left for the engine's thread."""
+        self.start()
+        return False
+
     def _claim(self) -> bool:
         with self._lock:
             claimed, self._claimed = self._claimed, True

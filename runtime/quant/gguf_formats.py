@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants  # the codebooks of the IQ4 and MXFP4 formats
+
+if TYPE_CHECKING:
+    from forklm.runtime.quant.records_cache import RecordsOrigin
 
 QK_K = 256  # elements in a K-quant super-block
 
@@ -29,6 +32,9 @@ class GGUFWeight:
     # matrix is a whole tensor of the file (a converter then lets go of it as it goes)
     release_rows: Callable[[int, int], None] | None = field(default=None, compare=False,
                                                             repr=False)
+    # The file's cache and this tensor's name, where the part is a whole tensor of a GGUF (or
+    # its reordered rows): K-quant records built from it are cached on disk (records_cache.py)
+    origin: RecordsOrigin | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]

@@ -1,0 +1,177 @@
+"""RecordsCache: a GGUF's K-quant records (runtime/quant/kquant.py) kept on disk beside its cached
+config and tokenizer, so that later loads map them instead of repacking the file.
+
+Repacking is the bulk of loading a K-quant GGUF: a 1B Q4_K_M's 718 MB of records took 0.4 s of
+two cores and ~200,000 page faults at every start (benchmarks/startup.py). The first load's
+engine writes them in its idle time to `records-v<FORMAT_VERSION>.bin` in the GGUF's cache
+folder, with an index; a later
+load maps that file copy-on-write (nothing is ever written to it) and each matrix's records are
+a view of the mapping. Its pages are the kernel's page cache: shared between processes that
+serve the same file, and read from disk again if memory runs short, as llama.cpp maps a GGUF.
+
+The folder is named by the GGUF's path, size and mtime (gguf_loader._cache_dir_for), so a
+changed file gets a new one. A matrix's entry is named by its tensors, type and shape, and a
+checksum of its first and last page guards against a file that a crash left zero-filled or short.
+Set FORKLM_RECORDS_CACHE=0 to neither read nor write it (the disk it takes is about the
+GGUF's size).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import pathlib
+import shutil
+import tempfile
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bump when the records' layout (kernels/cpu/kquant_vnni.c) or the loader's row order (the
+# permuted q/k of gguf_loader) changes: an older cache is then ignored.
+FORMAT_VERSION = 1
+_ALIGN = 4096  # each entry starts on a page
+_CHECKED_BYTES = 4096  # checksummed at each end of an entry
+_FREE_MARGIN = 1 << 30  # disk left free after writing
+_WRITE_CHUNK = 4 << 20  # bytes written per step of `saving`
+
+
+def enabled() -> bool:
+    return os.environ.get("FORKLM_RECORDS_CACHE", "1") != "0"
+
+
+@dataclass(frozen=True)
+class RecordsOrigin:
+    """Where a GGUFWeight comes from, for the cache: its file's cache and its tensor's name
+    (set only on parts that are a whole tensor of the file, or its reordered rows)."""
+
+    cache: RecordsCache
+    name: str
+
+
+class RecordsCache:
+    """One GGUF's cached records: `get` what an earlier load wrote, `put` what this load built,
+    then `saving` writes them (only where nothing was cached before)."""
+
+    def __init__(self, folder: pathlib.Path) -> None:
+        self.folder = folder
+        self.index_path = folder / f"records-v{FORMAT_VERSION}.json"
+        self.data_path = folder / f"records-v{FORMAT_VERSION}.bin"
+        self._entries: dict[str, dict] = {}
+        self._mapping: mmap.mmap | None = None
+        self._built: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()  # put is called from the weight builder's threads
+        if enabled():
+            self._open()
+
+    @property
+    def cached(self) -> bool:
+        return self._mapping is not None
+
+    def _open(self) -> None:
+        try:
+            index = json.loads(self.index_path.read_text())
+            with open(self.data_path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if index.get("version") != FORMAT_VERSION or index.get("bytes") != size:
+                    raise ValueError(f"index of {index.get('bytes')} bytes, file {size}")
+                mapping = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, AttributeError) as exc:
+            logger.warning("ignoring the records cache %s (%s)", self.data_path, exc)
+            return
+        self._entries, self._mapping = index["entries"], mapping
+
+    def get(self, key: str, nbytes: int) -> torch.Tensor | None:
+        """The cached records of `key` (uint8 [nbytes], a view of the mapped file), or None."""
+        entry = self._entries.get(key)
+        if entry is None or self._mapping is None:
+            return None
+        offset = entry["offset"]
+        if entry["bytes"] != nbytes or offset + nbytes > len(self._mapping):
+            logger.warning("records cache %s: entry %s does not fit; rebuilding it",
+                           self.data_path, key)
+            return None
+        records = torch.frombuffer(self._mapping, dtype=torch.uint8, count=nbytes, offset=offset)
+        if _checksum(records) != entry["crc"]:
+            logger.warning("records cache %s: entry %s is damaged; rebuilding it",
+                           self.data_path, key)
+            return None
+        return records
+
+    def put(self, key: str, records: torch.Tensor) -> None:
+        """Records this load built, for `save`."""
+        with self._lock:
+            self._built[key] = records
+
+    @property
+    def unsaved(self) -> bool:
+        """Whether this load built records that `saving` would write."""
+        return bool(self._built) and not self.cached and enabled()
+
+    def saving(self) -> Iterator[int]:
+        """Write what this load built, where no cache was there to read, a chunk per step
+        (yielding the bytes written so far): an engine does it in its idle time, since
+        writing a 1B model's 800 MB of new page cache took ~3 s. The file is written whole under
+        a temporary name, then renamed, and the index after it: a reader sees all of it or
+        nothing, and a write cut short leaves nothing behind."""
+        with self._lock:
+            built, self._built = self._built, {}
+        if not built or self.cached or not enabled():
+            return
+        layout, end = {}, 0
+        for key in sorted(built):
+            nbytes = built[key].numel()
+            layout[key] = {"offset": end, "bytes": nbytes, "crc": _checksum(built[key])}
+            end += nbytes + -nbytes % _ALIGN
+        try:
+            if shutil.disk_usage(self.folder).free < end + _FREE_MARGIN:
+                logger.info("not caching the records of %s: too little free disk", self.folder)
+                return
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.data_path.name}.", dir=self.folder)
+        except OSError as exc:
+            logger.warning("not caching the records in %s (%s)", self.folder, exc)
+            return
+        written = 0
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for key, entry in layout.items():
+                    f.seek(entry["offset"])
+                    data = built.pop(key).numpy().data
+                    for start in range(0, len(data), _WRITE_CHUNK):
+                        written += f.write(data[start:start + _WRITE_CHUNK])
+                        yield written
+                f.truncate(end)
+            os.replace(tmp, self.data_path)
+            index = {"version": FORMAT_VERSION, "bytes": end, "entries": layout}
+            _write_atomically(self.index_path, json.dumps(index).encode())
+            logger.info("cached %d MB of records in %s", end >> 20, self.data_path)
+        except OSError as exc:
+            logger.warning("not caching the records in %s (%s)", self.folder, exc)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _write_atomically(target: pathlib.Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _checksum(records: torch.Tensor) -> int:
+    head, tail = records[:_CHECKED_BYTES], records[-_CHECKED_BYTES:]
+    return zlib.crc32(tail.numpy().data, zlib.crc32(head.numpy().data))

@@ -1,0 +1,177 @@
+"""runtime/quant/records_cache.py: a GGUF's K-quant records written to disk by the first load and
+mapped by the next ones instead of repacked; a damaged, short or foreign cache is not trusted;
+FORKLM_RECORDS_CACHE=0 turns it off; an engine writes it in its idle time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+from forklm.kernels.cpu import bindings as native_kernels
+from forklm.runtime.forward.model_parts import build_model
+from forklm.runtime.models import spec_from_config
+from forklm.runtime.models.loader import load_model
+from forklm.runtime.quant import records_cache
+from forklm.runtime.quant.kquant import KQuantMatrix, kquant_available
+
+pytestmark = pytest.mark.skipif(not kquant_available(),
+                                reason="K-quant kernel off (no AVX512-VNNI/BW/BF16 or no build)")
+
+
+@pytest.fixture(scope="module")
+def k_gguf(tmp_path_factory, tokenizer) -> str:
+    """A tiny Llama in a Q4_K_M-like mix (Q4_K, Q5_K, Q6_K; tied head)."""
+    from tests.test_gguf_families import write_gguf
+    from tests.test_kquant import K_QUANT_CASES
+    from tests.tiny_models import build_tiny_model
+
+    tiny, arch, edit, fields, quantizer, _ = K_QUANT_CASES["llama"]
+    folder = tmp_path_factory.mktemp("records")
+    model = build_tiny_model(tiny, folder / "hf", tokenizer, edit=edit, hidden_size=256,
+                             intermediate_size=512, **fields)
+    path = str(folder / "k.gguf")
+    write_gguf(path, model, arch, quantizer=quantizer)
+    return path
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORKLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FORKLM_RECORDS_CACHE", raising=False)
+    return tmp_path / "cache"
+
+
+class RepackCounter:
+    """kquant_repack, counting the matrices whose records it builds (a call per run of rows)."""
+
+    def __init__(self, monkeypatch, allowed: bool = True):
+        self.allowed, self._repack = allowed, native_kernels.kquant_repack
+        self._buffers: set[int] = set()
+        monkeypatch.setattr(native_kernels, "kquant_repack", self)
+
+    @property
+    def matrices(self) -> int:
+        return len(self._buffers)
+
+    def __call__(self, *args, out: torch.Tensor, **kwargs):
+        assert self.allowed, "records were repacked where the cache should have held them"
+        self._buffers.add(out.untyped_storage().data_ptr())
+        return self._repack(*args, out=out, **kwargs)
+
+
+def _load(path: str):
+    loaded = load_model(path)
+    model = build_model(loaded, spec_from_config(loaded.config), torch.bfloat16, "cpu", 256,
+                        keep_quantized=True, int8_activations=True)
+    records = {name: m.records for name, m in model.named_modules()
+               if isinstance(m, KQuantMatrix)}
+    assert len(records) > 5
+    return loaded, records
+
+
+def _saved(path: str) -> dict[str, torch.Tensor]:
+    """The records of a first load, written to its cache."""
+    loaded, records = _load(path)
+    cache = loaded.records_cache
+    assert cache is not None and not cache.cached and cache.unsaved
+    written = list(cache.saving())
+    assert written[-1] == sum(r.numel() for r in records.values())
+    assert cache.index_path.is_file() and cache.data_path.is_file()
+    return {name: r.clone() for name, r in records.items()}
+
+
+def _assert_same(records: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert records.keys() == expected.keys()
+    for name, r in records.items():
+        assert torch.equal(r, expected[name]), name
+
+
+def test_a_later_load_maps_the_records_the_first_one_wrote(k_gguf, cache_dir, monkeypatch):
+    first = _saved(k_gguf)
+    RepackCounter(monkeypatch, allowed=False)
+    loaded, records = _load(k_gguf)
+    cache = loaded.records_cache
+    assert cache is not None and cache.cached and not cache.unsaved
+    _assert_same(records, first)
+    mapping = cache._mapping
+    assert mapping is not None
+    start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    for r in records.values():  # views of the mapped file, not copies
+        assert start <= r.data_ptr() < start + len(mapping)
+
+
+def test_a_damaged_entry_is_rebuilt_from_the_file(k_gguf, cache_dir, monkeypatch, caplog):
+    first = _saved(k_gguf)
+    cache = load_model(k_gguf).records_cache
+    assert cache is not None
+    index = json.loads(cache.index_path.read_text())
+    damaged = sorted(index["entries"])[1]
+    with open(cache.data_path, "r+b") as f:  # zeros, as a crash can leave a written file
+        f.seek(index["entries"][damaged]["offset"])
+        f.write(bytes(4096))
+    counter = RepackCounter(monkeypatch)
+    with caplog.at_level(logging.WARNING):
+        loaded, records = _load(k_gguf)
+    assert counter.matrices == 1 and f"entry {damaged} is damaged" in caplog.text
+    _assert_same(records, first)
+
+
+@pytest.mark.parametrize("fault", ["short file", "other version", "no index"])
+def test_a_cache_that_does_not_fit_is_ignored_and_written_again(k_gguf, cache_dir, monkeypatch,
+                                                                 fault):
+    first = _saved(k_gguf)
+    cache = load_model(k_gguf).records_cache
+    assert cache is not None
+    if fault == "short file":
+        with open(cache.data_path, "r+b") as f:
+            f.truncate(cache.data_path.stat().st_size - 4096)
+    elif fault == "other version":
+        index = json.loads(cache.index_path.read_text())
+        cache.index_path.write_text(json.dumps({**index, "version": index["version"] + 1}))
+    else:
+        cache.index_path.unlink()
+    counter = RepackCounter(monkeypatch)
+    loaded, records = _load(k_gguf)
+    assert counter.matrices == len(first)  # every matrix repacked from the file
+    _assert_same(records, first)
+    assert loaded.records_cache is not None and loaded.records_cache.unsaved
+    list(loaded.records_cache.saving())  # and written again, whole
+    counter.allowed = False
+    _assert_same(_load(k_gguf)[1], first)
+
+
+def test_the_cache_can_be_turned_off(k_gguf, cache_dir, monkeypatch):
+    monkeypatch.setenv("FORKLM_RECORDS_CACHE", "0")
+    loaded, _ = _load(k_gguf)
+    assert loaded.records_cache is None
+    assert not list(cache_dir.glob("*/records-*"))
+
+
+def test_an_engine_writes_the_cache_once_idle_and_the_next_one_maps_it(k_gguf, cache_dir,
+                                                                       monkeypatch):
+    from forklm.runtime.engine.engine import Engine
+    from forklm.runtime.engine.loop import IDLE_BUILD_AFTER_S
+    from tests.tiny_models import ARCHITECTURES
+
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    config = {"model_path": k_gguf, "max_total_tokens": 1024, **ARCHITECTURES["llama3"].engine_config}
+    first = Engine(**config)
+    try:
+        expected = first.generate("The sea is", params)["output_ids"]
+        deadline = time.monotonic() + IDLE_BUILD_AFTER_S + 30
+        while not list(cache_dir.glob(f"*/records-v{records_cache.FORMAT_VERSION}.json")):
+            assert time.monotonic() < deadline, "the idle engine never wrote its records"
+            time.sleep(0.05)
+        assert first.generate("The sea is", params)["output_ids"] == expected
+    finally:
+        first.shutdown()
+    RepackCounter(monkeypatch, allowed=False)
+    second = Engine(**config)
+    try:
+        assert second.generate("The sea is", params)["output_ids"] == expected
+    finally:
+        second.shutdown()
