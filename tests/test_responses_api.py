@@ -162,6 +162,7 @@ def test_json_schema_text_format(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "messages", "reads no images"),
     ({"input": [{"type": "computer_call", "id": "c"}]}, "input.0", "not supported"),
+    ({"input": [4.5, "hi"]}, "input", "tag"),  # no items at all (the schema fuzzer's case)
     ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": []}]},
      "input", "--reasoning-parser"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "nothing to answer"),

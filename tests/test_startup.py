@@ -214,14 +214,18 @@ def test_dense_copies_are_built_once_the_engine_idles_or_when_a_call_needs_them(
 def test_idle_work_runs_a_slice_at_a_time_and_only_while_the_engine_has_no_requests():
     """The loop's idle work (runtime/engine/idle_work.py) starts once the engine has been idle
     for IDLE_BUILD_AFTER_S; a request that arrives meanwhile waits for one slice at most, no
-    slice runs while it is served, and the rest runs once the engine is idle again."""
+    slice runs while it is served, the rest runs once the engine is idle again, and the
+    engine's shutdown closes it."""
     import time
 
     from forklm.runtime.engine.loop import IDLE_BUILD_AFTER_S
 
     class Slices:
         def __init__(self, count: int) -> None:
-            self.left, self.spans = count, []
+            self.left, self.spans, self.closed = count, [], False
+
+        def close(self) -> None:
+            self.closed = True
 
         def run_slice(self) -> bool:
             start = time.monotonic()
@@ -239,7 +243,11 @@ def test_idle_work_runs_a_slice_at_a_time_and_only_while_the_engine_has_no_reque
     engine = Engine(max_total_tokens=512)
     try:
         work = Slices(300)
-        engine._loop.call(lambda: engine._loop._idle_work.append(work))
+        def add() -> None:  # as the builder's work (the loop closes those as it stops)
+            engine.parts.idle_work.append(work)
+            engine._loop._idle_work.append(work)
+
+        engine._loop.call(add)
         wait_for(lambda: len(work.spans) >= 5, "the idle engine never ran its idle work")
         submitted = time.monotonic()
         engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
@@ -250,5 +258,7 @@ def test_idle_work_runs_a_slice_at_a_time_and_only_while_the_engine_has_no_reque
         wait_for(lambda: work.left == 0, "the idle work never finished")
         resumed = min(s for s, _ in work.spans if s > served)
         assert resumed - served >= IDLE_BUILD_AFTER_S - 0.05
+        assert not work.closed
     finally:
         engine.shutdown()
+    assert work.closed

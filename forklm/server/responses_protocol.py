@@ -134,8 +134,15 @@ class _RejectedItem(_Lenient):
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
-def _item_tag(value: Any) -> str:
-    kind = value.get("type", "message") if isinstance(value, dict) else value.type
+def _item_tag(value: Any) -> str | None:
+    """An item's type; None for what is no item at all (a number, a list), which pydantic
+    then rejects as such."""
+    if isinstance(value, dict):
+        kind = value.get("type", "message")
+    elif isinstance(value, BaseModel):
+        kind = getattr(value, "type", None)
+    else:
+        return None
     return kind if kind in _ITEM_TYPES else "other"
 
 

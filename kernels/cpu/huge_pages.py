@@ -23,7 +23,7 @@ import functools
 import math
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import torch
 
@@ -74,7 +74,7 @@ def pending_bytes() -> int:
         return sum(n for ref, _, n in _pending if ref() is not None)
 
 
-def collapse_weights() -> Iterator[int]:
+def collapse_weights() -> Generator[int, None, None]:
     """Steps that move every weight buffer streamed_empty has made so far (and that is still
     alive when its turn comes) into huge pages, one 2 MiB page per step (each yields the bytes
     moved so far), so the caller can do it in slices between other work: a concurrent reader
@@ -88,7 +88,7 @@ def collapse_weights() -> Iterator[int]:
     return _collapse(pending)
 
 
-def _collapse(pending: list[tuple[weakref.ref[torch.Tensor], int, int]]) -> Iterator[int]:
+def _collapse(pending: list[tuple[weakref.ref[torch.Tensor], int, int]]) -> Generator[int, None, None]:
     madvise = _madvise()
     moved = 0
     for ref, address, nbytes in pending:

@@ -7,7 +7,7 @@ slice at most (a few ms), and the rest waits for the next idle spell."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Protocol
 
 
@@ -16,12 +16,19 @@ class IdleWork(Protocol):
         """Do a short piece of the work on the engine's thread (a few ms at most, or hand it to
         a background thread); False once nothing is left."""
 
+    def close(self) -> None:
+        """The engine is shutting down: stop, or wait for what runs in the background (a thread
+        still inside torch as the process exits aborts it)."""
+
 
 class InSlices:
-    """An iterator's steps as IdleWork: one `next` per slice."""
+    """A generator's steps as IdleWork: one `next` per slice; closing it runs its cleanup."""
 
-    def __init__(self, steps: Iterator[object]) -> None:
+    def __init__(self, steps: Generator[object, None, None]) -> None:
         self._steps = steps
 
     def run_slice(self) -> bool:
         return next(self._steps, self) is not self
+
+    def close(self) -> None:
+        self._steps.close()

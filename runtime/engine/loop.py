@@ -181,6 +181,8 @@ class EngineLoop:
             if self._worker is not None:
                 self._worker.close()  # the forward in flight ends before its runner does
             self._in_flight = None
+            for work in self.parts.idle_work:  # started or not
+                work.close()
             self.parts.runner.close()
 
     def _drain_inbox(self, block: bool, timeout: float = 0.5) -> None:

@@ -140,6 +140,16 @@ class DenseCopyBuild:
         self.start()
         return False
 
+    def close(self) -> None:
+        """As IdleWork: the engine is shutting down. A build under way finishes first (its
+        threads are inside oneDNN); one not begun never will."""
+        if self._claim():  # never begun: calls keep the quantized kernels
+            for module in self.modules:
+                module.dense_build = None
+            self.done.set()
+        else:
+            self.done.wait()
+
     def _claim(self) -> bool:
         with self._lock:
             claimed, self._claimed = self._claimed, True

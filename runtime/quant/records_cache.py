@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +117,7 @@ class RecordsCache:
         """Whether this load built records that `saving` would write."""
         return bool(self._built) and not self.cached and enabled()
 
-    def saving(self) -> Iterator[int]:
+    def saving(self) -> Generator[int, None, None]:
         """Write what this load built, where no cache was there to read, a chunk per step
         (yielding the bytes written so far): an engine does it in its idle time, since
         writing a 1B model's 800 MB of new page cache took ~3 s. The file is written whole under
