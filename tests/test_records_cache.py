@@ -1,6 +1,7 @@
-"""runtime/quant/records_cache.py: a GGUF's K-quant records written to disk by the first load and
-mapped by the next ones instead of repacked; a damaged, short or foreign cache is not trusted;
-FORKLM_RECORDS_CACHE=0 turns it off; an engine writes it in its idle time."""
+"""runtime/quant/records_cache.py: a GGUF's repacked weights (K-quant records, the int4 packing)
+written to disk by the first load and mapped by the next ones instead of repacked; a damaged,
+short or foreign cache is not trusted; FORKLM_RECORDS_CACHE=0 turns it off; an engine writes
+it in its idle time."""
 
 from __future__ import annotations
 
@@ -11,24 +12,28 @@ import time
 import pytest
 import torch
 
-from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.forward.model_parts import build_model
 from forklm.runtime.models import spec_from_config
 from forklm.runtime.models.loader import load_model
-from forklm.runtime.quant import records_cache
+from forklm.runtime.models.source import default_model_gguf
+from forklm.runtime.quant import kquant, linear, records_cache
 from forklm.runtime.quant.kquant import KQuantMatrix, kquant_available
+from forklm.runtime.quant.linear import Int4Matrix
 
 pytestmark = pytest.mark.skipif(not kquant_available(),
                                 reason="K-quant kernel off (no AVX512-VNNI/BW/BF16 or no build)")
 
 
-@pytest.fixture(scope="module")
-def k_gguf(tmp_path_factory, tokenizer) -> str:
-    """A tiny Llama in a Q4_K_M-like mix (Q4_K, Q5_K, Q6_K; tied head)."""
+@pytest.fixture(scope="module", params=["k-quants", "default model"])
+def gguf(request, tmp_path_factory, tokenizer) -> str:
+    """A tiny Llama in a Q4_K_M-like mix (Q4_K, Q5_K, Q6_K records; tied head), or the default
+    model (Q4_1 matrices in the int4 packing, a Q8_0 embedding and head in records)."""
     from tests.test_gguf_families import write_gguf
     from tests.test_kquant import K_QUANT_CASES
     from tests.tiny_models import build_tiny_model
 
+    if request.param == "default model":
+        return str(default_model_gguf())
     tiny, arch, edit, fields, quantizer, _ = K_QUANT_CASES["llama"]
     folder = tmp_path_factory.mktemp("records")
     model = build_tiny_model(tiny, folder / "hf", tokenizer, edit=edit, hidden_size=256,
@@ -45,30 +50,33 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-class RepackCounter:
-    """kquant_repack, counting the matrices whose records it builds (a call per run of rows)."""
+class BuildCounter:
+    """The buffers loads build for repacked weights (a K-quant matrix's records; an int4
+    matrix's packing and group scales), counted, or forbidden."""
 
     def __init__(self, monkeypatch, allowed: bool = True):
-        self.allowed, self._repack = allowed, native_kernels.kquant_repack
-        self._buffers: set[int] = set()
-        monkeypatch.setattr(native_kernels, "kquant_repack", self)
+        self.allowed, self.built = allowed, 0
+        for module in (kquant, linear):
+            monkeypatch.setattr(module, "streamed_empty", self._counted(module.streamed_empty))
 
-    @property
-    def matrices(self) -> int:
-        return len(self._buffers)
-
-    def __call__(self, *args, out: torch.Tensor, **kwargs):
-        assert self.allowed, "records were repacked where the cache should have held them"
-        self._buffers.add(out.untyped_storage().data_ptr())
-        return self._repack(*args, out=out, **kwargs)
+    def _counted(self, streamed_empty):
+        def build(*args, **kwargs):
+            assert self.allowed, "weights were repacked where the cache should have held them"
+            self.built += 1
+            return streamed_empty(*args, **kwargs)
+        return build
 
 
 def _load(path: str):
     loaded = load_model(path)
     model = build_model(loaded, spec_from_config(loaded.config), torch.bfloat16, "cpu", 256,
                         keep_quantized=True, int8_activations=True)
-    records = {name: m.records for name, m in model.named_modules()
-               if isinstance(m, KQuantMatrix)}
+    records = {}
+    for name, m in model.named_modules():
+        if isinstance(m, KQuantMatrix):
+            records[name] = m.records
+        elif isinstance(m, Int4Matrix):
+            records[f"{name}.packed"], records[f"{name}.scale_zeros"] = m.packed, m.scale_zeros
     assert len(records) > 5
     return loaded, records
 
@@ -79,7 +87,7 @@ def _saved(path: str) -> dict[str, torch.Tensor]:
     cache = loaded.records_cache
     assert cache is not None and not cache.cached and cache.unsaved
     written = list(cache.saving())
-    assert written[-1] == sum(r.numel() for r in records.values())
+    assert written[-1] == sum(r.numel() * r.itemsize for r in records.values())
     assert cache.index_path.is_file() and cache.data_path.is_file()
     return {name: r.clone() for name, r in records.items()}
 
@@ -90,10 +98,10 @@ def _assert_same(records: dict[str, torch.Tensor], expected: dict[str, torch.Ten
         assert torch.equal(r, expected[name]), name
 
 
-def test_a_later_load_maps_the_records_the_first_one_wrote(k_gguf, cache_dir, monkeypatch):
-    first = _saved(k_gguf)
-    RepackCounter(monkeypatch, allowed=False)
-    loaded, records = _load(k_gguf)
+def test_a_later_load_maps_the_records_the_first_one_wrote(gguf, cache_dir, monkeypatch):
+    first = _saved(gguf)
+    BuildCounter(monkeypatch, allowed=False)
+    loaded, records = _load(gguf)
     cache = loaded.records_cache
     assert cache is not None and cache.cached and not cache.unsaved
     _assert_same(records, first)
@@ -104,27 +112,32 @@ def test_a_later_load_maps_the_records_the_first_one_wrote(k_gguf, cache_dir, mo
         assert start <= r.data_ptr() < start + len(mapping)
 
 
-def test_a_damaged_entry_is_rebuilt_from_the_file(k_gguf, cache_dir, monkeypatch, caplog):
-    first = _saved(k_gguf)
-    cache = load_model(k_gguf).records_cache
+def test_a_damaged_entry_is_rebuilt_from_the_file(gguf, cache_dir, monkeypatch, caplog):
+    first = _saved(gguf)
+    cache = load_model(gguf).records_cache
     assert cache is not None
     index = json.loads(cache.index_path.read_text())
-    damaged = sorted(index["entries"])[1]
+    damaged = sorted(index["entries"])[1]  # an int4 matrix's packing on the default model
     with open(cache.data_path, "r+b") as f:  # zeros, as a crash can leave a written file
         f.seek(index["entries"][damaged]["offset"])
         f.write(bytes(4096))
-    counter = RepackCounter(monkeypatch)
+    counter = BuildCounter(monkeypatch)
     with caplog.at_level(logging.WARNING):
-        loaded, records = _load(k_gguf)
-    assert counter.matrices == 1 and f"entry {damaged} is damaged" in caplog.text
+        loaded, records = _load(gguf)
+    rebuilt = 2 if damaged.startswith("int4") else 1  # its packing and scales, or its records
+    assert counter.built == rebuilt and f"entry {damaged} is damaged" in caplog.text
     _assert_same(records, first)
+    assert loaded.records_cache is not None
+    list(loaded.records_cache.saving())  # the whole file again, the damaged entry replaced
+    counter.allowed = False
+    _assert_same(_load(gguf)[1], first)
 
 
 @pytest.mark.parametrize("fault", ["short file", "other version", "no index"])
-def test_a_cache_that_does_not_fit_is_ignored_and_written_again(k_gguf, cache_dir, monkeypatch,
+def test_a_cache_that_does_not_fit_is_ignored_and_written_again(gguf, cache_dir, monkeypatch,
                                                                  fault):
-    first = _saved(k_gguf)
-    cache = load_model(k_gguf).records_cache
+    first = _saved(gguf)
+    cache = load_model(gguf).records_cache
     assert cache is not None
     if fault == "short file":
         with open(cache.data_path, "r+b") as f:
@@ -134,31 +147,31 @@ def test_a_cache_that_does_not_fit_is_ignored_and_written_again(k_gguf, cache_di
         cache.index_path.write_text(json.dumps({**index, "version": index["version"] + 1}))
     else:
         cache.index_path.unlink()
-    counter = RepackCounter(monkeypatch)
-    loaded, records = _load(k_gguf)
-    assert counter.matrices == len(first)  # every matrix repacked from the file
+    counter = BuildCounter(monkeypatch)
+    loaded, records = _load(gguf)
+    assert counter.built == len(first)  # every matrix repacked from the file
     _assert_same(records, first)
     assert loaded.records_cache is not None and loaded.records_cache.unsaved
     list(loaded.records_cache.saving())  # and written again, whole
     counter.allowed = False
-    _assert_same(_load(k_gguf)[1], first)
+    _assert_same(_load(gguf)[1], first)
 
 
-def test_the_cache_can_be_turned_off(k_gguf, cache_dir, monkeypatch):
+def test_the_cache_can_be_turned_off(gguf, cache_dir, monkeypatch):
     monkeypatch.setenv("FORKLM_RECORDS_CACHE", "0")
-    loaded, _ = _load(k_gguf)
+    loaded, _ = _load(gguf)
     assert loaded.records_cache is None
     assert not list(cache_dir.glob("*/records-*"))
 
 
-def test_an_engine_writes_the_cache_once_idle_and_the_next_one_maps_it(k_gguf, cache_dir,
+def test_an_engine_writes_the_cache_once_idle_and_the_next_one_maps_it(gguf, cache_dir,
                                                                        monkeypatch):
     from forklm.runtime.engine.engine import Engine
     from forklm.runtime.engine.loop import IDLE_BUILD_AFTER_S
     from tests.tiny_models import ARCHITECTURES
 
     params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
-    config = {"model_path": k_gguf, "max_total_tokens": 1024, **ARCHITECTURES["llama3"].engine_config}
+    config = {"model_path": gguf, "max_total_tokens": 1024, **ARCHITECTURES["llama3"].engine_config}
     first = Engine(**config)
     try:
         expected = first.generate("The sea is", params)["output_ids"]
@@ -169,7 +182,7 @@ def test_an_engine_writes_the_cache_once_idle_and_the_next_one_maps_it(k_gguf, c
         assert first.generate("The sea is", params)["output_ids"] == expected
     finally:
         first.shutdown()
-    RepackCounter(monkeypatch, allowed=False)
+    BuildCounter(monkeypatch, allowed=False)
     second = Engine(**config)
     try:
         assert second.generate("The sea is", params)["output_ids"] == expected

@@ -27,7 +27,7 @@ from torch import nn
 from forklm.kernels.cpu import bindings as native_kernels
 from forklm.kernels.cpu.huge_pages import streamed_empty
 from forklm.runtime.quant.gguf_formats import GGUFWeight
-from forklm.runtime.quant.records_cache import RecordsCache
+from forklm.runtime.quant.records_cache import entry_for
 
 ROWS = 16  # weight rows per record block
 REPACK_ROWS = 2048  # rows repacked at a time at load (a multiple of ROWS)
@@ -97,7 +97,7 @@ class KQuantMatrix(nn.Module):
         padded = out_features + -out_features % ROWS
         block_bytes = in_features // RECORD_K[ggml_type] * RECORD_BYTES[ggml_type]  # 16 rows'
         nbytes = padded // ROWS * block_bytes
-        cache, key = _cache_entry(parts)
+        cache, key = entry_for(parts, "records")
         if cache is not None and (cached := cache.get(key, nbytes)) is not None:
             return cls(cached, ggml_type, out_features, in_features)
         addresses = torch.from_numpy(np.concatenate([_row_addresses(p) for p in parts]))
@@ -186,18 +186,6 @@ def _scratch_matrix(rows: int, cols: int) -> torch.Tensor:
     if buffer is None or buffer.numel() < rows * cols:
         buffer = _scratch.buffer = torch.empty(rows * cols, dtype=torch.bfloat16)
     return buffer[: rows * cols].view(rows, cols)
-
-
-def _cache_entry(parts: list[GGUFWeight]) -> tuple[RecordsCache | None, str]:
-    """The records cache of `parts`' file and their entry's name there, where every part is a
-    whole tensor of the same cached file (else None: a slice or a copy made elsewhere)."""
-    origins = [p.origin for p in parts]
-    if any(o is None for o in origins) or len({id(o.cache) for o in origins}) != 1:
-        return None, ""
-    first = parts[0]
-    out_features = sum(p.shape[0] for p in parts)
-    names = "+".join(o.name for o in origins)
-    return origins[0].cache, f"{first.ggml_type.name}:{out_features}x{first.shape[1]}:{names}"
 
 
 def _row_addresses(part: GGUFWeight) -> np.ndarray:

@@ -7,6 +7,7 @@ rows and torch's int4 groupwise CPU kernel (`_weight_int4pack_mm_for_cpu`) other
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ from forklm.kernels.cpu.huge_pages import streamed_empty
 from forklm.runtime.quant import kquant
 from forklm.runtime.quant.gguf_formats import SUPPORTED_TYPES, GGUFWeight, GroupCodes, decode
 from forklm.runtime.quant.kquant import KQuantMatrix
+from forklm.runtime.quant.records_cache import RecordsCache, entry_for
 
 if TYPE_CHECKING:
     from forklm.runtime.models.onednn_linear import DenseCopyBuild
@@ -111,8 +113,15 @@ class Int4Matrix(nn.Module):
         lo_bits = _LO_BITS.get(ggml_type, 0)
         k_prime = in_features * (2 if lo_bits else 1)
         padded = out_features + -out_features % ROW_MULTIPLE
-        packed = streamed_empty((padded, k_prime // 2), torch.uint8)
-        scale_zeros = streamed_empty((k_prime // KERNEL_GROUP, padded, 2), kernel_dtype)
+        packed_shape, scales_shape = (padded, k_prime // 2), (k_prime // KERNEL_GROUP, padded, 2)
+        # the packing's block (64 or 32 rows) follows the CPU's vector width
+        cache, key = entry_for(parts, f"int4-{str(kernel_dtype)[6:]}-n{pack_block_n()}")
+        if cache is not None and (cached := _cached_packing(cache, key, packed_shape,
+                                                            scales_shape, kernel_dtype)):
+            chunk = _stack(_row_slices(parts, 0, 1)).group_size  # one row decoded for it
+            return cls(*cached, out_features, in_features, lo_bits, chunk)
+        packed = streamed_empty(packed_shape, torch.uint8)
+        scale_zeros = streamed_empty(scales_shape, kernel_dtype)
         chunk = 0
         for start in range(0, out_features, LOAD_CHUNK_ROWS):
             stop = min(start + LOAD_CHUNK_ROWS, out_features)
@@ -126,6 +135,9 @@ class Int4Matrix(nn.Module):
         for part in parts:
             if part.release is not None:
                 part.release()
+        if cache is not None:
+            cache.put(f"{key}/packed", packed)
+            cache.put(f"{key}/scale_zeros", scale_zeros)
         return cls(packed, scale_zeros, out_features, in_features, lo_bits, chunk)
 
     @property
@@ -397,6 +409,17 @@ def _same_type_runs(parts: list[GGUFWeight]) -> list[list[GGUFWeight]]:
         else:
             runs.append([part])
     return runs
+
+
+def _cached_packing(cache: RecordsCache, key: str, packed_shape: tuple[int, int],
+                    scales_shape: tuple[int, int, int], kernel_dtype: torch.dtype,
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An earlier load's packed codes and group scales of `key`, both or None."""
+    packed = cache.get(f"{key}/packed", math.prod(packed_shape))
+    scales = cache.get(f"{key}/scale_zeros", math.prod(scales_shape) * kernel_dtype.itemsize)
+    if packed is None or scales is None:
+        return None
+    return packed.view(packed_shape), scales.view(kernel_dtype).view(scales_shape)
 
 
 def _row_slices(parts: list[GGUFWeight], start: int, stop: int) -> list[GGUFWeight]:

@@ -1,8 +1,10 @@
-"""RecordsCache: a GGUF's K-quant records (runtime/quant/kquant.py) kept on disk beside its cached
-config and tokenizer, so that later loads map them instead of repacking the file.
+"""RecordsCache: the CPU kernels' repacked weights of a GGUF (runtime/quant/kquant.py's K-quant
+records, quant/linear.py's int4 packing and group scales) kept on disk beside its cached config
+and tokenizer, so that later loads map them instead of repacking the file.
 
-Repacking is the bulk of loading a K-quant GGUF: a 1B Q4_K_M's 718 MB of records took 0.4 s of
-two cores and ~200,000 page faults at every start (benchmarks/startup.py). The first load's
+Repacking is the bulk of loading a GGUF: a 1B Q4_K_M's 718 MB of records took 0.4 s of two
+cores and ~200,000 page faults at every start, the default model's int4 packing ~0.2 s
+(benchmarks/startup.py). The first load's
 engine writes them in its idle time to `records-v<FORMAT_VERSION>.bin` in the GGUF's cache
 folder, with an index; a later
 load maps that file copy-on-write (nothing is ever written to it) and each matrix's records are
@@ -29,8 +31,12 @@ import threading
 import zlib
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from forklm.runtime.quant.gguf_formats import GGUFWeight
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +63,8 @@ class RecordsOrigin:
 
 
 class RecordsCache:
-    """One GGUF's cached records: `get` what an earlier load wrote, `put` what this load built,
-    then `saving` writes them (only where nothing was cached before)."""
+    """One GGUF's cached records: `get` what an earlier load wrote, `put` what this load built
+    (nothing, where everything was cached), then `saving` writes a new file with both."""
 
     def __init__(self, folder: pathlib.Path) -> None:
         self.folder = folder
@@ -91,7 +97,7 @@ class RecordsCache:
         self._entries, self._mapping = index["entries"], mapping
 
     def get(self, key: str, nbytes: int) -> torch.Tensor | None:
-        """The cached records of `key` (uint8 [nbytes], a view of the mapped file), or None."""
+        """The cached bytes of `key` (uint8 [nbytes], a view of the mapped file), or None."""
         entry = self._entries.get(key)
         if entry is None or self._mapping is None:
             return None
@@ -107,26 +113,30 @@ class RecordsCache:
             return None
         return records
 
-    def put(self, key: str, records: torch.Tensor) -> None:
-        """Records this load built, for `save`."""
+    def put(self, key: str, built: torch.Tensor) -> None:
+        """A contiguous tensor this load built, for `saving` (read back as its bytes)."""
         with self._lock:
-            self._built[key] = records
+            self._built[key] = built.view(-1).view(torch.uint8)
 
     @property
     def unsaved(self) -> bool:
         """Whether this load built records that `saving` would write."""
-        return bool(self._built) and not self.cached and enabled()
+        return bool(self._built) and enabled()
 
     def saving(self) -> Generator[int, None, None]:
-        """Write what this load built, where no cache was there to read, a chunk per step
-        (yielding the bytes written so far): an engine does it in its idle time, since
-        writing a 1B model's 800 MB of new page cache took ~3 s. The file is written whole under
-        a temporary name, then renamed, and the index after it: a reader sees all of it or
+        """Write what this load built, with the cached entries it did not rebuild (a cache
+        without some entries, or with a damaged one, is written whole again), a chunk per step
+        (yielding the bytes written so far): an engine does it in its idle time, since writing
+        a 1B model's 800 MB of new page cache took ~3 s. The file is written whole under a
+        temporary name, then renamed, and the index after it: a reader sees all of it or
         nothing, and a write cut short leaves nothing behind."""
         with self._lock:
             built, self._built = self._built, {}
-        if not built or self.cached or not enabled():
+        if not built or not enabled():
             return
+        for key, entry in self._entries.items():
+            if key not in built and (kept := self.get(key, entry["bytes"])) is not None:
+                built[key] = kept
         layout, end = {}, 0
         for key in sorted(built):
             nbytes = built[key].numel()
@@ -170,6 +180,21 @@ def _write_atomically(target: pathlib.Path, data: bytes) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def entry_for(parts: list[GGUFWeight], layout: str) -> tuple[RecordsCache | None, str]:
+    """The cache of `parts`' file and the name of their entry in `layout` there, where every
+    part is a whole tensor of the same cached file (else None: a slice or a copy made
+    elsewhere). `layout` names what is built from them and anything it depends on beyond
+    the parts (the kernel dtype, the packing's block)."""
+    origins = [p.origin for p in parts]
+    if any(o is None for o in origins) or len({id(o.cache) for o in origins}) != 1:
+        return None, ""
+    first = parts[0]
+    out_features = sum(p.shape[0] for p in parts)
+    names = "+".join(o.name for o in origins)
+    return (origins[0].cache,
+            f"{layout}:{first.ggml_type.name}:{out_features}x{first.shape[1]}:{names}")
 
 
 def _checksum(records: torch.Tensor) -> int:
