@@ -113,6 +113,7 @@ def test_a_later_load_maps_the_records_the_first_one_wrote(gguf, cache_dir, monk
 
 
 def test_a_damaged_entry_is_rebuilt_from_the_file(gguf, cache_dir, monkeypatch, caplog):
+    """... and the file written again whole, without entries no load asks for any more."""
     first = _saved(gguf)
     cache = load_model(gguf).records_cache
     assert cache is not None
@@ -121,6 +122,9 @@ def test_a_damaged_entry_is_rebuilt_from_the_file(gguf, cache_dir, monkeypatch, 
     with open(cache.data_path, "r+b") as f:  # zeros, as a crash can leave a written file
         f.seek(index["entries"][damaged]["offset"])
         f.write(bytes(4096))
+    stale = "records:Q4_K:16x256:an older layout's"
+    index["entries"][stale] = index["entries"][sorted(index["entries"])[0]]  # sound bytes
+    cache.index_path.write_text(json.dumps(index))
     counter = BuildCounter(monkeypatch)
     with caplog.at_level(logging.WARNING):
         loaded, records = _load(gguf)
@@ -129,6 +133,8 @@ def test_a_damaged_entry_is_rebuilt_from_the_file(gguf, cache_dir, monkeypatch, 
     _assert_same(records, first)
     assert loaded.records_cache is not None
     list(loaded.records_cache.saving())  # the whole file again, the damaged entry replaced
+    written = json.loads(cache.index_path.read_text())["entries"]
+    assert stale not in written and written.keys() == index["entries"].keys() - {stale}
     counter.allowed = False
     _assert_same(_load(gguf)[1], first)
 

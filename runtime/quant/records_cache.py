@@ -73,6 +73,7 @@ class RecordsCache:
         self._entries: dict[str, dict] = {}
         self._mapping: mmap.mmap | None = None
         self._built: dict[str, torch.Tensor] = {}
+        self._used: set[str] = set()  # entries this load read from the file
         self._lock = threading.Lock()  # put is called from the weight builder's threads
         if enabled():
             self._open()
@@ -111,6 +112,8 @@ class RecordsCache:
             logger.warning("records cache %s: entry %s is damaged; rebuilding it",
                            self.data_path, key)
             return None
+        with self._lock:
+            self._used.add(key)
         return records
 
     def put(self, key: str, built: torch.Tensor) -> None:
@@ -124,8 +127,9 @@ class RecordsCache:
         return bool(self._built) and enabled()
 
     def saving(self) -> Generator[int, None, None]:
-        """Write what this load built, with the cached entries it did not rebuild (a cache
-        without some entries, or with a damaged one, is written whole again), a chunk per step
+        """Write what this load built, with the cached entries it read (a cache without some
+        entries, or with a damaged one, is written whole again; entries no longer asked for,
+        such as an older layout's, are left out), a chunk per step
         (yielding the bytes written so far): an engine does it in its idle time, since writing
         a 1B model's 800 MB of new page cache took ~3 s. The file is written whole under a
         temporary name, then renamed, and the index after it: a reader sees all of it or
@@ -134,8 +138,9 @@ class RecordsCache:
             built, self._built = self._built, {}
         if not built or not enabled():
             return
-        for key, entry in self._entries.items():
-            if key not in built and (kept := self.get(key, entry["bytes"])) is not None:
+        for key in self._used - built.keys():
+            kept = self.get(key, self._entries[key]["bytes"])
+            if kept is not None:
                 built[key] = kept
         layout, end = {}, 0
         for key in sorted(built):
