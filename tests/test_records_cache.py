@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from forklm.kernels.cpu import bindings as native_kernels
 from forklm.runtime.forward.model_parts import build_model
 from forklm.runtime.models import spec_from_config
 from forklm.runtime.models.loader import load_model
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.skipif(not kquant_available(),
 @pytest.fixture(scope="module", params=["k-quants", "default model"])
 def gguf(request, tmp_path_factory, tokenizer) -> str:
     """A tiny Llama in a Q4_K_M-like mix (Q4_K, Q5_K, Q6_K records; tied head), or the default
-    model (Q4_1 matrices in the int4 packing, a Q8_0 embedding and head in records)."""
+    model (Q4_1 matrices in the int4 packing and VNNI records, a Q8_0 embedding and head in
+    K-quant records)."""
     from tests.test_gguf_families import write_gguf
     from tests.test_kquant import K_QUANT_CASES
     from tests.tiny_models import build_tiny_model
@@ -52,19 +54,31 @@ def cache_dir(tmp_path, monkeypatch):
 
 class BuildCounter:
     """The buffers loads build for repacked weights (a K-quant matrix's records; an int4
-    matrix's packing and group scales), counted, or forbidden."""
+    matrix's packing, group scales and VNNI records), counted, or forbidden."""
 
     def __init__(self, monkeypatch, allowed: bool = True):
         self.allowed, self.built = allowed, 0
         for module in (kquant, linear):
             monkeypatch.setattr(module, "streamed_empty", self._counted(module.streamed_empty))
+        for name in ("int4_vnni", "int8_vnni"):  # an int4 matrix's VNNI records
+            monkeypatch.setattr(native_kernels, name, self._vnni(getattr(native_kernels, name)))
 
     def _counted(self, streamed_empty):
         def build(*args, **kwargs):
-            assert self.allowed, "weights were repacked where the cache should have held them"
-            self.built += 1
+            self._count()
             return streamed_empty(*args, **kwargs)
         return build
+
+    def _vnni(self, build):
+        def call(*args, records=None):
+            if records is None:
+                self._count()
+            return build(*args, records=records)
+        return call
+
+    def _count(self) -> None:
+        assert self.allowed, "weights were repacked where the cache should have held them"
+        self.built += 1
 
 
 def _load(path: str):
@@ -77,6 +91,7 @@ def _load(path: str):
             records[name] = m.records
         elif isinstance(m, Int4Matrix):
             records[f"{name}.packed"], records[f"{name}.scale_zeros"] = m.packed, m.scale_zeros
+            records[f"{name}.vnni"] = m._native_functions()[1].records
     assert len(records) > 5
     return loaded, records
 
@@ -128,7 +143,8 @@ def test_a_damaged_entry_is_rebuilt_from_the_file(gguf, cache_dir, monkeypatch, 
     counter = BuildCounter(monkeypatch)
     with caplog.at_level(logging.WARNING):
         loaded, records = _load(gguf)
-    rebuilt = 2 if damaged.startswith("int4") else 1  # its packing and scales, or its records
+    # an int4 matrix's packing and scales, or its VNNI records, or a K-quant matrix's records
+    rebuilt = 2 if damaged.endswith(("/packed", "/scale_zeros")) else 1
     assert counter.built == rebuilt and f"entry {damaged} is damaged" in caplog.text
     _assert_same(records, first)
     assert loaded.records_cache is not None

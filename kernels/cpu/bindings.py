@@ -385,24 +385,33 @@ VNNI8_RECORD_BYTES = 576  # int4_gemv.c: 16 rows x 32 k of 8-bit codes + their f
 
 
 def int4_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
-              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+              parallel_work: int | None = None, records: torch.Tensor | None = None,
+              ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """int4_gemv's call with int8 dot products: the matrix repacked once into int4_gemv.c's VNNI
-    records (as many bytes as `packed` and `scale_zeros`, kept by the function), x quantized
-    per group of 32 to int8 on each call. None where the CPU or the library lacks it."""
-    return _vnni_call(packed, scale_zeros, out_features, block, parallel_work, eight_bit=False)
+    records (as many bytes as `packed` and `scale_zeros`, kept by the function as its
+    `records`; or `records` given, from an earlier repack), x quantized per group of 32 to
+    int8 on each call. None where the CPU or the library lacks it."""
+    return _vnni_call(packed, scale_zeros, out_features, block, parallel_work, False, records)
 
 
 def int8_vnni(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
-              parallel_work: int | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+              parallel_work: int | None = None, records: torch.Tensor | None = None,
+              ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """int4_vnni for the split 8/4-bit matrices of Q8_0 (Int4Matrix lo_bits 4, chunk 32): their
     codes joined again into 8-bit records (about as many bytes as `packed` and `scale_zeros`),
     so the call takes x [M, K] as it is, not repeated along the doubled K', and does half the
     dot products. None where the CPU or library lacks it, or the matrix is not of that form."""
-    return _vnni_call(packed, scale_zeros, out_features, block, parallel_work, eight_bit=True)
+    return _vnni_call(packed, scale_zeros, out_features, block, parallel_work, True, records)
+
+
+def vnni_records_bytes(rows: int, k_prime: int, eight_bit: bool) -> int:
+    """Bytes of int4_vnni's (or int8_vnni's) records for packed rows [rows, K' / 2]."""
+    k = k_prime // (2 if eight_bit else 1)
+    return rows // 16 * (k // 32) * (VNNI8_RECORD_BYTES if eight_bit else VNNI_RECORD_BYTES)
 
 
 def _vnni_call(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, block: int,
-               parallel_work: int | None, eight_bit: bool
+               parallel_work: int | None, eight_bit: bool, records: torch.Tensor | None,
                ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """int4_vnni (int4 records over K') or int8_vnni (8-bit records over K' / 2)."""
     found = _int4_matrix(packed, scale_zeros, out_features, block, parallel_work)
@@ -412,12 +421,13 @@ def _vnni_call(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: in
     rows, k = matrix.n_rows, matrix.k // (2 if eight_bit else 1)
     if eight_bit and matrix.k % 64:
         return None
-    repack, fn, record_bytes = ((lib.int8_vnni_repack, lib.int8_vnni_bf16, VNNI8_RECORD_BYTES)
-                                if eight_bit else
-                                (lib.int4_vnni_repack, lib.int4_vnni_bf16, VNNI_RECORD_BYTES))
-    records = torch.empty(rows // 16 * (k // 32) * record_bytes, dtype=torch.uint8)
-    if repack(ctypes.addressof(matrix), records.data_ptr()) != 0:
-        return None
+    repack, fn = ((lib.int8_vnni_repack, lib.int8_vnni_bf16) if eight_bit else
+                  (lib.int4_vnni_repack, lib.int4_vnni_bf16))
+    nbytes = vnni_records_bytes(rows, matrix.k, eight_bit)
+    if records is None or records.numel() != nbytes or records.dtype != torch.uint8:
+        records = torch.empty(nbytes, dtype=torch.uint8)
+        if repack(ctypes.addressof(matrix), records.data_ptr()) != 0:
+            return None
     matrix.packed = matrix.scale_zeros = None  # the call reads the records only
     address, empty, bf16 = ctypes.addressof(matrix), torch.empty, torch.bfloat16
     records_ptr = records.data_ptr()
@@ -428,6 +438,7 @@ def _vnni_call(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: in
         assert rc == 0, f"{fn.__name__} rejected {tuple(x.shape)} x {rows}x{k}"
         return y
 
+    call.records = records  # type: ignore[attr-defined]  # (for a cache of them)
     return call
 
 

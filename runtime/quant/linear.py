@@ -97,10 +97,13 @@ class Int4Matrix(nn.Module):
         # (packed.data_ptr(), kernels/cpu/int4_gemv.c's matmul and row functions on it or None),
         # built on first use
         self._native: tuple[int, _Fn | None, _Fn | None] | None = None
+        # its file's repacked-weights cache and entry (records_cache.py), for the VNNI records
+        self.cache_entry: tuple[RecordsCache, str] | None = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_native"] = None  # a ctypes closure over this process's pointers
+        state["cache_entry"] = None  # a mapped file of this process
         return state
 
     @classmethod
@@ -119,7 +122,9 @@ class Int4Matrix(nn.Module):
         if cache is not None and (cached := _cached_packing(cache, key, packed_shape,
                                                             scales_shape, kernel_dtype)):
             chunk = _stack(_row_slices(parts, 0, 1)).group_size  # one row decoded for it
-            return cls(*cached, out_features, in_features, lo_bits, chunk)
+            matrix = cls(*cached, out_features, in_features, lo_bits, chunk)
+            matrix.cache_entry = (cache, key)
+            return matrix
         packed = streamed_empty(packed_shape, torch.uint8)
         scale_zeros = streamed_empty(scales_shape, kernel_dtype)
         chunk = 0
@@ -135,10 +140,12 @@ class Int4Matrix(nn.Module):
         for part in parts:
             if part.release is not None:
                 part.release()
+        matrix = cls(packed, scale_zeros, out_features, in_features, lo_bits, chunk)
         if cache is not None:
             cache.put(f"{key}/packed", packed)
             cache.put(f"{key}/scale_zeros", scale_zeros)
-        return cls(packed, scale_zeros, out_features, in_features, lo_bits, chunk)
+            matrix.cache_entry = (cache, key)
+        return matrix
 
     @property
     def k_prime(self) -> int:
@@ -171,15 +178,30 @@ class Int4Matrix(nn.Module):
             args = (self.packed, self.scale_zeros, self.out_features, pack_block_n())
             matmul = None
             if self.int8_activations and self.lo_bits == 4 and self.chunk == KERNEL_GROUP:
-                matmul = native_kernels.int8_vnni(*args)  # Q8_0: x as it is, 8-bit codes
+                matmul = self._vnni(args, eight_bit=True)  # Q8_0: x as it is, 8-bit codes
             if matmul is None:  # the int4 records or codes, over K' (x expanded for a split)
-                kernel = (native_kernels.int4_vnni(*args) if self.int8_activations else None
+                kernel = (self._vnni(args, eight_bit=False) if self.int8_activations else None
                           ) or native_kernels.int4_gemv(*args)
                 matmul = (functools.partial(_on_expanded, self, kernel) if self.lo_bits and kernel
                           else kernel)
             self._native = (ptr, matmul,
                             native_kernels.int4_rows(*args, self.lo_bits, self.chunk))
         return self._native
+
+    def _vnni(self, args: tuple, eight_bit: bool) -> _Fn | None:
+        """int8_vnni's (eight_bit) or int4_vnni's call on this matrix, on the records an earlier
+        load cached where its file's cache has them (else repacked, and cached for the next)."""
+        build = native_kernels.int8_vnni if eight_bit else native_kernels.int4_vnni
+        if self.cache_entry is None:
+            return build(*args)
+        cache, key = self.cache_entry
+        key = f"{key}/vnni{8 if eight_bit else 4}"
+        cached = cache.get(key, native_kernels.vnni_records_bytes(self.packed.shape[0],
+                                                                   self.k_prime, eight_bit))
+        call = build(*args, records=cached)
+        if call is not None and cached is None:
+            cache.put(key, call.records)  # type: ignore[attr-defined]
+        return call
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] in the kernel dtype -> [M, out] in the kernel dtype."""
