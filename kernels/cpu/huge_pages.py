@@ -10,9 +10,10 @@ slow: on these VMs a process's first huge pages fault in at ~4.5 ms each (800 MB
 0.16 s in 4 KiB pages, no compaction counted; the hypervisor backs fresh memory), and where
 memory is fragmented, defrag "madvise" compacts first (2.6-2.8 s measured). So the weights are
 loaded in ordinary pages, 2 MiB-aligned, and each buffer is remembered here; once the engine is
-built, `collapse_weights` asks the kernel to move them into huge pages in place
-(MADV_COLLAPSE, Linux 6.1+) from a background thread. Where the kernel has no MADV_COLLAPSE the
-buffers are marked MADV_HUGEPAGE instead, for khugepaged to collapse them in its own time.
+idle, `collapse_weights` asks the kernel to move them into huge pages in place (MADV_COLLAPSE,
+Linux 6.1+), a page per slice of its idle time (runtime/engine/idle_work.py). Where the kernel
+has no MADV_COLLAPSE the buffers are marked MADV_HUGEPAGE instead, for khugepaged to collapse
+them in its own time.
 """
 
 from __future__ import annotations

@@ -62,8 +62,8 @@ class EngineParts:
     pooling: str
     lora: LoraRegistry | None = None  # the LoRA adapters it serves (None: LoRA is off)
     # what the engine does once it is idle (runtime/engine/idle_work.py): dense weight copies
-    # (or a call that needs one first builds them), the K-quant records written to disk for the
-    # next load, weights moved to huge pages
+    # (or a call that needs one first builds them), the repacked weights written to disk for
+    # the next load, weights moved to huge pages
     idle_work: list[IdleWork] = field(default_factory=list)
 
     def model_info(self) -> ModelInfo:
@@ -150,7 +150,7 @@ def _build_parts(config: EngineConfig, workers: WorkerProcesses | None) -> Engin
 
 
 def _idle_work(dense_copies: DenseCopyBuild | None, loaded: LoadedModel) -> list[IdleWork]:
-    """The dense copies first (larger batches wait on them), then the K-quant records this load
+    """The dense copies first (larger batches wait on them), then the repacked weights this load
     built written to disk for the next one (runtime/quant/records_cache.py), then the weights
     this process built moved into huge pages (kernels/cpu/huge_pages.py: asked for at load,
     they cost a 1B model 1-2 s of start-up)."""

@@ -33,11 +33,10 @@ from forklm.runtime.errors import EngineShutdownError, WorkerLostError
 from forklm.runtime.scheduling.request import FinishReason, Req, ReqOutput
 
 # Seconds without requests after which the loop starts the engine's idle work (dense weight
-# copies in the background, records cached on disk, weights moved to huge pages:
-# runtime/engine/idle_work.py). Started
-# at once, or after 0.3 s, the copies slowed a server's start (their threads took the GIL from
-# uvicorn's start-up and the routes' setup) and would slow the first requests; a call that
-# needs one first builds them on the spot.
+# copies in the background, repacked weights cached on disk, weights moved to huge pages:
+# runtime/engine/idle_work.py). Started at once, or after 0.3 s, the copies slowed a server's
+# start (their threads took the GIL from uvicorn's start-up and the routes' setup) and would
+# slow the first requests; a call that needs one first builds them on the spot.
 IDLE_BUILD_AFTER_S = 1.0
 
 if TYPE_CHECKING:

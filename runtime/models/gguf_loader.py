@@ -88,7 +88,7 @@ class GGUFModel:
         self.arch, self.spec = arch, arch_of(arch, self.file.fields.get(f"{arch}.expert_count"),
                                              {t.name for t in self.file.tensors})
         cached = _cache_dir_for(path)
-        # K-quant records cached beside the config (read where an earlier load wrote them)
+        # the repacked weights cached beside the config (read where an earlier load wrote them)
         self.records_cache = RecordsCache(cached) if records_cache_enabled() else None
         if cached.is_dir():
             logger.info("config and tokenizer of %s from cache %s", path.name, cached)

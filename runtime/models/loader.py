@@ -43,8 +43,8 @@ class LoadedModel:
     # config (the text model's is `config`) and its weight files; None for a text model.
     vision_config: transformers.PretrainedConfig | None = None
     shards: list[pathlib.Path] | None = None
-    # a GGUF's K-quant records cached on disk (runtime/quant/records_cache.py): the model's
-    # builder saves what it built there
+    # a GGUF's repacked weights cached on disk (runtime/quant/records_cache.py): an engine
+    # writes what its load built there in its idle time
     records_cache: RecordsCache | None = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:

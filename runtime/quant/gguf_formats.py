@@ -33,7 +33,8 @@ class GGUFWeight:
     release_rows: Callable[[int, int], None] | None = field(default=None, compare=False,
                                                             repr=False)
     # The file's cache and this tensor's name, where the part is a whole tensor of a GGUF (or
-    # its reordered rows): K-quant records built from it are cached on disk (records_cache.py)
+    # its reordered rows): what the CPU kernels repack from it is cached on disk
+    # (records_cache.py)
     origin: RecordsOrigin | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -21,6 +21,7 @@ records built from it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -30,9 +31,9 @@ import shutil
 import tempfile
 import threading
 import zlib
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
@@ -51,6 +52,7 @@ _WRITE_CHUNK = 4 << 20  # bytes written per step of `saving`
 
 
 def enabled() -> bool:
+    """Whether GGUF loads read and write the cache (FORKLM_RECORDS_CACHE=0: neither)."""
     return os.environ.get("FORKLM_RECORDS_CACHE", "1") != "0"
 
 
@@ -76,8 +78,7 @@ class RecordsCache:
         self._built: dict[str, torch.Tensor] = {}
         self._used: set[str] = set()  # entries this load read from the file
         self._lock = threading.Lock()  # put is called from the weight builder's threads
-        if enabled():
-            self._open()
+        self._open()
 
     @property
     def cached(self) -> bool:
@@ -125,19 +126,19 @@ class RecordsCache:
     @property
     def unsaved(self) -> bool:
         """Whether this load built records that `saving` would write."""
-        return bool(self._built) and enabled()
+        return bool(self._built)
 
     def saving(self) -> Generator[int, None, None]:
-        """Write what this load built, with the cached entries it read (a cache without some
-        entries, or with a damaged one, is written whole again; entries no longer asked for,
-        such as an older layout's, are left out), a chunk per step
+        """Write what this load built, with the cached entries it read, a chunk per step
         (yielding the bytes written so far): an engine does it in its idle time, since writing
-        a 1B model's 800 MB of new page cache took ~3 s. The file is written whole under a
-        temporary name, then renamed, and the index after it: a reader sees all of it or
-        nothing, and a write cut short leaves nothing behind."""
+        a 1B model's 800 MB of new page cache took ~3 s. A cache without some entries, or with
+        a damaged one, is written whole again; entries no longer asked for (an older layout's)
+        are left out. The file is written whole under a temporary name, then renamed, and the
+        index after it: a reader sees all of it or nothing, and a write cut short leaves
+        nothing behind."""
         with self._lock:
             built, self._built = self._built, {}
-        if not built or not enabled():
+        if not built:
             return
         for key in self._used - built.keys():
             kept = self.get(key, self._entries[key]["bytes"])
@@ -148,17 +149,12 @@ class RecordsCache:
             nbytes = built[key].numel()
             layout[key] = {"offset": end, "bytes": nbytes, "crc": _checksum(built[key])}
             end += nbytes + -nbytes % _ALIGN
+        written = 0
         try:
             if shutil.disk_usage(self.folder).free < end + _FREE_MARGIN:
                 logger.info("not caching the records of %s: too little free disk", self.folder)
                 return
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.data_path.name}.", dir=self.folder)
-        except OSError as exc:
-            logger.warning("not caching the records in %s (%s)", self.folder, exc)
-            return
-        written = 0
-        try:
-            with os.fdopen(fd, "wb") as f:
+            with _replacing(self.data_path) as f:
                 for key, entry in layout.items():
                     f.seek(entry["offset"])
                     data = built.pop(key).numpy().data
@@ -166,22 +162,22 @@ class RecordsCache:
                         written += f.write(data[start:start + _WRITE_CHUNK])
                         yield written
                 f.truncate(end)
-            os.replace(tmp, self.data_path)
-            index = {"version": FORMAT_VERSION, "bytes": end, "entries": layout}
-            _write_atomically(self.index_path, json.dumps(index).encode())
+            with _replacing(self.index_path) as f:
+                f.write(json.dumps({"version": FORMAT_VERSION, "bytes": end,
+                                    "entries": layout}).encode())
             logger.info("cached %d MB of records in %s", end >> 20, self.data_path)
         except OSError as exc:
             logger.warning("not caching the records in %s (%s)", self.folder, exc)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
 
 
-def _write_atomically(target: pathlib.Path, data: bytes) -> None:
+@contextlib.contextmanager
+def _replacing(target: pathlib.Path) -> Iterator[BinaryIO]:
+    """A file written under a temporary name beside `target`, renamed to it once the block
+    ends; removed instead where the block raises (or the generator writing it is closed)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
