@@ -151,17 +151,62 @@ def test_matmul_computes_the_int8_product(ggml_type, out_features, parallel):
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_its_call(ggml_type):
-    """Alone, among 40 rows, or split over threads: bit-identical (radix-cached prefixes and
-    batched requests must see the same logits as a lone one)."""
+    """Alone, among 40 rows, or split over threads: bit-identical within each kernel (radix-cached
+    prefixes and batched requests must see the same logits as a lone one), the per-16 kernel and
+    the K-quants' many-row product alike."""
     weight = weight_of(ggml_type, 200, seed=1)
     matrix = KQuantMatrix.from_gguf([weight])
     serial = native_kernels.kquant_matmul(int(ggml_type), matrix.records, matrix.padded_rows,
                                           200, 512, 2**62)
     x = torch.randn(40, 512).bfloat16()
-    together = matrix.matmul(x)
-    assert torch.equal(together, serial(x))
-    assert torch.equal(together, torch.cat([matrix.matmul(x[i:i + 1]) for i in range(40)]))
-    assert torch.equal(together[5:22], matrix.matmul(x[5:22]))
+    for kernel in (matrix.native(), serial, matrix.gemm()):
+        if kernel is None:  # the legacy types have no many-row product
+            continue
+        together = kernel(x)
+        assert torch.equal(together, torch.cat([kernel(x[i:i + 1]) for i in range(40)]))
+        assert torch.equal(together[5:22], kernel(x[5:22]))
+    assert torch.equal(matrix.native()(x), serial(x))
+    big = torch.randn(300, 512).bfloat16()  # two chunks of the many-row product's rows
+    if matrix.gemm() is not None:
+        assert torch.equal(matrix.gemm()(big)[260:], matrix.gemm()(big[260:]))
+
+
+def reference_gemm(x: torch.Tensor, weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the many-row product computes, in float64: x quantized per 256 k (d = max|x| / 127,
+    xq = rint(x / d)) times the exact weight; and the sum of the terms' magnitudes."""
+    w = torch.from_numpy(dequantize(weight.data, weight.ggml_type)).double()
+    xf = x.float().view(x.shape[0], -1, 256)
+    amax = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    x_int8 = (torch.round(xf * inv) * (amax / 127.0)).view(x.shape).double()
+    terms = x_int8[:, None, :] * w[None]
+    return terms.sum(-1), terms.abs().sum(-1)
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 256), (40, 512), (200, 2560)])
+def test_many_row_product_computes_the_int8_product(ggml_type, out_features, in_features):
+    """kquant_gemm_bf16: exact integer sums per super-block, fp32 scaling, one bf16 rounding, for
+    tiles cut short, rows past a chunk of 256, k past a run of 8 super-blocks, padded blocks."""
+    weight = weight_of(ggml_type, out_features, in_features, seed=out_features,
+                       realistic=False)
+    matrix = KQuantMatrix.from_gguf([weight])
+    gemm = matrix.gemm()
+    exact = torch.from_numpy(dequantize(weight.data, ggml_type)).double()
+    gen = torch.Generator().manual_seed(in_features)
+    for rows in (1, 7, 8, 9, 17, 263):
+        x = torch.randn(rows, in_features, generator=gen).bfloat16()
+        x[:, 3] *= 50  # an outlier channel: its super-block's step grows
+        x[rows // 2] = 0  # a zero row: step 0, no division by it
+        y = gemm(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        expected, magnitude = reference_gemm(x, weight)
+        err = (y.double() - expected).abs()
+        assert (err <= 2.0**-8 * expected.abs() + 2.0**-20 * magnitude).all(), rows
+        assert not y[rows // 2].any()
+        reference = x.double() @ exact.T
+        rms = reference.pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-9)
+        assert ((y.double() - reference).abs() / rms).mean() < 4e-2, rows  # measured ~2e-2
 
 
 @pytest.mark.parametrize("ggml_type", LEGACY, ids=lambda t: t.name)
@@ -303,10 +348,32 @@ def test_an_engine_serves_a_k_quant_gguf_from_records(case, tokenizer, tmp_path,
     assert records.mean() < 2.5 * bf16.mean() + 0.02, (records, bf16)
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quant_calls_above_16_rows_take_the_many_row_product(ggml_type):
+    """Decode batches up to 16 rows keep the per-16 kernel; from GEMM_MIN_ROWS rows the
+    K-quants take the many-row product, direct() as forward, and their layers plan no dense
+    bf16 copy (the product is faster than one)."""
+    from forklm.runtime.models.onednn_linear import plan_dense_copies
+    from forklm.runtime.quant import kquant
+
+    linear = QuantizedLinear.from_gguf([weight_of(ggml_type, 48, seed=9)], None,
+                                       torch.bfloat16, kquant_records=True)
+    matrix = linear.matrices[0]
+    direct = linear.direct()
+    for rows in (kquant.GEMM_MIN_ROWS - 1, kquant.GEMM_MIN_ROWS, 200):
+        x = torch.randn(rows, 512).bfloat16()
+        kernel = matrix.native() if rows < kquant.GEMM_MIN_ROWS else matrix.gemm()
+        assert torch.equal(linear(x), kernel(x))
+        assert torch.equal(direct(x), kernel(x))
+    assert not matrix.dequantizes(4096)
+    assert plan_dense_copies(torch.nn.Sequential(linear)) is None
+
+
+@pytest.mark.parametrize("ggml_type", LEGACY, ids=lambda t: t.name)
 def test_many_row_calls_multiply_the_dequantized_weight(ggml_type):
-    """From DEQUANTIZE_MIN_ROWS rows the matrix is dequantized to bf16 (the file's weight,
-    rounded once) and multiplied by torch's GEMM: bf16 activations, no int8 steps."""
+    """For the legacy types, from DEQUANTIZE_MIN_ROWS rows the matrix is dequantized to bf16
+    (the file's weight, rounded once) and multiplied by torch's GEMM: bf16 activations, no int8
+    steps."""
     from forklm.runtime.quant import kquant
 
     weight = weight_of(ggml_type, 40, seed=7, realistic=False)

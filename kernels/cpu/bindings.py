@@ -67,6 +67,7 @@ TORCH_TWINS = {
     "kquant_matmul_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "kquant_rows_f32": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
     "kquant_dequantize_t_bf16": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
+    "kquant_gemm_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "greedy_pick": "torch.argmax",
 }
 
@@ -487,6 +488,8 @@ def _build_and_load_kquant() -> _Loaded:
     lib.kquant_matmul_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _i64, _p, _p, _i64]
     lib.kquant_dequantize_t_bf16.restype = _int
     lib.kquant_dequantize_t_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p]
+    lib.kquant_gemm_bf16.restype = _int
+    lib.kquant_gemm_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p, _p, _i64]
     return _Loaded(lib, "", origin)
 
 
@@ -527,6 +530,27 @@ def kquant_matmul(ggml_type: int, records: torch.Tensor, padded_rows: int, out_f
         rc = fn(ggml_type, ptr, padded_rows, out_features, in_features, work, x.data_ptr(),
                 y.data_ptr(), x.shape[0])
         assert rc == 0, f"kquant_matmul rejected {tuple(x.shape)} x {out_features}x{in_features}"
+        return y
+
+    return call
+
+
+def kquant_gemm(ggml_type: int, records: torch.Tensor, padded_rows: int, out_features: int,
+                in_features: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The many-row product on Q4_K, Q5_K or Q6_K records: contiguous bf16 x [M, in] -> bf16
+    [M, out], x quantized per 256 k to int8 (prefill chunks; OpenMP threads); None where the
+    library is off."""
+    lib = kquant_ops()
+    if lib is None:
+        return None
+    fn, empty, bf16 = lib.kquant_gemm_bf16, torch.empty, torch.bfloat16
+    ptr = records.data_ptr()
+
+    def call(x: torch.Tensor, _keep: torch.Tensor = records) -> torch.Tensor:
+        y = empty(x.shape[0], out_features, dtype=bf16)
+        rc = fn(ggml_type, ptr, padded_rows, out_features, in_features, x.data_ptr(),
+                y.data_ptr(), x.shape[0])
+        assert rc == 0, f"kquant_gemm rejected {tuple(x.shape)} x {out_features}x{in_features}"
         return y
 
     return call

@@ -669,6 +669,211 @@ int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, i
     }
     return 0;
 }
+/* ---- The many-row product (prefill chunks): kquant_gemm_bf16 ----
+ * Above a few dozen rows the per-16 scaling above costs more than the dot products (~10 vector
+ * operations beside 8 vpdpbusd per row of x and group of 32), so for many rows each row of x is
+ * quantized per super-block of 256 k instead (one step, as llama.cpp's Q8_K), and a super-block's
+ * sums stay in int32 across its groups:
+ *   isum = sum_g sc_g sum_k c xq        (vpmulld by the group's integer scale)
+ *   osum = sum_g o_g sum_k xq           (vpdpwssd on int16 pairs: two groups an instruction)
+ *   y   += xd (d isum - e osum)         (once per super-block)
+ * with o, e = m, dmin for Q4_K/Q5_K (w = d sc c - dmin m) and sc, 32 d for Q6_K (w = d sc (c - 32),
+ * sc per sub-block of 16). Integer sums are exact (|isum| < 2^28), so a row's result is the same
+ * whatever the call's rows, tiles or threads. Tiles of GEMM_TILE rows of x run against one 16-row
+ * block's records, k in runs of GEMM_RUN super-blocks (the run's records stay in L1 while every
+ * tile of GEMM_CHUNK rows passes over them), with fp32 partial sums per thread. */
+#define GEMM_TILE 8
+#define GEMM_RUN 8
+#define GEMM_CHUNK 256
+
+/* acc += a . b per pair of int16 in each 32-bit lane, b the int32 at p broadcast (vpdpwssd's
+ * memory operand, as dot_broadcast). */
+static inline __m512i dot16_broadcast(__m512i acc, __m512i a, const int32_t *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*p));
+    return acc;
+}
+
+typedef struct {
+    const uint8_t *records;
+    const int8_t *xq;   /* [M, k] */
+    const float *xd;    /* [M, k / 256] steps */
+    const int16_t *xs;  /* [M, k / 16] (Q6_K) or [M, k / 32]: sums of xq */
+    int64_t k, sums;    /* sums: the xs per row */
+} gemm_job;
+
+/* x rows quantized per 256 k: xq, xd, and the sums of xq per `per` k (16 or 32) into xs. */
+static void quantize_rows_256(const uint16_t *x, int64_t M, int64_t k, int per, int8_t *xq,
+                              float *xd, int16_t *xs) {
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const int64_t sbs = k / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t s = 0; s < sbs; s++) {
+            const uint16_t *p = x + m * k + s * QK;
+            __m512 v[16], amax = _mm512_setzero_ps();
+            for (int u = 0; u < 16; u++) {
+                v[u] = f32x16_from_bf16(p + 16 * u);
+                amax = _mm512_max_ps(amax, _mm512_and_ps(v[u], abs_mask));
+            }
+            const float top = _mm512_reduce_max_ps(amax);
+            xd[m * sbs + s] = top / 127.0f;
+            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+            int32_t sum16[16];
+            for (int u = 0; u < 16; u++) {
+                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[u], inv)); /* |q| <= 127 */
+                _mm_storeu_si128((__m128i *)(xq + m * k + s * QK + 16 * u), _mm512_cvtsepi32_epi8(q));
+                sum16[u] = _mm512_reduce_add_epi32(q);
+            }
+            int16_t *o = xs + m * (k / per) + s * (QK / per);
+            for (int u = 0; u < 16; u += per / 16) /* per 16, or pairs of them */
+                o[u * 16 / per] = (int16_t)(per == 16 ? sum16[u] : sum16[u] + sum16[u + 1]);
+        }
+}
+
+/* Record r (super-block s) against rows m0 .. m0 + T - 1 of x: y[m] += their part of the
+ * product for the record's 16 weight rows. T and type constants in each copy. */
+static inline __attribute__((always_inline)) void gemm_record(const gemm_job *j, const uint8_t *r,
+                                                              int64_t s, int64_t m0, int T,
+                                                              int type, __m512 *y) {
+    const int64_t gb = group_bytes(type), k = j->k;
+    __m512i isum[GEMM_TILE];
+    for (int m = 0; m < T; m++) isum[m] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *body = r + header_bytes(type) + g * gb;
+        __m512i c[8];
+        group_codes(type, body, c);
+        if (type == KQ_Q6_K) { /* an integer scale per half group (16 k) */
+            const __m512i s0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 64 + 32 * g)));
+            const __m512i s1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 80 + 32 * g)));
+            for (int m = 0; m < T; m++) {
+                const int32_t *x4 = (const int32_t *)(j->xq + (m0 + m) * k + s * QK + g * GROUP);
+                __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+                for (int q = 0; q < 4; q++) a0 = dot_broadcast(a0, c[q], x4 + q);
+                for (int q = 4; q < 8; q++) a1 = dot_broadcast(a1, c[q], x4 + q);
+                isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(a0, s0),
+                                                                     _mm512_mullo_epi32(a1, s1)));
+            }
+        } else {
+            const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 64 + 16 * g)));
+            for (int m = 0; m < T; m++) {
+                const int32_t *x4 = (const int32_t *)(j->xq + (m0 + m) * k + s * QK + g * GROUP);
+                __m512i a = _mm512_setzero_si512();
+                for (int q = 0; q < 8; q++) a = dot_broadcast(a, c[q], x4 + q);
+                isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(a, sc));
+            }
+        }
+    }
+    /* the offsets' multipliers as int16 pairs: lane i (o_2p, o_2p+1) of weight row i */
+    const int pairs = type == KQ_Q6_K ? 8 : 4;
+    __m512i o[8];
+    const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+    for (int p = 0; p < pairs; p++) {
+        const uint8_t *at = r + (type == KQ_Q6_K ? 64 : 192) + 32 * p;
+        const __m128i lo = _mm_loadu_si128((const __m128i *)at);
+        const __m128i hi = _mm_loadu_si128((const __m128i *)(at + 16));
+        o[p] = type == KQ_Q6_K
+                   ? _mm512_or_si512(_mm512_and_si512(_mm512_cvtepi8_epi32(lo), low16),
+                                     _mm512_slli_epi32(_mm512_cvtepi8_epi32(hi), 16))
+                   : _mm512_or_si512(_mm512_cvtepu8_epi32(lo),
+                                     _mm512_slli_epi32(_mm512_cvtepu8_epi32(hi), 16));
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+    const __m512 e = type == KQ_Q6_K ? _mm512_mul_ps(d, _mm512_set1_ps(32.0f)) : record_dmin(type, r);
+    const int64_t sbs = k / QK;
+    for (int m = 0; m < T; m++) {
+        const int32_t *xs2 = (const int32_t *)(j->xs + (m0 + m) * j->sums + s * 2 * pairs);
+        __m512i osum = _mm512_setzero_si512();
+        for (int p = 0; p < pairs; p++) osum = dot16_broadcast(osum, o[p], xs2 + p);
+        const __m512 t = _mm512_fnmadd_ps(e, _mm512_cvtepi32_ps(osum),
+                                          _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[m])));
+        y[m] = _mm512_fmadd_ps(t, _mm512_set1_ps(j->xd[(m0 + m) * sbs + s]), y[m]);
+    }
+}
+
+/* Super-blocks s0 .. s1 - 1 of block b against rows m0 .. m0 + T - 1: acc[m] (fp32, 16 weight
+ * rows) += their part. */
+static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *j, int64_t b,
+                                                            int64_t s0, int64_t s1, int64_t m0,
+                                                            int T, int type, float *acc) {
+    const int64_t sbs = j->k / QK, rec = record_bytes(type);
+    __m512 y[GEMM_TILE];
+    for (int m = 0; m < T; m++) y[m] = _mm512_loadu_ps(acc + 16 * m);
+    for (int64_t s = s0; s < s1; s++)
+        gemm_record(j, j->records + (b * sbs + s) * rec, s, m0, T, type, y);
+    for (int m = 0; m < T; m++) _mm512_storeu_ps(acc + 16 * m, y[m]);
+}
+
+#define GEMM_TILE_CASES(TYPE)                                                                  \
+    switch (T) {                                                                               \
+    case 1: gemm_tile(j, b, s0, s1, m0, 1, TYPE, acc); break;                                  \
+    case 2: gemm_tile(j, b, s0, s1, m0, 2, TYPE, acc); break;                                  \
+    case 3: gemm_tile(j, b, s0, s1, m0, 3, TYPE, acc); break;                                  \
+    case 4: gemm_tile(j, b, s0, s1, m0, 4, TYPE, acc); break;                                  \
+    case 5: gemm_tile(j, b, s0, s1, m0, 5, TYPE, acc); break;                                  \
+    case 6: gemm_tile(j, b, s0, s1, m0, 6, TYPE, acc); break;                                  \
+    case 7: gemm_tile(j, b, s0, s1, m0, 7, TYPE, acc); break;                                  \
+    default: gemm_tile(j, b, s0, s1, m0, GEMM_TILE, TYPE, acc); break;                         \
+    }
+
+typedef void (*gemm_runner)(const gemm_job *, int64_t, int64_t, int64_t, int64_t, int, float *);
+static void gemm_q4(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
+                    float *acc) { GEMM_TILE_CASES(KQ_Q4_K) }
+static void gemm_q5(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
+                    float *acc) { GEMM_TILE_CASES(KQ_Q5_K) }
+static void gemm_q6(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
+                    float *acc) { GEMM_TILE_CASES(KQ_Q6_K) }
+
+/* y[M, n_out] bf16 = x[M, k] bf16 @ W^T for Q4_K, Q5_K or Q6_K records, x quantized per 256 k
+ * (above). Returns 0, or -1 for what it does not take (nothing written). */
+int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out, int64_t k,
+                     const uint16_t *x, uint16_t *y, int64_t M) {
+    const gemm_runner run = type == KQ_Q4_K ? gemm_q4 : type == KQ_Q5_K ? gemm_q5
+                            : type == KQ_Q6_K ? gemm_q6 : NULL;
+    if (!run || M < 1 || k <= 0 || k % QK || n_rows % ROWS || n_out > n_rows) return -1;
+    const int per = type == KQ_Q6_K ? 16 : 32;
+    const int64_t sbs = k / QK, sums = k / per;
+    int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * (size_t)(M * sbs) +
+                        sizeof(int16_t) * (size_t)(M * sums));
+    if (!xq) return -1;
+    float *xd = (float *)(xq + M * k); /* M k is a multiple of 256: aligned */
+    int16_t *xs = (int16_t *)(xd + M * sbs);
+    quantize_rows_256(x, M, k, per, xq, xd, xs);
+    const gemm_job j = {records, xq, xd, xs, k, sums};
+    const int64_t blocks = (n_out + ROWS - 1) / ROWS;
+    const int threads = omp_get_max_threads();
+    float *accs = aligned_alloc(64, sizeof(float) * 16 * GEMM_CHUNK * (size_t)threads);
+    if (!accs) {
+        free(xq);
+        return -1;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        float *acc = accs + (size_t)omp_get_thread_num() * 16 * GEMM_CHUNK;
+        for (int64_t c0 = 0; c0 < M; c0 += GEMM_CHUNK) {
+            const int64_t rows = M - c0 < GEMM_CHUNK ? M - c0 : GEMM_CHUNK;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++) {
+                memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
+                for (int64_t s0 = 0; s0 < sbs; s0 += GEMM_RUN) {
+                    const int64_t s1 = s0 + GEMM_RUN < sbs ? s0 + GEMM_RUN : sbs;
+                    for (int64_t m = 0; m < rows; m += GEMM_TILE) {
+                        const int T = (int)(rows - m < GEMM_TILE ? rows - m : GEMM_TILE);
+                        run(&j, b, s0, s1, c0 + m, T, acc + 16 * m);
+                    }
+                }
+                const int64_t row0 = ROWS * b;
+                const __mmask16 keep = row0 + ROWS <= n_out ? 0xffff
+                                       : (__mmask16)((1u << (n_out - row0)) - 1);
+                for (int64_t m = 0; m < rows; m++)
+                    _mm256_mask_storeu_epi16(y + (c0 + m) * n_out + row0, keep,
+                                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + 16 * m)));
+            }
+        }
+    }
+    free(accs);
+    free(xq);
+    return 0;
+}
 #else
 int kquant_available(void) { return 0; }
 int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
@@ -681,6 +886,11 @@ int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t
                        int64_t M) {
     (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)parallel_work;
     (void)x, (void)y, (void)M;
+    return -1;
+}
+int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out, int64_t k,
+                     const uint16_t *x, uint16_t *y, int64_t M) {
+    (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)x, (void)y, (void)M;
     return -1;
 }
 #endif

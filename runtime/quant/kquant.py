@@ -45,11 +45,21 @@ KQUANT_TYPES = frozenset(RECORD_BYTES)
 # (benchmarks/kquant_matmul.py, session 16, 8192x2048 and 2048x8192 records / packed copy: 12
 # rows 0.75-0.92, 16 rows 0.96-1.12, 32 rows 0.90-1.17).
 DENSE_COPY_MIN_ROWS = 16
-# From this many rows (prefill chunks) a matrix is dequantized to bf16 for the call, into a
-# scratch buffer reused by every call of the thread, and multiplied by torch's GEMM (oneDNN): bf16
-# activations, and from here faster than the int8 records (same benchmark, Q4_K/Q5_K/Q6_K
-# 16.7M-weight matrices, records / dequantize + GEMM: 64 rows 0.6-0.8, 128 rows 0.84-1.32, 256
-# rows 1.3-1.6, 512 rows 1.9-2.4; the dequantize alone takes 2.5-5 ms) ...
+# From this many rows the K-quants (Q4_K, Q5_K, Q6_K) take kquant_vnni.c's many-row product
+# (kquant_gemm_bf16: x quantized per 256 k, a super-block's integer sums joined before any float
+# work), ~650 G multiply-adds a second on 2 Zen 5 cores against ~430 for oneDNN's bf16 GEMM, with
+# no dequantized copy (benchmarks/kquant_matmul.py, session 25, 8192x2048 and 2048x8192,
+# many-row product / the per-16 kernel or dequantize + GEMM: Q4_K 16 rows 0.7, 64 rows 0.7,
+# 128 rows 0.3-0.35, 512 rows 0.52; Q6_K 0.9-1.0, 0.85-0.93, 0.35-0.41, 0.57-0.61). Decode
+# batches up to 16 rows keep the per-16 steps, whose error is 3-4x smaller where x has outlier
+# channels (a step per 256 k is set by the largest |x| in it, as llama.cpp's Q8_K).
+GEMM_MIN_ROWS = 17
+GEMM_TYPES = frozenset(_K_TYPES)
+# From this many rows the legacy types (Q4_0, Q5_0, Q8_0) are dequantized to bf16 for the call,
+# into a scratch buffer reused by every call of the thread, and multiplied by torch's GEMM
+# (oneDNN): bf16 activations, and from here faster than the int8 records (same benchmark,
+# session 16, 16.7M-weight matrices, records / dequantize + GEMM: 64 rows 0.6-0.8, 128 rows
+# 0.84-1.32, 256 rows 1.3-1.6, 512 rows 1.9-2.4; the dequantize alone takes 2.5-5 ms) ...
 DEQUANTIZE_MIN_ROWS = 128
 # ... but not for matrices this large (a vocabulary-sized LM head, whose many-row calls are
 # prompt logprobs: its dequantized copy would be hundreds of MB).
@@ -78,12 +88,14 @@ class KQuantMatrix(nn.Module):
         self.register_buffer("records", records)
         self.ggml_type, self.out_features, self.in_features = ggml_type, out_features, in_features
         self.padded_rows = out_features + -out_features % ROWS
-        # (records.data_ptr(), the matmul on them), built on first use
+        # (records.data_ptr(), the matmul on them), built on first use: the per-16 kernel and
+        # the many-row product
         self._native: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
+        self._gemm: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_native"] = None  # a ctypes closure over this process's pointers
+        state["_native"] = state["_gemm"] = None  # ctypes closures over this process's pointers
         return state
 
     @classmethod
@@ -138,18 +150,43 @@ class KQuantMatrix(nn.Module):
                 self.in_features))
         return self._native[1]
 
+    def gemm(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """kquant_vnni.c's many-row product on this matrix (K-quants only, else None):
+        contiguous bf16 x [M, in] -> bf16 [M, out]."""
+        if self.ggml_type not in GEMM_TYPES:
+            return None
+        ptr = self.records.data_ptr()
+        if self._gemm is None or self._gemm[0] != ptr:
+            self._gemm = (ptr, native_kernels.kquant_gemm(
+                int(self.ggml_type), self.records, self.padded_rows, self.out_features,
+                self.in_features))
+        return self._gemm[1]
+
     def dense_copy_min_rows(self) -> int:
-        return DENSE_COPY_MIN_ROWS
+        # the K-quants' many-row product is faster than a packed bf16 copy: they need none
+        return 2**62 if self.ggml_type in GEMM_TYPES else DENSE_COPY_MIN_ROWS
+
+    def per16_max_rows(self) -> int:
+        """The most rows a call multiplies with the per-16 kernel (native()); larger calls
+        take the many-row product or a dequantized GEMM."""
+        if self.ggml_type in GEMM_TYPES:
+            return GEMM_MIN_ROWS - 1
+        return DEQUANTIZE_MIN_ROWS - 1 if self.dequantizes(DEQUANTIZE_MIN_ROWS) else 2**62
 
     def dequantizes(self, rows: int) -> bool:
-        """Whether a call of `rows` rows dequantizes the matrix (else: the int8 records)."""
-        return (rows >= DEQUANTIZE_MIN_ROWS
+        """Whether a call of `rows` rows dequantizes the matrix (legacy types; else: the int8
+        records)."""
+        return (rows >= DEQUANTIZE_MIN_ROWS and self.ggml_type not in GEMM_TYPES
                 and self.out_features * self.in_features <= DEQUANTIZE_MAX_ELEMENTS)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16."""
-        if self.dequantizes(x.shape[0]):
-            return x @ self.dense_t(_scratch_matrix(self.in_features, self.out_features))
+        rows = x.shape[0]
+        if rows > self.per16_max_rows():
+            if (gemm := self.gemm()) is not None:
+                return gemm(x.contiguous())
+            if self.dequantizes(rows):
+                return x @ self.dense_t(_scratch_matrix(self.in_features, self.out_features))
         native = self.native()
         assert native is not None, "KQuantMatrix needs the K-quant library"
         return native(x.contiguous())

@@ -385,7 +385,7 @@ class QuantizedLinear(nn.Module):
         if native is None:
             return forward
         dense_rows = self.dense_copy_min_rows() if self.has_dense_copy else 2**62
-        kernel_rows = min(dense_rows, kquant.DEQUANTIZE_MIN_ROWS)
+        kernel_rows = min(dense_rows, matrix.per16_max_rows() + 1)
 
         def call(x: torch.Tensor) -> torch.Tensor:
             rows = x.shape[0]
