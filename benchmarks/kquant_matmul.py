@@ -1,13 +1,15 @@
-"""K-quant matrices of a 1B model's shapes, three ways, interleaved in one process (medians):
-`records` kernels/cpu/kquant_vnni.c on the compact records (quant/kquant.py's KQuantMatrix),
-`int4` the Int4Matrix path that held K-quants before (torch's int4 packing: the int8 VNNI records
-or native kernel up to 16 rows, torch's int4 kernel or a per-call dequantized GEMM above), and
-`dense` a packed bf16 copy (oneDNN; what small models attach for larger calls). Also the bytes
-each holds. Weights are real K-quant blocks (gguf-py's Q6_K quantizer is absent, so random
-blocks with realistic fp16 steps, tests/test_quant.make_weight).
+"""K-quant (and legacy Q4_0/Q5_0/Q8_0) matrices of a 1B model's shapes, several ways,
+interleaved in one process (medians): `per-16` kernels/cpu/kquant_vnni.c's decode kernel on the
+compact records (quant/kquant.py's KQuantMatrix, x in int8 steps per 16 k), `many-row` its
+many-row product on the same records (x per 256 k, or per 32 for the legacy types), `int4` the
+Int4Matrix path that held K-quants before (torch's int4 packing), `dense` a packed bf16 copy
+(oneDNN; what small models attach for larger calls) and `dequantize + GEMM` the records
+dequantized to bf16 for the call, then torch's GEMM. Also the bytes each holds. Weights are
+real K-quant blocks (gguf-py's Q6_K quantizer is absent, so random blocks with realistic fp16
+steps, tests/test_quant.make_weight).
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.kquant_matmul [--rows 1 8 16 64 256] \
-        [--types Q4_K Q6_K] [--shapes 2048x2048 8192x2048 2048x8192]
+        [--types Q4_K Q6_K Q8_0] [--shapes 2048x2048 8192x2048 2048x8192 4864x896]
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def main() -> None:
     args = parser.parse_args()
     assert kquant_available(), "the K-quant kernel needs AVX512-VNNI/BW/BF16 and a C compiler"
     print(f"# {machine()}")
-    print("| type | out x in | rows | records us | int4 us | dense us | dequantize + GEMM us "
-          "(dequantize alone) | records / int4 | records / dense |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| type | out x in | rows | per-16 us | many-row us | int4 us | dense us | dequantize + "
+          "GEMM us (dequantize alone) | many-row / per-16 | many-row / dense | many-row / "
+          "dequantize + GEMM |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for type_name in args.types:
         ggml_type = GGMLQuantizationType[type_name]
         for shape in args.shapes:
@@ -57,7 +60,8 @@ def main() -> None:
             use_int8_activations(int4, max_bytes=2**40)
             dense = OneDNNLinear(records.dequantize().bfloat16(), None)
             wt = torch.empty(in_features, out_features, dtype=torch.bfloat16)
-            kq_records = kq.native()  # the int8 records for every row count
+            kq_records = kq.native()  # the per-16 kernel for every row count
+            kq_gemm = kq.gemm()  # the many-row product for every row count
             print(f"<!-- {type_name} {shape}: records {records.nbytes / 1e6:.1f} MB, int4 "
                   f"{int4.nbytes / 1e6:.1f} MB, file {weight.nbytes / 1e6:.1f} MB -->")
             for rows in args.rows:
@@ -65,14 +69,16 @@ def main() -> None:
                 calls = max(1, 64 // rows)
                 with torch.inference_mode():
                     t = medians({"records": functools.partial(kq_records, x),
+                                 "gemm": functools.partial(kq_gemm, x),
                                  "int4": functools.partial(int4, x),
                                  "dense": functools.partial(dense, x),
                                  "dequant": functools.partial(_dequantized_product, kq, wt, x),
                                  "dequant only": functools.partial(kq.dense_t, wt)},
                                 calls, args.rounds)
-                print(f"| {type_name} | {shape} | {rows} | {t['records']:.0f} | {t['int4']:.0f} "
-                      f"| {t['dense']:.0f} | {t['dequant']:.0f} ({t['dequant only']:.0f}) | "
-                      f"{t['records'] / t['int4']:.2f} | {t['records'] / t['dense']:.2f} |",
+                print(f"| {type_name} | {shape} | {rows} | {t['records']:.0f} | {t['gemm']:.0f} "
+                      f"| {t['int4']:.0f} | {t['dense']:.0f} | {t['dequant']:.0f} "
+                      f"({t['dequant only']:.0f}) | {t['gemm'] / t['records']:.2f} | "
+                      f"{t['gemm'] / t['dense']:.2f} | {t['gemm'] / t['dequant']:.2f} |",
                       flush=True)
 
 

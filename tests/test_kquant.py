@@ -172,10 +172,11 @@ def test_a_rows_result_does_not_depend_on_its_call(ggml_type):
 
 
 def reference_gemm(x: torch.Tensor, weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the many-row product computes, in float64: x quantized per 256 k (d = max|x| / 127,
-    xq = rint(x / d)) times the exact weight; and the sum of the terms' magnitudes."""
+    """What the many-row product computes, in float64: x quantized per 256 k for the K-quants,
+    per 32 for the legacy types (d = max|x| / 127, xq = rint(x / d)), times the exact weight;
+    and the sum of the terms' magnitudes."""
     w = torch.from_numpy(dequantize(weight.data, weight.ggml_type)).double()
-    xf = x.float().view(x.shape[0], -1, 256)
+    xf = x.float().view(x.shape[0], -1, 32 if weight.ggml_type in LEGACY else 256)
     amax = xf.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     x_int8 = (torch.round(xf * inv) * (amax / 127.0)).view(x.shape).double()
@@ -183,11 +184,12 @@ def reference_gemm(x: torch.Tensor, weight: GGUFWeight) -> tuple[torch.Tensor, t
     return terms.sum(-1), terms.abs().sum(-1)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 256), (40, 512), (200, 2560)])
 def test_many_row_product_computes_the_int8_product(ggml_type, out_features, in_features):
-    """kquant_gemm_bf16: exact integer sums per super-block, fp32 scaling, one bf16 rounding, for
-    tiles cut short, rows past a chunk of 256, k past a run of 8 super-blocks, padded blocks."""
+    """kquant_gemm_bf16: exact integer sums per super-block (per group of 32 for the legacy
+    types), fp32 scaling, one bf16 rounding, for tiles cut short, rows past a chunk of 256, k
+    past a run of 2048, padded blocks."""
     weight = weight_of(ggml_type, out_features, in_features, seed=out_features,
                        realistic=False)
     matrix = KQuantMatrix.from_gguf([weight])
@@ -221,6 +223,10 @@ def test_legacy_records_take_rows_of_any_multiple_of_32(ggml_type, in_features):
     assert torch.equal(matrix.dense_t(), exact.T.bfloat16())
     x = torch.randn(9, in_features).bfloat16()
     expected, magnitude = reference_product(x, weight)
+    err = (matrix.matmul(x).double() - expected).abs()
+    assert (err <= 2.0**-8 * expected.abs() + 2.0**-20 * magnitude).all()
+    x = torch.randn(20, in_features).bfloat16()  # the many-row product
+    expected, magnitude = reference_gemm(x, weight)
     err = (matrix.matmul(x).double() - expected).abs()
     assert (err <= 2.0**-8 * expected.abs() + 2.0**-20 * magnitude).all()
 
@@ -348,11 +354,11 @@ def test_an_engine_serves_a_k_quant_gguf_from_records(case, tokenizer, tmp_path,
     assert records.mean() < 2.5 * bf16.mean() + 0.02, (records, bf16)
 
 
-@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
-def test_k_quant_calls_above_16_rows_take_the_many_row_product(ggml_type):
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_calls_above_16_rows_take_the_many_row_product(ggml_type):
     """Decode batches up to 16 rows keep the per-16 kernel; from GEMM_MIN_ROWS rows the
-    K-quants take the many-row product, direct() as forward, and their layers plan no dense
-    bf16 copy (the product is faster than one)."""
+    many-row product, direct() as forward, and record layers plan no dense bf16 copy (the
+    product is as fast as one or faster)."""
     from forklm.runtime.models.onednn_linear import plan_dense_copies
     from forklm.runtime.quant import kquant
 
@@ -365,25 +371,4 @@ def test_k_quant_calls_above_16_rows_take_the_many_row_product(ggml_type):
         kernel = matrix.native() if rows < kquant.GEMM_MIN_ROWS else matrix.gemm()
         assert torch.equal(linear(x), kernel(x))
         assert torch.equal(direct(x), kernel(x))
-    assert not matrix.dequantizes(4096)
     assert plan_dense_copies(torch.nn.Sequential(linear)) is None
-
-
-@pytest.mark.parametrize("ggml_type", LEGACY, ids=lambda t: t.name)
-def test_many_row_calls_multiply_the_dequantized_weight(ggml_type):
-    """For the legacy types, from DEQUANTIZE_MIN_ROWS rows the matrix is dequantized to bf16
-    (the file's weight, rounded once) and multiplied by torch's GEMM: bf16 activations, no int8
-    steps."""
-    from forklm.runtime.quant import kquant
-
-    weight = weight_of(ggml_type, 40, seed=7, realistic=False)
-    matrix = KQuantMatrix.from_gguf([weight])
-    exact_t = torch.from_numpy(dequantize(weight.data, ggml_type)).T.contiguous()
-    assert torch.equal(matrix.dense_t(), exact_t.bfloat16())
-    rows = kquant.DEQUANTIZE_MIN_ROWS
-    x = torch.randn(rows, 512).bfloat16()
-    assert matrix.dequantizes(rows) and not matrix.dequantizes(rows - 1)
-    assert torch.equal(matrix.matmul(x), x @ exact_t.bfloat16())
-    # twice, and after a larger matrix grew the scratch buffer: the same
-    KQuantMatrix.from_gguf([weight_of(ggml_type, 80, seed=8)]).matmul(x)
-    assert torch.equal(matrix.matmul(x), x @ exact_t.bfloat16())

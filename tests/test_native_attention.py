@@ -13,7 +13,12 @@ from forklm.runtime.attention.backends import (
     AttentionLayerSpec,
     TorchAttention,
 )
-from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta, _token_map
+from forklm.runtime.attention.native import (
+    NativeAttention,
+    NativeAttentionMeta,
+    NativePrefillMeta,
+    _token_map,
+)
 from forklm.runtime.attention.registry import create_attention_backend
 from forklm.runtime.config import EngineConfig
 from forklm.runtime.kvcache.pool import KVPool, int8_rows
@@ -571,6 +576,68 @@ def test_native_backend_matches_torch_backend_over_an_8_bit_pool(kv_dtype, dtype
                            getattr(pools[0], name).view(torch.uint8))
 
 
+PREFILL = pytest.mark.skipif(
+    not native_kernels.prefill_supported(torch.bfloat16, torch.bfloat16, 64),
+    reason="the prefill kernel needs AVX512-BF16")
+
+
+@PREFILL
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64), (4, 4, 64), (32, 8, 64), (6, 2, 128)])
+@pytest.mark.parametrize(("kv_lens", "q_lens"),
+                         [([40], [40]), ([300, 70, 33], [200, 70, 1]), ([17, 600], [16, 45])],
+                         ids=["prompt", "chunk-after-prefix", "two-chunks"])
+def test_prefill_kernel_matches_float64_reference(num_heads, num_kv_heads, head_dim, kv_lens,
+                                                  q_lens):
+    """paged_prefill_bf16: causal attention of whole prompts and of chunks after a cached prefix
+    (the rows of a GQA group of 1, 3, 4; a request's last block cut short; a one-token request
+    beside them), within bf16 rounding of the value weights and the output."""
+    gen = torch.Generator().manual_seed(sum(kv_lens) + num_heads)
+    batch, q, k_pool, v_pool = random_case(gen, torch.bfloat16, kv_lens, q_lens, num_heads,
+                                           num_kv_heads, head_dim)
+    tok_req, tok_end = _token_map(batch)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    plan = native_kernels.plan(batch.slot_table.contiguous(), tok_req, tok_end, num_heads,
+                               num_kv_heads, head_dim)
+    plan.run_prefill(q, k_pool, v_pool, out, scale)
+    ref = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, scale)
+    # the output's bf16 rounding (2**-8 relative) plus the weights' (2**-9 each, averaging out)
+    torch.testing.assert_close(out.double(), ref, rtol=2**-8, atol=4e-3)
+    # each row alone: the same bits (a row depends on its own query and keys only)
+    t = batch.num_tokens - 1
+    alone = torch.empty_like(q[t:t + 1])
+    single = native_kernels.plan(batch.slot_table.contiguous(), tok_req[t:t + 1].contiguous(),
+                                 tok_end[t:t + 1].contiguous(), num_heads, num_kv_heads,
+                                 head_dim)
+    single.run_prefill(q[t:t + 1].contiguous(), k_pool, v_pool, alone, scale)
+    assert torch.equal(alone, out[t:t + 1])
+
+
+@PREFILL
+@pytest.mark.parametrize("plain", [True, False], ids=["plain", "windowed-capped"])
+def test_native_backend_prefills_through_its_kernel_where_the_layers_allow(plain):
+    """A bf16 prefill batch (more than NATIVE_MAX_Q_LEN new tokens) of plain layers runs the
+    prefill kernel: TorchAttention's outputs within bf16 rounding, the same pool writes. A model
+    with a windowed or capped layer keeps SDPA for prefill."""
+    gen = torch.Generator().manual_seed(3)
+    kv_lens, q_lens = [90, 200, 41], [90, 60, 41]
+    capacity, num_heads, num_kv_heads, head_dim = 2 * sum(kv_lens), 9, 3, 64
+    batch = make_forward_batch(gen, kv_lens, q_lens, capacity)
+    pools = layer_pools(gen, torch.bfloat16, 3, capacity, num_kv_heads, head_dim)
+    backends = torch_and_native(pools, num_heads, num_kv_heads, head_dim, plain)
+    prepared = [backend.prepare(batch) for backend in backends]
+    assert isinstance(prepared[1].attn_meta, NativePrefillMeta) == plain
+    n = batch.num_tokens
+    for layer_id in range(3):
+        q = torch.randn(n, num_heads, head_dim, generator=gen).bfloat16()
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).bfloat16() for _ in "kv")
+        outs = [b.forward(layer_id, q, k, v, p).float() for b, p in zip(backends, prepared)]
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=0)
+    assert torch.equal(pools[1].k_buffer, pools[0].k_buffer)
+    assert torch.equal(pools[1].v_buffer, pools[0].v_buffer)
+
+
 def test_native_backend_scales_of_a_pool_without_scales():
     pool = layer_pools(torch.Generator().manual_seed(0), torch.float32, 2, 20, 2, 64)[0]
     assert NativeAttention(pool, 4, 2, 64).scales_of(1) == (None, None)
@@ -583,7 +650,9 @@ def test_native_backend_defers_long_extends_and_odd_heads():
     pool = layer_pools(gen, torch.float32, 1, 200, 2, 64)[0]
     backend = NativeAttention(pool, 4, 2, 64)
     prefill = make_forward_batch(gen, [50, 60], [50, 20], 200)
-    assert not isinstance(backend.prepare(prefill).attn_meta, NativeAttentionMeta)
+    # (fp32: the prefill kernel is bf16's)
+    assert not isinstance(backend.prepare(prefill).attn_meta, (NativeAttentionMeta,
+                                                              NativePrefillMeta))
     odd = NativeAttention(layer_pools(gen, torch.float32, 1, 200, 2, 24)[0], 4, 2, 24)
     decode = make_forward_batch(gen, [5, 6], [1, 1], 200)
     assert not isinstance(odd.prepare(decode).attn_meta, NativeAttentionMeta)

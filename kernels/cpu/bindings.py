@@ -57,6 +57,7 @@ PARALLEL_WORK = 200_000 if threads_spin() else 2_000_000
 TORCH_TWINS = {
     "paged_attention": "forklm.runtime.attention.backends.TorchAttention",
     "paged_attention_batch": "forklm.runtime.attention.backends.TorchAttention",
+    "paged_prefill_bf16": "forklm.runtime.attention.backends.TorchAttention",
     "fused_add_rms_norm": "forklm.runtime.models.layers.RMSNorm",
     "fused_rope_store": "forklm.runtime.models.layers.RotaryEmbedding",
     "fused_silu_mul": "torch.nn.functional.silu",
@@ -162,6 +163,22 @@ class AttentionPlan:
                      kv_dtype, alibi or None, sinks or None, k_scale or None, v_scale or None)
         assert rc == 0, (f"paged_attention rejected dtype {dtype} over a pool of {kv_dtype}, "
                          f"head_dim {self.batch.head_dim}")
+
+    def run_prefill(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                    out: torch.Tensor, scale: float) -> None:
+        """run() for any number of tokens per request (a request's tokens adjacent) through
+        paged_prefill_bf16: bf16 q, out and K/V layers, head_dim 64 or 128 (prefill_supported),
+        no window, cap, ALiBi or sinks."""
+        rc = _load_function("paged_prefill_bf16")(self.address, q.data_ptr(), k_layer.data_ptr(),
+                                                   v_layer.data_ptr(), out.data_ptr(), scale)
+        assert rc == 0, f"paged_prefill_bf16 rejected head_dim {self.batch.head_dim}"
+
+
+def prefill_supported(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether paged_prefill_bf16 runs here for these dtypes and head_dim (a CPU with
+    AVX512-BF16: the library's build has it)."""
+    return (dtype == kv_dtype == torch.bfloat16 and head_dim in (64, 128) and available(dtype)
+            and bool(_load_function("paged_prefill_available")()))
 
 
 def plan(slot_table: torch.Tensor, tok_req: torch.Tensor, tok_end: torch.Tensor,
@@ -625,6 +642,9 @@ def _build_and_load() -> _Loaded:
     lib.paged_attention_batch.argtypes = [_p, _p, _p, _p, _p, _f32, _f32, _i64, _int, _int, _p,
                                           _p, _p, _p]
     lib.paged_attention_threads.restype = _int
+    lib.paged_prefill_bf16.restype = _int
+    lib.paged_prefill_bf16.argtypes = [_p, _p, _p, _p, _p, _f32]
+    lib.paged_prefill_available.restype = _int
     lib.paged_attention_supports.restype = _int
     lib.paged_attention_supports.argtypes = [_int, _int]
     return _Loaded(lib, "", origin)

@@ -678,12 +678,14 @@ int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, i
  *   osum = sum_g o_g sum_k xq           (vpdpwssd on int16 pairs: two groups an instruction)
  *   y   += xd (d isum - e osum)         (once per super-block)
  * with o, e = m, dmin for Q4_K/Q5_K (w = d sc c - dmin m) and sc, 32 d for Q6_K (w = d sc (c - 32),
- * sc per sub-block of 16). Integer sums are exact (|isum| < 2^28), so a row's result is the same
- * whatever the call's rows, tiles or threads. Tiles of GEMM_TILE rows of x run against one 16-row
- * block's records, k in runs of GEMM_RUN super-blocks (the run's records stay in L1 while every
- * tile of GEMM_CHUNK rows passes over them), with fp32 partial sums per thread. */
+ * sc per sub-block of 16). The legacy types (a float step per 32 k of a weight row) take x per
+ * 32 (as llama.cpp's Q8_0): y += (d xd) sum (c - mid) xq per group, the dots started from
+ * -mid sum xq. Integer sums are exact (|isum| < 2^28), so a row's result is the same whatever the
+ * call's rows, tiles or threads. Tiles of GEMM_TILE rows of x run against one 16-row block's
+ * records, k in runs of GEMM_RUN_K (the run's records stay in L1 while every tile of GEMM_CHUNK
+ * rows passes over them), with fp32 partial sums per thread. */
 #define GEMM_TILE 8
-#define GEMM_RUN 8
+#define GEMM_RUN_K 2048
 #define GEMM_CHUNK 256
 
 /* acc += a . b per pair of int16 in each 32-bit lane, b the int32 at p broadcast (vpdpwssd's
@@ -696,8 +698,9 @@ static inline __m512i dot16_broadcast(__m512i acc, __m512i a, const int32_t *p) 
 typedef struct {
     const uint8_t *records;
     const int8_t *xq;   /* [M, k] */
-    const float *xd;    /* [M, k / 256] steps */
+    const float *xd;    /* [M, k / 256] steps (legacy types: [M, k / 32]) */
     const int16_t *xs;  /* [M, k / 16] (Q6_K) or [M, k / 32]: sums of xq */
+    const int32_t *sq;  /* legacy types: [M, k / 32], -mid sum xq */
     int64_t k, sums;    /* sums: the xs per row */
 } gemm_job;
 
@@ -728,6 +731,47 @@ static void quantize_rows_256(const uint16_t *x, int64_t M, int64_t k, int per, 
             for (int u = 0; u < 16; u += per / 16) /* per 16, or pairs of them */
                 o[u * 16 / per] = (int16_t)(per == 16 ? sum16[u] : sum16[u] + sum16[u + 1]);
         }
+}
+
+/* x rows quantized per 32 k for the legacy types: xq, xd, and sq = -mid sum xq per 32. */
+static void quantize_rows_32(const uint16_t *x, int64_t M, int64_t k, int mid, int8_t *xq,
+                             float *xd, int32_t *sq) {
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    const int64_t groups = k / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint16_t *p = x + m * k + g * GROUP;
+            const __m512 a = f32x16_from_bf16(p), b = f32x16_from_bf16(p + 16);
+            const float top = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_and_ps(a, abs_mask), _mm512_and_ps(b, abs_mask)));
+            xd[m * groups + g] = top / 127.0f;
+            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+            const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP), _mm512_cvtsepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
+            sq[m * groups + g] = -mid * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        }
+}
+
+/* Legacy record r (group g along k) against rows m0 .. m0 + T - 1 of x: y[m] += their part. */
+static inline __attribute__((always_inline)) void gemm_legacy_record(const gemm_job *j,
+                                                                     const uint8_t *r, int64_t g,
+                                                                     int64_t m0, int T, int type,
+                                                                     __m512 *y) {
+    const int64_t k = j->k, groups = k / GROUP;
+    __m512i c[8];
+    group_codes(type, r + header_bytes(type), c);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+    for (int m = 0; m < T; m++) {
+        const int64_t i = (m0 + m) * groups + g;
+        const int32_t *x4 = (const int32_t *)(j->xq + (m0 + m) * k + g * GROUP);
+        __m512i a = _mm512_set1_epi32(j->sq[i]);
+        for (int q = 0; q < 8; q++) a = dot_broadcast(a, c[q], x4 + q);
+        y[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(d, _mm512_set1_ps(j->xd[i])),
+                               y[m]);
+    }
 }
 
 /* Record r (super-block s) against rows m0 .. m0 + T - 1 of x: y[m] += their part of the
@@ -790,16 +834,19 @@ static inline __attribute__((always_inline)) void gemm_record(const gemm_job *j,
     }
 }
 
-/* Super-blocks s0 .. s1 - 1 of block b against rows m0 .. m0 + T - 1: acc[m] (fp32, 16 weight
- * rows) += their part. */
+/* Records s0 .. s1 - 1 of block b against rows m0 .. m0 + T - 1: acc[m] (fp32, 16 weight rows)
+ * += their part. */
 static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *j, int64_t b,
                                                             int64_t s0, int64_t s1, int64_t m0,
                                                             int T, int type, float *acc) {
-    const int64_t sbs = j->k / QK, rec = record_bytes(type);
+    const int64_t sbs = j->k / record_k(type), rec = record_bytes(type);
     __m512 y[GEMM_TILE];
     for (int m = 0; m < T; m++) y[m] = _mm512_loadu_ps(acc + 16 * m);
     for (int64_t s = s0; s < s1; s++)
-        gemm_record(j, j->records + (b * sbs + s) * rec, s, m0, T, type, y);
+        if (is_legacy(type))
+            gemm_legacy_record(j, j->records + (b * sbs + s) * rec, s, m0, T, type, y);
+        else
+            gemm_record(j, j->records + (b * sbs + s) * rec, s, m0, T, type, y);
     for (int m = 0; m < T; m++) _mm512_storeu_ps(acc + 16 * m, y[m]);
 }
 
@@ -822,23 +869,48 @@ static void gemm_q5(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_
                     float *acc) { GEMM_TILE_CASES(KQ_Q5_K) }
 static void gemm_q6(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
                     float *acc) { GEMM_TILE_CASES(KQ_Q6_K) }
+static void gemm_q4_0(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
+                      float *acc) { GEMM_TILE_CASES(KQ_Q4_0) }
+static void gemm_q5_0(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
+                      float *acc) { GEMM_TILE_CASES(KQ_Q5_0) }
+static void gemm_q8_0(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
+                      float *acc) { GEMM_TILE_CASES(KQ_Q8_0) }
 
-/* y[M, n_out] bf16 = x[M, k] bf16 @ W^T for Q4_K, Q5_K or Q6_K records, x quantized per 256 k
- * (above). Returns 0, or -1 for what it does not take (nothing written). */
+static gemm_runner gemm_runner_of(int type) {
+    switch (type) {
+    case KQ_Q4_0: return gemm_q4_0;
+    case KQ_Q5_0: return gemm_q5_0;
+    case KQ_Q8_0: return gemm_q8_0;
+    case KQ_Q4_K: return gemm_q4;
+    case KQ_Q5_K: return gemm_q5;
+    case KQ_Q6_K: return gemm_q6;
+    default: return NULL;
+    }
+}
+
+/* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over the records of any type, x quantized per 256 k
+ * (K-quants) or per 32 (legacy types; above). Returns 0, or -1 for what it does not take
+ * (nothing written). */
 int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out, int64_t k,
                      const uint16_t *x, uint16_t *y, int64_t M) {
-    const gemm_runner run = type == KQ_Q4_K ? gemm_q4 : type == KQ_Q5_K ? gemm_q5
-                            : type == KQ_Q6_K ? gemm_q6 : NULL;
-    if (!run || M < 1 || k <= 0 || k % QK || n_rows % ROWS || n_out > n_rows) return -1;
-    const int per = type == KQ_Q6_K ? 16 : 32;
-    const int64_t sbs = k / QK, sums = k / per;
-    int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * (size_t)(M * sbs) +
-                        sizeof(int16_t) * (size_t)(M * sums));
+    const gemm_runner run = gemm_runner_of(type);
+    if (!run || M < 1 || k <= 0 || k % record_k(type) || n_rows % ROWS || n_out > n_rows)
+        return -1;
+    const int legacy = is_legacy(type), per = type == KQ_Q6_K ? 16 : 32;
+    const int64_t steps = k / record_k(type), sums = legacy ? 0 : k / per;
+    /* the int8 rows, then the steps, then the sums (legacy: -mid sum xq, int32) */
+    int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * (size_t)(M * steps) +
+                        sizeof(int32_t) * (size_t)(M * (legacy ? steps : sums)));
     if (!xq) return -1;
-    float *xd = (float *)(xq + M * k); /* M k is a multiple of 256: aligned */
-    int16_t *xs = (int16_t *)(xd + M * sbs);
-    quantize_rows_256(x, M, k, per, xq, xd, xs);
-    const gemm_job j = {records, xq, xd, xs, k, sums};
+    float *xd = (float *)(xq + M * k); /* M k is a multiple of 32: aligned */
+    int16_t *xs = (int16_t *)(xd + M * steps);
+    int32_t *sq = (int32_t *)(xd + M * steps);
+    if (legacy)
+        quantize_rows_32(x, M, k, code_mid(type), xq, xd, sq);
+    else
+        quantize_rows_256(x, M, k, per, xq, xd, xs);
+    const gemm_job j = {records, xq, xd, xs, sq, k, sums};
+    const int64_t run_records = GEMM_RUN_K / record_k(type);
     const int64_t blocks = (n_out + ROWS - 1) / ROWS;
     const int threads = omp_get_max_threads();
     float *accs = aligned_alloc(64, sizeof(float) * 16 * GEMM_CHUNK * (size_t)threads);
@@ -854,8 +926,8 @@ int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
                 memset(acc, 0, sizeof(float) * 16 * (size_t)rows);
-                for (int64_t s0 = 0; s0 < sbs; s0 += GEMM_RUN) {
-                    const int64_t s1 = s0 + GEMM_RUN < sbs ? s0 + GEMM_RUN : sbs;
+                for (int64_t s0 = 0; s0 < steps; s0 += run_records) {
+                    const int64_t s1 = s0 + run_records < steps ? s0 + run_records : steps;
                     for (int64_t m = 0; m < rows; m += GEMM_TILE) {
                         const int T = (int)(rows - m < GEMM_TILE ? rows - m : GEMM_TILE);
                         run(&j, b, s0, s1, c0 + m, T, acc + 16 * m);

@@ -7,7 +7,8 @@ group scales: Q4_K at 5 bits a weight, Q5_K and Q6_K split along a doubled K at 
 record copy for the int8 kernel, and prefill calls either dequantizing whole matrices to bf16
 or running torch's int4 kernel, whose cost grows with every row. The records hold the file's own
 codes, integer scales and fp16 steps (4.6 / 5.6 / 6.6 bits a weight), so decode streams about the
-file's bytes and a prefill multiplies the blocks as llama.cpp does. The legacy types' records
+file's bytes, and prefill chunks multiply the blocks with int8 activations as llama.cpp does
+(the many-row product: no dequantized copy, no dense bf16 copy beside the records). The legacy types' records
 are the file's own size (4.5 / 5.5 / 8.5 bits; the int4 path holds Q5_0 split at 9): Qwen2.5-0.5B's
 Q4_K_M file (44% Q5_0, 37% Q8_0 bytes) decodes at batch 1 in 18.6-19.1 ms against 23.5-24.3 (the
 int4 path), at batch 16 in 65-70 ms against 61 (Q5_0 at 16 rows: 1.1x the int4 path's time;
@@ -16,7 +17,6 @@ AVX512-VNNI (kquant_available) and the model runs bf16 with int8 activations all
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -40,31 +40,18 @@ RECORD_BYTES = {GGMLQuantizationType.Q4_K: 320 + 8 * 256, GGMLQuantizationType.Q
                 GGMLQuantizationType.Q6_K: 320 + 8 * 384, GGMLQuantizationType.Q4_0: 32 + 256,
                 GGMLQuantizationType.Q5_0: 32 + 320, GGMLQuantizationType.Q8_0: 32 + 512}
 KQUANT_TYPES = frozenset(RECORD_BYTES)
-# Calls of this many rows or more use a model's dense bf16 copy where it has one (small models,
-# onednn_linear.plan_dense_copies): where the packed bf16 GEMM overtakes the int8 records
-# (benchmarks/kquant_matmul.py, session 16, 8192x2048 and 2048x8192 records / packed copy: 12
-# rows 0.75-0.92, 16 rows 0.96-1.12, 32 rows 0.90-1.17).
-DENSE_COPY_MIN_ROWS = 16
-# From this many rows the K-quants (Q4_K, Q5_K, Q6_K) take kquant_vnni.c's many-row product
-# (kquant_gemm_bf16: x quantized per 256 k, a super-block's integer sums joined before any float
-# work), ~650 G multiply-adds a second on 2 Zen 5 cores against ~430 for oneDNN's bf16 GEMM, with
-# no dequantized copy (benchmarks/kquant_matmul.py, session 25, 8192x2048 and 2048x8192,
-# many-row product / the per-16 kernel or dequantize + GEMM: Q4_K 16 rows 0.7, 64 rows 0.7,
-# 128 rows 0.3-0.35, 512 rows 0.52; Q6_K 0.9-1.0, 0.85-0.93, 0.35-0.41, 0.57-0.61). Decode
-# batches up to 16 rows keep the per-16 steps, whose error is 3-4x smaller where x has outlier
-# channels (a step per 256 k is set by the largest |x| in it, as llama.cpp's Q8_K).
+# From this many rows every call takes kquant_vnni.c's many-row product (kquant_gemm_bf16: x
+# quantized per 256 k for the K-quants, a super-block's integer sums joined before any float
+# work; per 32 for the legacy types), with no dequantized copy. benchmarks/kquant_matmul.py,
+# session 25 (AMD EPYC Zen 5, 2 cores), many-row product / the per-16 kernel, the packed bf16
+# copy, dequantize + GEMM: Q4_K 8192x2048 and 2048x8192 at 16 rows 0.62-0.7 / - / -, 512 rows
+# 0.5 of dequantize + GEMM (~650 G multiply-adds a second against oneDNN's ~430 in bf16); Q6_K
+# 0.85-1.0 at 16 rows, 0.57-0.61 of dequantize + GEMM at 512; Q4_0/Q5_0/Q8_0 4864x896 and
+# 896x4864 0.9-1.0 / 0.37-0.69 at 8-64 rows, 0.9-1.1 of the bf16 copy at 256-512, 0.7-0.9 of
+# dequantize + GEMM. Decode batches up to 16 rows keep the per-16 steps, whose error is 3-4x
+# smaller where x has outlier channels (a step per 256 k is set by the largest |x| in it, as
+# llama.cpp's Q8_K).
 GEMM_MIN_ROWS = 17
-GEMM_TYPES = frozenset(_K_TYPES)
-# From this many rows the legacy types (Q4_0, Q5_0, Q8_0) are dequantized to bf16 for the call,
-# into a scratch buffer reused by every call of the thread, and multiplied by torch's GEMM
-# (oneDNN): bf16 activations, and from here faster than the int8 records (same benchmark,
-# session 16, 16.7M-weight matrices, records / dequantize + GEMM: 64 rows 0.6-0.8, 128 rows
-# 0.84-1.32, 256 rows 1.3-1.6, 512 rows 1.9-2.4; the dequantize alone takes 2.5-5 ms) ...
-DEQUANTIZE_MIN_ROWS = 128
-# ... but not for matrices this large (a vocabulary-sized LM head, whose many-row calls are
-# prompt logprobs: its dequantized copy would be hundreds of MB).
-DEQUANTIZE_MAX_ELEMENTS = 48 * 2**20
-_scratch = threading.local()
 
 
 def kquant_available() -> bool:
@@ -141,8 +128,8 @@ class KQuantMatrix(nn.Module):
         return torch.bfloat16
 
     def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """kquant_vnni.c's matmul on this matrix: contiguous bf16 x [M, in], any M >= 1 ->
-        bf16 [M, out]."""
+        """kquant_vnni.c's per-16 kernel on this matrix (decode batches): contiguous bf16 x
+        [M, in], any M >= 1 -> bf16 [M, out]."""
         ptr = self.records.data_ptr()
         if self._native is None or self._native[0] != ptr:  # first call, or buffers replaced
             self._native = (ptr, native_kernels.kquant_matmul(
@@ -151,10 +138,8 @@ class KQuantMatrix(nn.Module):
         return self._native[1]
 
     def gemm(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """kquant_vnni.c's many-row product on this matrix (K-quants only, else None):
-        contiguous bf16 x [M, in] -> bf16 [M, out]."""
-        if self.ggml_type not in GEMM_TYPES:
-            return None
+        """kquant_vnni.c's many-row product on this matrix: contiguous bf16 x [M, in] -> bf16
+        [M, out] (None where the library is off)."""
         ptr = self.records.data_ptr()
         if self._gemm is None or self._gemm[0] != ptr:
             self._gemm = (ptr, native_kernels.kquant_gemm(
@@ -163,33 +148,15 @@ class KQuantMatrix(nn.Module):
         return self._gemm[1]
 
     def dense_copy_min_rows(self) -> int:
-        # the K-quants' many-row product is faster than a packed bf16 copy: they need none
-        return 2**62 if self.ggml_type in GEMM_TYPES else DENSE_COPY_MIN_ROWS
-
-    def per16_max_rows(self) -> int:
-        """The most rows a call multiplies with the per-16 kernel (native()); larger calls
-        take the many-row product or a dequantized GEMM."""
-        if self.ggml_type in GEMM_TYPES:
-            return GEMM_MIN_ROWS - 1
-        return DEQUANTIZE_MIN_ROWS - 1 if self.dequantizes(DEQUANTIZE_MIN_ROWS) else 2**62
-
-    def dequantizes(self, rows: int) -> bool:
-        """Whether a call of `rows` rows dequantizes the matrix (legacy types; else: the int8
-        records)."""
-        return (rows >= DEQUANTIZE_MIN_ROWS and self.ggml_type not in GEMM_TYPES
-                and self.out_features * self.in_features <= DEQUANTIZE_MAX_ELEMENTS)
+        # the many-row product is as fast as a packed bf16 copy or faster: no copy is kept
+        return 2**62
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] bf16 -> [M, out] bf16."""
-        rows = x.shape[0]
-        if rows > self.per16_max_rows():
-            if (gemm := self.gemm()) is not None:
-                return gemm(x.contiguous())
-            if self.dequantizes(rows):
-                return x @ self.dense_t(_scratch_matrix(self.in_features, self.out_features))
-        native = self.native()
-        assert native is not None, "KQuantMatrix needs the K-quant library"
-        return native(x.contiguous())
+        """x [M, in] bf16 -> [M, out] bf16: the per-16 kernel up to GEMM_MIN_ROWS - 1 rows, the
+        many-row product from GEMM_MIN_ROWS."""
+        kernel = self.native() if x.shape[0] < GEMM_MIN_ROWS else self.gemm()
+        assert kernel is not None, "KQuantMatrix needs the K-quant library"
+        return kernel(x.contiguous())
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """float32 [len(ids), in]: weight rows `ids`, equal to gguf-py's dequantization."""
@@ -214,15 +181,6 @@ class KQuantMatrix(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.ggml_type.name}, out_features={self.out_features}, " \
                f"in_features={self.in_features}"
-
-
-def _scratch_matrix(rows: int, cols: int) -> torch.Tensor:
-    """bf16 [rows, cols] in this thread's scratch buffer (grown to the largest asked for: one
-    allocation, whose pages stay mapped, instead of fresh pages faulted in for every call)."""
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.numel() < rows * cols:
-        buffer = _scratch.buffer = torch.empty(rows * cols, dtype=torch.bfloat16)
-    return buffer[: rows * cols].view(rows, cols)
 
 
 def _row_addresses(part: GGUFWeight) -> np.ndarray:

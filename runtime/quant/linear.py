@@ -379,17 +379,18 @@ class QuantizedLinear(nn.Module):
         return call
 
     def _direct_records(self, matrix: KQuantMatrix) -> Callable[[torch.Tensor], torch.Tensor]:
-        """direct() of one K-quant segment: its kernel for every call the dense copy (if any)
-        does not take."""
-        forward, native = self.forward, matrix.native()
-        if native is None:
+        """direct() of one K-quant segment: its per-16 kernel or many-row product for every
+        call."""
+        forward, native, gemm = self.forward, matrix.native(), matrix.gemm()
+        if native is None or gemm is None:
             return forward
-        dense_rows = self.dense_copy_min_rows() if self.has_dense_copy else 2**62
-        kernel_rows = min(dense_rows, matrix.per16_max_rows() + 1)
+        gemm_rows = kquant.GEMM_MIN_ROWS
 
         def call(x: torch.Tensor) -> torch.Tensor:
             rows = x.shape[0]
-            return forward(x) if rows >= kernel_rows or rows == 0 else native(x.contiguous())
+            if rows == 0:
+                return forward(x)
+            return native(x.contiguous()) if rows < gemm_rows else gemm(x.contiguous())
 
         return call
 
