@@ -61,8 +61,8 @@ def main() -> None:
                 prepared = attn.prepare(batch)
                 if label == "native":
                     assert isinstance(prepared.attn_meta, NativePrefillMeta)
-                times[label] = median_ms(lambda a=attn, p=prepared: a.forward(0, q, k, v, p),
-                                         args.repeats)
+                times[label] = median_ms(
+                    lambda a=attn, p=prepared, qkv=(q, k, v): a.forward(0, *qkv, p), args.repeats)
             pairs = new * cached + new * (new + 1) / 2
             gflops = 4 * d * heads * pairs / times["native"] / 1e6
             print(f"| {name} | {new} after {cached} | {times['torch']:.1f} | "
