@@ -176,7 +176,7 @@ def _dense_copies(engine: Engine) -> list:
     from forklm.runtime.quant.linear import QuantizedLinear
 
     return [m.dense for m in engine.parts.runner.model.modules()
-            if isinstance(m, QuantizedLinear)]
+            if isinstance(m, QuantizedLinear) and m.wants_dense_copy]
 
 
 def test_dense_copies_are_built_once_the_engine_idles_or_when_a_call_needs_them():

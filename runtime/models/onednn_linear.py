@@ -98,9 +98,8 @@ def plan_dense_copies(model: nn.Module, max_bytes: int = MAX_DENSE_COPY_BYTES
     run or started (None: no copies)."""
     from forklm.runtime.quant.linear import QuantizedLinear
 
-    # (K-quant layers have no use for one: their many-row product is faster)
     quantized = [m for m in model.modules()
-                 if isinstance(m, QuantizedLinear) and m.dense_copy_min_rows() < 2**62]
+                 if isinstance(m, QuantizedLinear) and m.wants_dense_copy]
     nbytes = sum(m.out_features * m.in_features * 2 for m in quantized)
     return DenseCopyBuild(quantized, nbytes) if quantized and nbytes <= max_bytes else None
 

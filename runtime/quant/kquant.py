@@ -52,6 +52,8 @@ KQUANT_TYPES = frozenset(RECORD_BYTES)
 # smaller where x has outlier channels (a step per 256 k is set by the largest |x| in it, as
 # llama.cpp's Q8_K).
 GEMM_MIN_ROWS = 17
+# dense_copy_min_rows() of a matrix that has no use for a dense copy
+NO_DENSE_COPY = 2**62
 
 
 def kquant_available() -> bool:
@@ -149,7 +151,7 @@ class KQuantMatrix(nn.Module):
 
     def dense_copy_min_rows(self) -> int:
         # the many-row product is as fast as a packed bf16 copy or faster: no copy is kept
-        return 2**62
+        return NO_DENSE_COPY
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] bf16 -> [M, out] bf16: the per-16 kernel up to GEMM_MIN_ROWS - 1 rows, the

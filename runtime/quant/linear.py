@@ -346,6 +346,12 @@ class QuantizedLinear(nn.Module):
         """Rows from which forward uses the dense copy (when one is attached)."""
         return min(m.dense_copy_min_rows() for m in self.matrices)
 
+    @property
+    def wants_dense_copy(self) -> bool:
+        """Whether a packed bf16 copy would speed this layer's larger calls (not for records
+        alone: their many-row product is as fast)."""
+        return self.dense_copy_min_rows() < kquant.NO_DENSE_COPY
+
     def direct(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """forward for [M, in] inputs of the model's dtype as a plain function of x (no module
         attribute lookups: ~10 us less a call, which is a third of a small int4 matmul at batch
