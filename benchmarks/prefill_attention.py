@@ -10,21 +10,11 @@ causal half of the scores (4 d flops per visible query-key pair).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+
+from benchmarks.native_attention import median_us
 
 SHAPES = {"default model (9/3 heads, d 64)": (9, 3, 64), "Llama-3.2-1B (32/8, d 64)": (32, 8, 64),
           "Qwen2.5-3B (16/2, d 128)": (16, 2, 128)}
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -61,8 +51,9 @@ def main() -> None:
                 prepared = attn.prepare(batch)
                 if label == "native":
                     assert isinstance(prepared.attn_meta, NativePrefillMeta)
-                times[label] = median_ms(
-                    lambda a=attn, p=prepared, qkv=(q, k, v): a.forward(0, *qkv, p), args.repeats)
+                times[label] = median_us(
+                    lambda a=attn, p=prepared, qkv=(q, k, v): a.forward(0, *qkv, p), args.repeats,
+                    warm_up=1) / 1e3
             pairs = new * cached + new * (new + 1) / 2
             gflops = 4 * d * heads * pairs / times["native"] / 1e6
             print(f"| {name} | {new} after {cached} | {times['torch']:.1f} | "

@@ -426,22 +426,15 @@ typedef struct {
 static void quantize_rows(const uint16_t *x, int64_t M, int64_t k, int8_t *xq, float *d,
                           float *xs, int32_t *sq) {
     const int64_t groups = k / GROUP;
-    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
             const uint16_t *p = x + m * k + g * GROUP;
-            const __m512 a = f32x16_from_bf16(p), b = f32x16_from_bf16(p + 16);
-            const float amax = _mm512_reduce_max_ps(
-                _mm512_max_ps(_mm512_and_ps(a, abs_mask), _mm512_and_ps(b, abs_mask)));
             const int64_t i = m * groups + g;
-            d[i] = amax / 127.0f;
-            xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-            const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)); /* |q| <= 127 */
-            const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP), _mm512_cvtsepi32_epi8(qa));
-            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
-            sq[i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            int32_t sums[2];
+            d[i] = quantize_int8(p, 2, xq + m * k + g * GROUP, sums);
+            xs[i] = _mm512_reduce_add_ps(_mm512_add_ps(f32x16_from_bf16(p),
+                                                       f32x16_from_bf16(p + 16)));
+            sq[i] = sums[0] + sums[1];
         }
 }
 

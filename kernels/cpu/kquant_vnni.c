@@ -707,26 +707,12 @@ typedef struct {
 /* x rows quantized per 256 k: xq, xd, and the sums of xq per `per` k (16 or 32) into xs. */
 static void quantize_rows_256(const uint16_t *x, int64_t M, int64_t k, int per, int8_t *xq,
                               float *xd, int16_t *xs) {
-    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     const int64_t sbs = k / QK;
 #pragma omp parallel for schedule(static)
     for (int64_t m = 0; m < M; m++)
         for (int64_t s = 0; s < sbs; s++) {
-            const uint16_t *p = x + m * k + s * QK;
-            __m512 v[16], amax = _mm512_setzero_ps();
-            for (int u = 0; u < 16; u++) {
-                v[u] = f32x16_from_bf16(p + 16 * u);
-                amax = _mm512_max_ps(amax, _mm512_and_ps(v[u], abs_mask));
-            }
-            const float top = _mm512_reduce_max_ps(amax);
-            xd[m * sbs + s] = top / 127.0f;
-            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
             int32_t sum16[16];
-            for (int u = 0; u < 16; u++) {
-                const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[u], inv)); /* |q| <= 127 */
-                _mm_storeu_si128((__m128i *)(xq + m * k + s * QK + 16 * u), _mm512_cvtsepi32_epi8(q));
-                sum16[u] = _mm512_reduce_add_epi32(q);
-            }
+            xd[m * sbs + s] = quantize_int8(x + m * k + s * QK, 16, xq + m * k + s * QK, sum16);
             int16_t *o = xs + m * (k / per) + s * (QK / per);
             for (int u = 0; u < 16; u += per / 16) /* per 16, or pairs of them */
                 o[u * 16 / per] = (int16_t)(per == 16 ? sum16[u] : sum16[u] + sum16[u + 1]);
@@ -736,22 +722,14 @@ static void quantize_rows_256(const uint16_t *x, int64_t M, int64_t k, int per, 
 /* x rows quantized per 32 k for the legacy types: xq, xd, and sq = -mid sum xq per 32. */
 static void quantize_rows_32(const uint16_t *x, int64_t M, int64_t k, int mid, int8_t *xq,
                              float *xd, int32_t *sq) {
-    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     const int64_t groups = k / GROUP;
 #pragma omp parallel for schedule(static)
     for (int64_t m = 0; m < M; m++)
         for (int64_t g = 0; g < groups; g++) {
-            const uint16_t *p = x + m * k + g * GROUP;
-            const __m512 a = f32x16_from_bf16(p), b = f32x16_from_bf16(p + 16);
-            const float top = _mm512_reduce_max_ps(
-                _mm512_max_ps(_mm512_and_ps(a, abs_mask), _mm512_and_ps(b, abs_mask)));
-            xd[m * groups + g] = top / 127.0f;
-            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-            const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
-            const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
-            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP), _mm512_cvtsepi32_epi8(qa));
-            _mm_storeu_si128((__m128i *)(xq + m * k + g * GROUP + 16), _mm512_cvtsepi32_epi8(qb));
-            sq[m * groups + g] = -mid * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+            int32_t sums[2];
+            xd[m * groups + g] = quantize_int8(x + m * k + g * GROUP, 2, xq + m * k + g * GROUP,
+                                               sums);
+            sq[m * groups + g] = -mid * (sums[0] + sums[1]);
         }
 }
 
