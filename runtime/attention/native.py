@@ -68,8 +68,8 @@ class NativeAttention(TorchAttention):
                              for scale, spec in zip(self.scales, self.layers)]
         self.sinks = [None if spec.sinks is None else spec.sinks.float().contiguous()
                       for spec in self.layers]  # gpt-oss: [num_heads] fp32, or None
-        # Prefill through the flash kernel: ~0.2x SDPA's time on a 512-2048 token causal
-        # prompt (benchmarks/native_attention.py --prefill)
+        # Prefill through the flash kernel: 0.13-0.24x SDPA's time on 512-2048 token prompts
+        # (benchmarks/prefill_attention.py)
         self.prefill_enabled = (
             self.enabled and self.alibi is None and not self.windows and not self.softcapped
             and native_kernels.prefill_supported(pool.dtype, pool.kv_dtype, head_dim))

@@ -7,9 +7,9 @@ group scales: Q4_K at 5 bits a weight, Q5_K and Q6_K split along a doubled K at 
 record copy for the int8 kernel, and prefill calls either dequantizing whole matrices to bf16
 or running torch's int4 kernel, whose cost grows with every row. The records hold the file's own
 codes, integer scales and fp16 steps (4.6 / 5.6 / 6.6 bits a weight), so decode streams about the
-file's bytes, and prefill chunks multiply the blocks with int8 activations as llama.cpp does
-(the many-row product: no dequantized copy, no dense bf16 copy beside the records). The legacy types' records
-are the file's own size (4.5 / 5.5 / 8.5 bits; the int4 path holds Q5_0 split at 9): Qwen2.5-0.5B's
+file's bytes, and prefill chunks multiply the blocks with int8 activations as llama.cpp does (the
+many-row product: no dequantized copy, no dense bf16 copy beside the records). The legacy types'
+records are the file's own size (4.5 / 5.5 / 8.5 bits; the int4 path holds Q5_0 split at 9): Qwen2.5-0.5B's
 Q4_K_M file (44% Q5_0, 37% Q8_0 bytes) decodes at batch 1 in 18.6-19.1 ms against 23.5-24.3 (the
 int4 path), at batch 16 in 65-70 ms against 61 (Q5_0 at 16 rows: 1.1x the int4 path's time;
 benchmarks/kquant_matmul.py). Used where the CPU has
@@ -43,12 +43,11 @@ KQUANT_TYPES = frozenset(RECORD_BYTES)
 # From this many rows every call takes kquant_vnni.c's many-row product (kquant_gemm_bf16: x
 # quantized per 256 k for the K-quants, a super-block's integer sums joined before any float
 # work; per 32 for the legacy types), with no dequantized copy. benchmarks/kquant_matmul.py,
-# session 25 (AMD EPYC Zen 5, 2 cores), many-row product / the per-16 kernel, the packed bf16
-# copy, dequantize + GEMM: Q4_K 8192x2048 and 2048x8192 at 16 rows 0.62-0.7 / - / -, 512 rows
-# 0.5 of dequantize + GEMM (~650 G multiply-adds a second against oneDNN's ~430 in bf16); Q6_K
-# 0.85-1.0 at 16 rows, 0.57-0.61 of dequantize + GEMM at 512; Q4_0/Q5_0/Q8_0 4864x896 and
-# 896x4864 0.9-1.0 / 0.37-0.69 at 8-64 rows, 0.9-1.1 of the bf16 copy at 256-512, 0.7-0.9 of
-# dequantize + GEMM. Decode batches up to 16 rows keep the per-16 steps, whose error is 3-4x
+# session 25 (AMD EPYC Zen 5, 2 cores), 8192x2048 and 2048x8192: Q4_K 0.62-0.7x the per-16
+# kernel's time at 16 rows, 0.5x dequantize + bf16 GEMM's at 512 (~650 G multiply-adds a second
+# against oneDNN's ~430 in bf16); Q6_K 0.85-1.0x at 16 rows, 0.57-0.61x at 512. Q4_0/Q5_0/Q8_0,
+# 4864x896 and 896x4864: 0.9-1.0x the per-16 kernel, 0.37-0.69x the packed bf16 copy at 8-64
+# rows and 0.9-1.1x at 256-512, 0.7-0.9x dequantize + GEMM. Decode batches up to 16 rows keep the per-16 steps, whose error is 3-4x
 # smaller where x has outlier channels (a step per 256 k is set by the largest |x| in it, as
 # llama.cpp's Q8_K).
 GEMM_MIN_ROWS = 17
