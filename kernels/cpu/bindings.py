@@ -554,9 +554,9 @@ def kquant_matmul(ggml_type: int, records: torch.Tensor, padded_rows: int, out_f
 
 def kquant_gemm(ggml_type: int, records: torch.Tensor, padded_rows: int, out_features: int,
                 in_features: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The many-row product on Q4_K, Q5_K or Q6_K records: contiguous bf16 x [M, in] -> bf16
-    [M, out], x quantized per 256 k to int8 (prefill chunks; OpenMP threads); None where the
-    library is off."""
+    """The many-row product on the records: contiguous bf16 x [M, in] -> bf16 [M, out], x
+    quantized to int8 per 256 k (K-quants) or per 32 (Q4_0, Q5_0, Q8_0) (prefill chunks;
+    OpenMP threads); None where the library is off."""
     lib = kquant_ops()
     if lib is None:
         return None

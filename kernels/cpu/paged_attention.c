@@ -452,9 +452,9 @@ int paged_attention(const void *q, const void *k_pool, const void *v_pool, void 
  * (vdpbf16ps, fp32 sums), for a bf16 pool and bf16 queries, no window, cap, ALiBi or sinks:
  * per (request, kv head) the keys are gathered once through the slot table into pair-interleaved
  * blocks of 16 (K: 16 keys x 2 dims a vector; V: 2 keys x 16 dims), then rows of (token, query
- * head) pairs, PF_ROWS at a time, take 16 keys a step: scores in fp32, an online softmax (one
- * max and sum per row and step), the weights rounded to bf16 for the value product. A row's
- * result depends only on its own query and keys. */
+ * head) pairs, PF_BLOCK at a time, pass over the keys PF_STEP a step, PF_ROWS rows at a time:
+ * scores in fp32, an online softmax (one max and sum per row and step), the weights rounded to
+ * bf16 for the value product. A row's result depends only on its own query and keys. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
 /* 2^x for x <= 0, ~2e-7 relative: 2^n 2^f, f = x - n in [-1/2, 1/2], 2^f by a degree-6
@@ -635,44 +635,44 @@ int paged_prefill_bf16(const pa_batch *b, const uint16_t *q, const uint16_t *k_p
                        const uint16_t *v_pool, uint16_t *out, float scale) {
     const int64_t d = b->head_dim, kvh = b->num_kv_heads, n = b->num_tokens;
     if ((d != 64 && d != 128) || kvh <= 0 || b->num_heads % kvh || n <= 0) return -1;
-    /* requests as runs of tokens: run r is tokens first[r] .. first[r + 1] - 1 */
-    int64_t *first = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    /* requests as runs of tokens: run r is tokens first[r] .. first[r + 1] - 1, seeing keys
+     * [0, keys[r]) (its tokens' furthest end) */
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(2 * n + 1));
     if (!first) return -1;
-    int64_t runs = 0, keys = 0;
+    int64_t *keys = first + n + 1, runs = 0, most = 0;
     for (int64_t t = 0; t < n; t++) {
-        if (t == 0 || b->tok_req[t] != b->tok_req[t - 1]) first[runs++] = t;
-        keys = b->tok_end[t] > keys ? b->tok_end[t] : keys;
+        if (t == 0 || b->tok_req[t] != b->tok_req[t - 1]) keys[runs] = 0, first[runs++] = t;
+        keys[runs - 1] = b->tok_end[t] > keys[runs - 1] ? b->tok_end[t] : keys[runs - 1];
+        most = b->tok_end[t] > most ? b->tok_end[t] : most;
     }
     first[runs] = n;
-    const int64_t padded = (keys + PF_STEP - 1) / PF_STEP * PF_STEP;
-    const size_t scratch = sizeof(uint32_t) * (size_t)(padded * d); /* kp, then vp: d / 2 each */
-    int failed = 0;
-#pragma omp parallel
-    {
-        uint32_t *kp = aligned_alloc(64, scratch);
-        if (!kp) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            uint32_t *vp = kp + padded * d / 2;
-#pragma omp for collapse(2) schedule(dynamic, 1)
-            for (int64_t r = 0; r < runs; r++)
-                for (int64_t h = 0; h < kvh; h++) {
-                    const int64_t t0 = first[r], t1 = first[r + 1];
-                    int64_t nk = 0; /* the run's keys: its tokens' furthest end */
-                    for (int64_t t = t0; t < t1; t++) nk = b->tok_end[t] > nk ? b->tok_end[t] : nk;
-                    pf_gather(k_pool, v_pool, b->slot_table + b->tok_req[t0] * b->table_stride,
-                              nk, h, b->row_stride, d, kp, vp);
-                    if (d == 64)
-                        pf_item(b, q, out, kp, vp, h, t0, t1, scale, 64);
-                    else
-                        pf_item(b, q, out, kp, vp, h, t0, t1, scale, 128);
-                }
-            free(kp);
-        }
+    /* each thread's gathered keys: kp, then vp (d / 2 uint32 a key each) */
+    const int64_t padded = (most + PF_STEP - 1) / PF_STEP * PF_STEP;
+    const int threads = omp_get_max_threads();
+    uint32_t *scratch = aligned_alloc(64, sizeof(uint32_t) * (size_t)(padded * d * threads));
+    if (!scratch) {
+        free(first);
+        return -1;
     }
+#pragma omp parallel num_threads(threads)
+    {
+        uint32_t *kp = scratch + (size_t)omp_get_thread_num() * (size_t)(padded * d);
+        uint32_t *vp = kp + padded * d / 2;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t r = 0; r < runs; r++)
+            for (int64_t h = 0; h < kvh; h++) {
+                const int64_t t0 = first[r], t1 = first[r + 1];
+                pf_gather(k_pool, v_pool, b->slot_table + b->tok_req[t0] * b->table_stride,
+                          keys[r], h, b->row_stride, d, kp, vp);
+                if (d == 64)
+                    pf_item(b, q, out, kp, vp, h, t0, t1, scale, 64);
+                else
+                    pf_item(b, q, out, kp, vp, h, t0, t1, scale, 128);
+            }
+    }
+    free(scratch);
     free(first);
-    return failed ? -1 : 0;
+    return 0;
 }
 #else
 int paged_prefill_available(void) { return 0; }

@@ -95,17 +95,15 @@ class NativeAttention(TorchAttention):
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 batch: ForwardBatch) -> torch.Tensor:
         meta = batch.attn_meta
-        if isinstance(meta, NativePrefillMeta):
-            self.pool.store(layer_id, batch.out_slots, k, v)
-            out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-            meta.plan.run_prefill(q.contiguous(), self.k_layers[layer_id],
-                                  self.v_layers[layer_id], out, self.scales[layer_id])
-            return out
-        if not isinstance(meta, NativeAttentionMeta):
+        if not isinstance(meta, (NativeAttentionMeta, NativePrefillMeta)):
             return super().forward(layer_id, q, k, v, batch)
         self.pool.store(layer_id, batch.out_slots, k, v)
         assert q.dtype == self.pool.dtype, f"q {q.dtype} vs pool {self.pool.dtype}"
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)  # [num_tokens, heads * d]
+        if isinstance(meta, NativePrefillMeta):
+            meta.plan.run_prefill(q.contiguous(), self.k_layers[layer_id],
+                                  self.v_layers[layer_id], out, self.scales[layer_id])
+            return out
         scale, softcap, window = self.kernel_specs[layer_id]
         meta.plan.run(q.contiguous(), self.k_layers[layer_id], self.v_layers[layer_id], out,
                       scale, softcap, window, self.dtype_code, self.kv_dtype_code, self.alibi,

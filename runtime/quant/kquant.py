@@ -131,22 +131,24 @@ class KQuantMatrix(nn.Module):
     def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """kquant_vnni.c's per-16 kernel on this matrix (decode batches): contiguous bf16 x
         [M, in], any M >= 1 -> bf16 [M, out]."""
-        ptr = self.records.data_ptr()
-        if self._native is None or self._native[0] != ptr:  # first call, or buffers replaced
-            self._native = (ptr, native_kernels.kquant_matmul(
-                int(self.ggml_type), self.records, self.padded_rows, self.out_features,
-                self.in_features))
-        return self._native[1]
+        return self._bound("_native", native_kernels.kquant_matmul)
 
     def gemm(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """kquant_vnni.c's many-row product on this matrix: contiguous bf16 x [M, in] -> bf16
         [M, out] (None where the library is off)."""
+        return self._bound("_gemm", native_kernels.kquant_gemm)
+
+    def _bound(self, slot: str, bind: Callable[..., Callable[[torch.Tensor], torch.Tensor] | None]
+               ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """`bind`'s call on the records, kept in attribute `slot` with the records' address
+        (built on first use, and again where the buffers were replaced)."""
         ptr = self.records.data_ptr()
-        if self._gemm is None or self._gemm[0] != ptr:
-            self._gemm = (ptr, native_kernels.kquant_gemm(
-                int(self.ggml_type), self.records, self.padded_rows, self.out_features,
-                self.in_features))
-        return self._gemm[1]
+        held = getattr(self, slot)
+        if held is None or held[0] != ptr:
+            held = (ptr, bind(int(self.ggml_type), self.records, self.padded_rows,
+                              self.out_features, self.in_features))
+            setattr(self, slot, held)
+        return held[1]
 
     def dense_copy_min_rows(self) -> int:
         # the many-row product is as fast as a packed bf16 copy or faster: no copy is kept
