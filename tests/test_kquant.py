@@ -368,7 +368,53 @@ def test_calls_above_16_rows_take_the_many_row_product(ggml_type):
     direct = linear.direct()
     for rows in (kquant.GEMM_MIN_ROWS - 1, kquant.GEMM_MIN_ROWS, 200):
         x = torch.randn(rows, 512).bfloat16()
-        kernel = matrix.native() if rows < kquant.GEMM_MIN_ROWS else matrix.gemm()
+        kernel = matrix.native() if rows < kquant.GEMM_MIN_ROWS else matrix.many_rows()
         assert torch.equal(linear(x), kernel(x))
         assert torch.equal(direct(x), kernel(x))
     assert plan_dense_copies(torch.nn.Sequential(linear)) is None
+    # many_rows(): AMX tiles where they run, else the int8 product
+    assert matrix.many_rows() is (matrix.amx_gemm() or matrix.gemm())
+    assert (matrix.amx_gemm() is not None) == native_kernels.kquant_amx_available()
+
+
+def test_amx_off_by_environment_leaves_the_int8_product(monkeypatch):
+    monkeypatch.setenv("FORKLM_NATIVE_AMX", "0")
+    assert not native_kernels.kquant_amx_available()
+    matrix = KQuantMatrix.from_gguf([weight_of(T.Q4_K, 48, seed=9)])
+    assert matrix.amx_gemm() is None and matrix.many_rows() is matrix.gemm()
+
+
+needs_amx = pytest.mark.skipif(not native_kernels.kquant_amx_available(),
+                               reason="AMX tiles do not run on this machine")
+
+
+@needs_amx
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 256), (40, 768), (200, 1280)])
+def test_amx_product_is_the_bf16_weight_product(ggml_type, out_features, in_features):
+    """kquant_gemm_amx_bf16: the file's weight rounded to bf16 times x as it is, fp32 sums, one
+    bf16 rounding; for blocks of a pair missing (40, 200 rows: 3 and 13 blocks), k past a run of
+    512 (768, 1280), rows short of a 16-row tile, past a chunk of 512, a zero row."""
+    weight = weight_of(ggml_type, out_features, in_features, seed=out_features,
+                       realistic=False)
+    matrix = KQuantMatrix.from_gguf([weight])
+    amx = matrix.amx_gemm()
+    w = torch.from_numpy(dequantize(weight.data, ggml_type)).float()
+    w_bf16 = w.bfloat16().double()
+    gen = torch.Generator().manual_seed(in_features)
+    for rows in (1, 15, 17, 33, 530):
+        x = torch.randn(rows, in_features, generator=gen).bfloat16()
+        x[:, 3] *= 50  # an outlier channel costs bf16 nothing
+        x[rows // 2] = 0
+        y = amx(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        expected = x.double() @ w_bf16.T
+        magnitude = x.double().abs() @ w_bf16.abs().T
+        # the output's rounding, and a weight whose fp32 value (an FMA in the kernel) rounds
+        # to the neighbouring bf16
+        err = (y.double() - expected).abs()
+        assert (err <= 2.0**-8 * expected.abs() + 2.0**-12 * magnitude).all(), rows
+        assert not y[rows // 2].any()
+    x = torch.randn(530, in_features, generator=gen).bfloat16()
+    assert torch.equal(amx(x)[500:], amx(x[500:]))  # a row's result is its own
+    assert torch.equal(amx(x)[7:8], amx(x[7:8]))

@@ -69,6 +69,7 @@ TORCH_TWINS = {
     "kquant_rows_f32": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
     "kquant_dequantize_t_bf16": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
     "kquant_gemm_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
+    "kquant_gemm_amx_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "greedy_pick": "torch.argmax",
 }
 
@@ -507,7 +508,20 @@ def _build_and_load_kquant() -> _Loaded:
     lib.kquant_dequantize_t_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p]
     lib.kquant_gemm_bf16.restype = _int
     lib.kquant_gemm_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p, _p, _i64]
+    lib.kquant_gemm_amx_bf16.restype = _int
+    lib.kquant_gemm_amx_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p, _p, _i64]
+    lib.kquant_amx_available.restype = _int
     return _Loaded(lib, "", origin)
+
+
+def kquant_amx_available() -> bool:
+    """Whether kquant_gemm_amx runs here: the K-quant library loaded, the CPU has AMX-TILE and
+    AMX-BF16, the OS enabled their state and granted it to this process, and FORKLM_NATIVE_AMX
+    is not 0. Some VMs list AMX in /proc/cpuinfo but hold the tiles off: the library asks the
+    CPU and the kernel, never cpuinfo."""
+    lib = kquant_ops()
+    return (lib is not None and os.environ.get("FORKLM_NATIVE_AMX", "1") != "0"
+            and bool(lib.kquant_amx_available()))
 
 
 def kquant_repack(ggml_type: int, row_addresses: torch.Tensor, out_features: int,
@@ -568,6 +582,26 @@ def kquant_gemm(ggml_type: int, records: torch.Tensor, padded_rows: int, out_fea
         rc = fn(ggml_type, ptr, padded_rows, out_features, in_features, x.data_ptr(),
                 y.data_ptr(), x.shape[0])
         assert rc == 0, f"kquant_gemm rejected {tuple(x.shape)} x {out_features}x{in_features}"
+        return y
+
+    return call
+
+
+def kquant_gemm_amx(ggml_type: int, records: torch.Tensor, padded_rows: int, out_features: int,
+                    in_features: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The many-row product on AMX tiles: contiguous bf16 x [M, in] -> bf16 [M, out], the
+    records dequantized to bf16 a tile at a time and multiplied with x as it is (fp32 sums;
+    OpenMP threads); None where AMX does not run here (kquant_amx_available)."""
+    if not kquant_amx_available():
+        return None
+    fn, empty, bf16 = kquant_ops().kquant_gemm_amx_bf16, torch.empty, torch.bfloat16
+    ptr = records.data_ptr()
+
+    def call(x: torch.Tensor, _keep: torch.Tensor = records) -> torch.Tensor:
+        y = empty(x.shape[0], out_features, dtype=bf16)
+        rc = fn(ggml_type, ptr, padded_rows, out_features, in_features, x.data_ptr(),
+                y.data_ptr(), x.shape[0])
+        assert rc == 0, f"kquant_gemm_amx rejected {tuple(x.shape)} x {out_features}x{in_features}"
         return y
 
     return call

@@ -36,6 +36,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -924,8 +926,231 @@ int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n
     free(xq);
     return 0;
 }
+/* ---- The many-row product on AMX tiles: kquant_gemm_amx_bf16 ----
+ * Where the CPU runs AMX (and the kernel grants this process the tile state), each 16-row
+ * block's records are dequantized to bf16 (the weights dense_t rounds to: w in fp32, then to
+ * the nearest bf16) a run of AMX_RUN_K k at a time, straight into the tiles' pair layout, and
+ * multiplied with x as it is (bf16, no int8 step) by tdpbf16ps: a 16 x 16 x 32 product an
+ * instruction, fp32 sums. Two blocks (32 weight rows) against two 16-row tiles of x: four
+ * accumulator tiles, two of x, two of weights. A run's weights (32 rows x AMX_RUN_K, 32 KB)
+ * stay in L1 while every 32-row tile of the chunk (AMX_CHUNK rows) passes over them; the
+ * partial sums wait in an fp32 buffer between runs. Each weight is dequantized once per run and
+ * chunk. A row's result does not depend on the call's other rows. */
+#define AMX_RUN_K 512
+#define AMX_CHUNK 512
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 where AMX-TILE and AMX-BF16 run here: the CPU has them (cpuid), the OS saves their state
+ * (XCR0 bits 17-18), and the kernel let this process use the tile data (arch_prctl; without
+ * that the first tile instruction dies with SIGILL, as on VMs that list AMX but hold it off). */
+int kquant_amx_available(void) {
+    static int state = -1; /* asked once; the answer never changes within a process */
+    if (state >= 0) return state;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    const int cpu = (d >> 24 & 1) && (d >> 22 & 1); /* AMX-TILE, AMX-BF16 */
+    int os = 0;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+    if (c >> 27 & 1) { /* OSXSAVE: xgetbv may run */
+        unsigned lo, hi;
+        __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        os = (lo >> 17 & 3) == 3;
+    }
+    state = cpu && os && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return state;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Group g of record r (type constant) as one weight tile: 16 lines of 64 bytes, line p holding
+ * for each of the 16 weight rows its bf16 weights at k 2p and 2p + 1 (tdpbf16ps's B layout). */
+static inline __attribute__((always_inline)) void group_tile(int type, const uint8_t *r, int g,
+                                                             __m512 d, __m512 dmin,
+                                                             uint16_t *tile) {
+    __m512i c[8];
+    group_codes(type, r + header_bytes(type) + g * group_bytes(type), c);
+    __m512 scale[2], mn, offset[2];
+    const int mid = group_steps(type, r, d, dmin, g, scale, &mn);
+    for (int h = 0; h < 2; h++) /* w = s c - mn, or s c - mid s, as dequantize_record */
+        offset[h] = type == KQ_Q4_K || type == KQ_Q5_K
+                        ? _mm512_sub_ps(_mm512_setzero_ps(), mn)
+                        : _mm512_mul_ps(_mm512_set1_ps(-(float)mid), scale[h]);
+    const __m512i byte = _mm512_set1_epi32(0xFF);
+    /* (w at k 2p of the 16 rows | w at 2p + 1) -> (row 0: 2p, 2p + 1 | row 1: ...) */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    for (int q = 0; q < 8; q++) /* c[q]: k 8 (q / 2) + 4 (q % 2) + jj at byte jj */
+        for (int jj = 0; jj < 4; jj += 2) {
+            __m512 w[2];
+            for (int u = 0; u < 2; u++) {
+                const __m512 code = _mm512_cvtepi32_ps(
+                    _mm512_and_si512(_mm512_srli_epi32(c[q], (unsigned)(8 * (jj + u))), byte));
+                w[u] = _mm512_fmadd_ps(code, scale[q / 4], offset[q / 4]);
+            }
+            const int line = (8 * (q / 2) + 4 * (q % 2) + jj) / 2;
+            _mm512_storeu_si512((void *)(tile + 32 * line),
+                                _mm512_permutexvar_epi16(pairs,
+                                                         (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0])));
+        }
+}
+
+/* Weights of block b (16 rows) for k k0 .. k0 + kn - 1 as kn / 32 tiles of 512 bf16, one after
+ * another along k; zeros for a block past the records (the odd last of a pair). */
+static inline __attribute__((always_inline)) void block_tiles(int type, const uint8_t *records,
+                                                              int64_t blocks, int64_t b,
+                                                              int64_t k, int64_t k0, int64_t kn,
+                                                              uint16_t *tiles) {
+    if (b >= blocks) {
+        memset(tiles, 0, sizeof(uint16_t) * 16 * (size_t)kn);
+        return;
+    }
+    const int64_t rk = record_k(type), rec = record_bytes(type), sbs = k / rk;
+    for (int64_t kk = k0; kk < k0 + kn; kk += rk) {
+        const uint8_t *r = records + (b * sbs + kk / rk) * rec;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+        const __m512 dmin = record_dmin(type, r);
+        for (int g = 0; g < record_groups(type); g++)
+            group_tile(type, r, g, d, dmin, tiles + 16 * (kk - k0 + GROUP * g));
+    }
+}
+
+static void amx_tiles_of(int type, const uint8_t *records, int64_t blocks, int64_t b, int64_t k,
+                         int64_t k0, int64_t kn, uint16_t *tiles) {
+    switch (type) {
+    case KQ_Q4_0: block_tiles(KQ_Q4_0, records, blocks, b, k, k0, kn, tiles); break;
+    case KQ_Q5_0: block_tiles(KQ_Q5_0, records, blocks, b, k, k0, kn, tiles); break;
+    case KQ_Q8_0: block_tiles(KQ_Q8_0, records, blocks, b, k, k0, kn, tiles); break;
+    case KQ_Q4_K: block_tiles(KQ_Q4_K, records, blocks, b, k, k0, kn, tiles); break;
+    case KQ_Q5_K: block_tiles(KQ_Q5_K, records, blocks, b, k, k0, kn, tiles); break;
+    default: block_tiles(KQ_Q6_K, records, blocks, b, k, k0, kn, tiles); break;
+    }
+}
+
+/* acc (fp32, 32 columns a row) += x rows [a0 + 16 t] (t < n_tiles: 1 or 2, each 16 rows, row
+ * stride lda elements) @ the run's weight tiles w0, w1 (steps of 32 k). Tiles 0-3 sum, 4-5 x,
+ * 6-7 weights. */
+__attribute__((target("amx-tile,amx-bf16"))) static void
+amx_run(const uint16_t *a0, const uint16_t *a1, int64_t lda, const uint16_t *w0,
+        const uint16_t *w1, int64_t steps, float *acc, int two) {
+    const int64_t sa = 2 * lda, sc = 32 * sizeof(float);
+    _tile_loadd(0, acc, sc);
+    _tile_loadd(1, acc + 16, sc);
+    if (two) {
+        _tile_loadd(2, acc + 16 * 32, sc);
+        _tile_loadd(3, acc + 16 * 32 + 16, sc);
+        for (int64_t t = 0; t < steps; t++) {
+            _tile_loadd(4, a0 + 32 * t, sa);
+            _tile_loadd(6, w0 + 512 * t, 64);
+            _tile_loadd(7, w1 + 512 * t, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, a1 + 32 * t, sa);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, acc + 16 * 32, sc);
+        _tile_stored(3, acc + 16 * 32 + 16, sc);
+    } else {
+        for (int64_t t = 0; t < steps; t++) {
+            _tile_loadd(4, a0 + 32 * t, sa);
+            _tile_loadd(6, w0 + 512 * t, 64);
+            _tile_loadd(7, w1 + 512 * t, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, acc, sc);
+    _tile_stored(1, acc + 16, sc);
+}
+
+__attribute__((target("amx-tile"))) static void amx_begin(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+__attribute__((target("amx-tile"))) static void amx_end(void) { _tile_release(); }
+
+/* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over the records of any type, on AMX tiles (above).
+ * Returns 0, or -1 for what it does not take or where AMX does not run (nothing written). */
+int kquant_gemm_amx_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
+                         int64_t k, const uint16_t *x, uint16_t *y, int64_t M) {
+    if (!group_bytes(type) || M < 1 || k <= 0 || k % record_k(type) || n_rows % ROWS ||
+        n_out > n_rows || !kquant_amx_available())
+        return -1;
+    const int64_t blocks = n_rows / ROWS, pairs = (n_out + 2 * ROWS - 1) / (2 * ROWS);
+    const int64_t full = M / 16 * 16; /* rows in whole 16-row tiles of x; the rest padded */
+    const int threads = omp_get_max_threads();
+    /* per thread: a run's weight tiles (bf16, two blocks) and the partial sums (fp32, 32
+     * columns per row of a chunk); beside them, x's last rows zero-padded to 16 */
+    const size_t tile_bytes = sizeof(uint16_t) * 2 * 16 * AMX_RUN_K;
+    const size_t per_thread = tile_bytes + sizeof(float) * 32 * AMX_CHUNK;
+    uint16_t *pad = calloc(16 * (size_t)k, sizeof(uint16_t));
+    uint8_t *scratch = aligned_alloc(64, per_thread * (size_t)threads);
+    if (!pad || !scratch) {
+        free(pad), free(scratch);
+        return -1;
+    }
+    if (M > full) memcpy(pad, x + full * k, sizeof(uint16_t) * (size_t)((M - full) * k));
+#pragma omp parallel num_threads(threads)
+    {
+        amx_begin();
+        uint16_t *w = (uint16_t *)(scratch + (size_t)omp_get_thread_num() * per_thread);
+        float *acc = (float *)((uint8_t *)w + tile_bytes);
+        for (int64_t c0 = 0; c0 < M; c0 += AMX_CHUNK) {
+            const int64_t rows = M - c0 < AMX_CHUNK ? M - c0 : AMX_CHUNK;
+            const int64_t tiles = (rows + 15) / 16;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < pairs; p++) {
+                memset(acc, 0, sizeof(float) * 32 * 16 * (size_t)tiles);
+                /* runs of AMX_RUN_K k (a multiple of every record's k), the last what is left */
+                for (int64_t k0 = 0; k0 < k; k0 += AMX_RUN_K) {
+                    const int64_t kn = k - k0 < AMX_RUN_K ? k - k0 : AMX_RUN_K;
+                    amx_tiles_of(type, records, blocks, 2 * p, k, k0, kn, w);
+                    amx_tiles_of(type, records, blocks, 2 * p + 1, k, k0, kn, w + 16 * AMX_RUN_K);
+                    for (int64_t t = 0; t < tiles; t += 2) {
+                        const int64_t m = c0 + 16 * t;
+                        const uint16_t *a0 = (m < full ? x + m * k : pad) + k0;
+                        const uint16_t *a1 = (m + 16 < full ? x + (m + 16) * k : pad) + k0;
+                        amx_run(a0, a1, k, w, w + 16 * AMX_RUN_K, kn / 32, acc + 32 * 16 * t,
+                                t + 1 < tiles);
+                    }
+                }
+                const int64_t col0 = 2 * ROWS * p;
+                for (int h = 0; h < 2; h++) {
+                    const int64_t c = col0 + 16 * h;
+                    if (c >= n_out) break;
+                    const __mmask16 keep = c + 16 <= n_out ? 0xffff
+                                                           : (__mmask16)((1u << (n_out - c)) - 1);
+                    for (int64_t m = 0; m < rows; m++)
+                        _mm256_mask_storeu_epi16(
+                            y + (c0 + m) * n_out + c, keep,
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + 32 * m + 16 * h)));
+                }
+            }
+        }
+        amx_end();
+    }
+    free(scratch);
+    free(pad);
+    return 0;
+}
 #else
 int kquant_available(void) { return 0; }
+int kquant_amx_available(void) { return 0; }
+int kquant_gemm_amx_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
+                         int64_t k, const uint16_t *x, uint16_t *y, int64_t M) {
+    (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)x, (void)y, (void)M;
+    return -1;
+}
 int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
                              int64_t k, uint16_t *wt) {
     (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)wt;

@@ -80,10 +80,11 @@ class KQuantMatrix(nn.Module):
         # the many-row product
         self._native: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
         self._gemm: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
+        self._amx: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_native"] = state["_gemm"] = None  # ctypes closures over this process's pointers
+        state["_native"] = state["_gemm"] = state["_amx"] = None  # ctypes closures over this process's pointers
         return state
 
     @classmethod
@@ -138,6 +139,17 @@ class KQuantMatrix(nn.Module):
         [M, out] (None where the library is off)."""
         return self._bound("_gemm", native_kernels.kquant_gemm)
 
+    def amx_gemm(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """kquant_vnni.c's many-row product on AMX tiles (bf16 weights dequantized a tile at a
+        time, x as it is): contiguous bf16 x [M, in] -> bf16 [M, out]; None where AMX does not
+        run here."""
+        return self._bound("_amx", native_kernels.kquant_gemm_amx)
+
+    def many_rows(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The product calls of GEMM_MIN_ROWS rows or more take: on AMX tiles where they run,
+        else the int8 many-row product."""
+        return self.amx_gemm() or self.gemm()
+
     def _bound(self, slot: str, bind: Callable[..., Callable[[torch.Tensor], torch.Tensor] | None]
                ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """`bind`'s call on the records, kept in attribute `slot` with the records' address
@@ -155,9 +167,9 @@ class KQuantMatrix(nn.Module):
         return NO_DENSE_COPY
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] bf16 -> [M, out] bf16: the per-16 kernel up to GEMM_MIN_ROWS - 1 rows, the
-        many-row product from GEMM_MIN_ROWS."""
-        kernel = self.native() if x.shape[0] < GEMM_MIN_ROWS else self.gemm()
+        """x [M, in] bf16 -> [M, out] bf16: the per-16 kernel up to GEMM_MIN_ROWS - 1 rows,
+        many_rows() from GEMM_MIN_ROWS."""
+        kernel = self.native() if x.shape[0] < GEMM_MIN_ROWS else self.many_rows()
         assert kernel is not None, "KQuantMatrix needs the K-quant library"
         return kernel(x.contiguous())
 

@@ -385,9 +385,9 @@ class QuantizedLinear(nn.Module):
         return call
 
     def _direct_records(self, matrix: KQuantMatrix) -> Callable[[torch.Tensor], torch.Tensor]:
-        """direct() of one K-quant segment: its per-16 kernel or many-row product for every
-        call."""
-        forward, native, gemm = self.forward, matrix.native(), matrix.gemm()
+        """direct() of one K-quant segment: its per-16 kernel or its many-row product (AMX tiles
+        where they run) for every call."""
+        forward, native, gemm = self.forward, matrix.native(), matrix.many_rows()
         if native is None or gemm is None:
             return forward
         gemm_rows = kquant.GEMM_MIN_ROWS
