@@ -1,7 +1,8 @@
 """K-quant (and legacy Q4_0/Q5_0/Q8_0) matrices of a 1B model's shapes, several ways,
 interleaved in one process (medians): `per-16` kernels/cpu/kquant_vnni.c's decode kernel on the
 compact records (quant/kquant.py's KQuantMatrix, x in int8 steps per 16 k), `many-row` its
-many-row product on the same records (x per 256 k, or per 32 for the legacy types), `int4` the
+many-row product on the same records (x per 256 k, or per 32 for the legacy types), `AMX` the
+same records on AMX tiles (bf16 weights a tile at a time, x as it is; where the CPU runs them), `int4` the
 Int4Matrix path that held K-quants before (torch's int4 packing), `dense` a packed bf16 copy
 (oneDNN; what small models attach for larger calls) and `dequantize + GEMM` the records
 dequantized to bf16 for the call, then torch's GEMM. Also the bytes each holds. Weights are
@@ -44,9 +45,9 @@ def main() -> None:
     assert kquant_available(), "the K-quant kernel needs AVX512-VNNI/BW/BF16 and a C compiler"
     print(f"# {machine()}")
     print("| type | out x in | rows | per-16 us | many-row us | int4 us | dense us | dequantize + "
-          "GEMM us (dequantize alone) | many-row / per-16 | many-row / dense | many-row / "
-          "dequantize + GEMM |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "GEMM us (dequantize alone) | AMX us | many-row / per-16 | many-row / dense | many-row / "
+          "dequantize + GEMM | AMX / many-row | AMX / dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for type_name in args.types:
         ggml_type = GGMLQuantizationType[type_name]
         for shape in args.shapes:
@@ -62,23 +63,29 @@ def main() -> None:
             wt = torch.empty(in_features, out_features, dtype=torch.bfloat16)
             kq_records = kq.native()  # the per-16 kernel for every row count
             kq_gemm = kq.gemm()  # the many-row product for every row count
+            kq_amx = kq.amx_gemm()  # None where AMX does not run
             print(f"<!-- {type_name} {shape}: records {records.nbytes / 1e6:.1f} MB, int4 "
                   f"{int4.nbytes / 1e6:.1f} MB, file {weight.nbytes / 1e6:.1f} MB -->")
             for rows in args.rows:
                 x = torch.randn(rows, in_features).bfloat16()
                 calls = max(1, 64 // rows)
+                amx = {} if kq_amx is None else {"amx": functools.partial(kq_amx, x)}
                 with torch.inference_mode():
-                    t = medians({"records": functools.partial(kq_records, x),
+                    t = medians({**amx, "records": functools.partial(kq_records, x),
                                  "gemm": functools.partial(kq_gemm, x),
                                  "int4": functools.partial(int4, x),
                                  "dense": functools.partial(dense, x),
                                  "dequant": functools.partial(_dequantized_product, kq, wt, x),
                                  "dequant only": functools.partial(kq.dense_t, wt)},
                                 calls, args.rounds)
+                amx_cols = (("-", "-", "-") if kq_amx is None else
+                            (f"{t['amx']:.0f}", f"{t['amx'] / t['gemm']:.2f}",
+                             f"{t['amx'] / t['dense']:.2f}"))
                 print(f"| {type_name} | {shape} | {rows} | {t['records']:.0f} | {t['gemm']:.0f} "
                       f"| {t['int4']:.0f} | {t['dense']:.0f} | {t['dequant']:.0f} "
-                      f"({t['dequant only']:.0f}) | {t['gemm'] / t['records']:.2f} | "
-                      f"{t['gemm'] / t['dense']:.2f} | {t['gemm'] / t['dequant']:.2f} |",
+                      f"({t['dequant only']:.0f}) | {amx_cols[0]} | {t['gemm'] / t['records']:.2f} | "
+                      f"{t['gemm'] / t['dense']:.2f} | {t['gemm'] / t['dequant']:.2f} | "
+                      f"{amx_cols[1]} | {amx_cols[2]} |",
                       flush=True)
 
 

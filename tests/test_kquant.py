@@ -366,22 +366,24 @@ def test_calls_above_16_rows_take_the_many_row_product(ggml_type):
                                        torch.bfloat16, kquant_records=True)
     matrix = linear.matrices[0]
     direct = linear.direct()
-    for rows in (kquant.GEMM_MIN_ROWS - 1, kquant.GEMM_MIN_ROWS, 200):
+    amx = matrix.amx_gemm()
+    assert (amx is not None) == native_kernels.kquant_amx_available()
+    for rows in (kquant.GEMM_MIN_ROWS - 1, kquant.GEMM_MIN_ROWS, kquant.AMX_MIN_ROWS - 1,
+                 kquant.AMX_MIN_ROWS, 200):
         x = torch.randn(rows, 512).bfloat16()
-        kernel = matrix.native() if rows < kquant.GEMM_MIN_ROWS else matrix.many_rows()
+        kernel = (matrix.native() if rows < kquant.GEMM_MIN_ROWS
+                  else amx if amx is not None and rows >= kquant.AMX_MIN_ROWS else matrix.gemm())
+        assert matrix.kernel_for(rows) is kernel
         assert torch.equal(linear(x), kernel(x))
         assert torch.equal(direct(x), kernel(x))
     assert plan_dense_copies(torch.nn.Sequential(linear)) is None
-    # many_rows(): AMX tiles where they run, else the int8 product
-    assert matrix.many_rows() is (matrix.amx_gemm() or matrix.gemm())
-    assert (matrix.amx_gemm() is not None) == native_kernels.kquant_amx_available()
 
 
 def test_amx_off_by_environment_leaves_the_int8_product(monkeypatch):
     monkeypatch.setenv("FORKLM_NATIVE_AMX", "0")
     assert not native_kernels.kquant_amx_available()
     matrix = KQuantMatrix.from_gguf([weight_of(T.Q4_K, 48, seed=9)])
-    assert matrix.amx_gemm() is None and matrix.many_rows() is matrix.gemm()
+    assert matrix.amx_gemm() is None and matrix.kernel_for(200) is matrix.gemm()
 
 
 needs_amx = pytest.mark.skipif(not native_kernels.kquant_amx_available(),

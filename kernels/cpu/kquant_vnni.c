@@ -937,7 +937,8 @@ int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n
  * partial sums wait in an fp32 buffer between runs. Each weight is dequantized once per run and
  * chunk. A row's result does not depend on the call's other rows. */
 #define AMX_RUN_K 512
-#define AMX_CHUNK 512
+#define AMX_CHUNK 256
+#define AMX_GROUP 8
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
@@ -1089,10 +1090,16 @@ int kquant_gemm_amx_bf16(int type, const uint8_t *records, int64_t n_rows, int64
     const int64_t blocks = n_rows / ROWS, pairs = (n_out + 2 * ROWS - 1) / (2 * ROWS);
     const int64_t full = M / 16 * 16; /* rows in whole 16-row tiles of x; the rest padded */
     const int threads = omp_get_max_threads();
-    /* per thread: a run's weight tiles (bf16, two blocks) and the partial sums (fp32, 32
-     * columns per row of a chunk); beside them, x's last rows zero-padded to 16 */
+    /* pairs a thread takes at a time: up to AMX_GROUP, fewer where that would leave a thread
+     * idle */
+    int64_t group = pairs / threads < AMX_GROUP ? pairs / threads : AMX_GROUP;
+    if (group < 1) group = 1;
+    const int64_t groups = (pairs + group - 1) / group;
+    /* per thread: a run's weight tiles (bf16, two blocks) and the group's partial sums (fp32,
+     * 32 columns per row of a chunk); beside them, x's last rows zero-padded to 16 */
     const size_t tile_bytes = sizeof(uint16_t) * 2 * 16 * AMX_RUN_K;
-    const size_t per_thread = tile_bytes + sizeof(float) * 32 * AMX_CHUNK;
+    const size_t sums = 32 * AMX_CHUNK; /* floats of a pair's partial sums */
+    const size_t per_thread = tile_bytes + sizeof(float) * sums * (size_t)group;
     uint16_t *pad = calloc(16 * (size_t)k, sizeof(uint16_t));
     uint8_t *scratch = aligned_alloc(64, per_thread * (size_t)threads);
     if (!pad || !scratch) {
@@ -1104,37 +1111,46 @@ int kquant_gemm_amx_bf16(int type, const uint8_t *records, int64_t n_rows, int64
     {
         amx_begin();
         uint16_t *w = (uint16_t *)(scratch + (size_t)omp_get_thread_num() * per_thread);
-        float *acc = (float *)((uint8_t *)w + tile_bytes);
+        float *accs = (float *)((uint8_t *)w + tile_bytes);
         for (int64_t c0 = 0; c0 < M; c0 += AMX_CHUNK) {
             const int64_t rows = M - c0 < AMX_CHUNK ? M - c0 : AMX_CHUNK;
             const int64_t tiles = (rows + 15) / 16;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < pairs; p++) {
-                memset(acc, 0, sizeof(float) * 32 * 16 * (size_t)tiles);
-                /* runs of AMX_RUN_K k (a multiple of every record's k), the last what is left */
+            for (int64_t gi = 0; gi < groups; gi++) {
+                const int64_t p0 = gi * group, p1 = p0 + group < pairs ? p0 + group : pairs;
+                for (int64_t p = p0; p < p1; p++)
+                    memset(accs + sums * (p - p0), 0, sizeof(float) * 32 * 16 * (size_t)tiles);
+                /* runs of AMX_RUN_K k (a multiple of every record's k), the last what is left:
+                 * the chunk's x over a run stays in L2 while the group's pairs pass over it */
                 for (int64_t k0 = 0; k0 < k; k0 += AMX_RUN_K) {
                     const int64_t kn = k - k0 < AMX_RUN_K ? k - k0 : AMX_RUN_K;
-                    amx_tiles_of(type, records, blocks, 2 * p, k, k0, kn, w);
-                    amx_tiles_of(type, records, blocks, 2 * p + 1, k, k0, kn, w + 16 * AMX_RUN_K);
-                    for (int64_t t = 0; t < tiles; t += 2) {
-                        const int64_t m = c0 + 16 * t;
-                        const uint16_t *a0 = (m < full ? x + m * k : pad) + k0;
-                        const uint16_t *a1 = (m + 16 < full ? x + (m + 16) * k : pad) + k0;
-                        amx_run(a0, a1, k, w, w + 16 * AMX_RUN_K, kn / 32, acc + 32 * 16 * t,
-                                t + 1 < tiles);
+                    for (int64_t p = p0; p < p1; p++) {
+                        float *acc = accs + sums * (p - p0);
+                        amx_tiles_of(type, records, blocks, 2 * p, k, k0, kn, w);
+                        amx_tiles_of(type, records, blocks, 2 * p + 1, k, k0, kn,
+                                     w + 16 * AMX_RUN_K);
+                        for (int64_t t = 0; t < tiles; t += 2) {
+                            const int64_t m = c0 + 16 * t;
+                            const uint16_t *a0 = (m < full ? x + m * k : pad) + k0;
+                            const uint16_t *a1 = (m + 16 < full ? x + (m + 16) * k : pad) + k0;
+                            amx_run(a0, a1, k, w, w + 16 * AMX_RUN_K, kn / 32,
+                                    acc + 32 * 16 * t, t + 1 < tiles);
+                        }
                     }
                 }
-                const int64_t col0 = 2 * ROWS * p;
-                for (int h = 0; h < 2; h++) {
-                    const int64_t c = col0 + 16 * h;
-                    if (c >= n_out) break;
-                    const __mmask16 keep = c + 16 <= n_out ? 0xffff
-                                                           : (__mmask16)((1u << (n_out - c)) - 1);
-                    for (int64_t m = 0; m < rows; m++)
-                        _mm256_mask_storeu_epi16(
-                            y + (c0 + m) * n_out + c, keep,
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + 32 * m + 16 * h)));
-                }
+                for (int64_t p = p0; p < p1; p++)
+                    for (int h = 0; h < 2; h++) {
+                        const int64_t c = 2 * ROWS * p + 16 * h;
+                        if (c >= n_out) break;
+                        const __mmask16 keep = c + 16 <= n_out
+                                                   ? 0xffff
+                                                   : (__mmask16)((1u << (n_out - c)) - 1);
+                        const float *acc = accs + sums * (p - p0) + 16 * h;
+                        for (int64_t m = 0; m < rows; m++)
+                            _mm256_mask_storeu_epi16(
+                                y + (c0 + m) * n_out + c, keep,
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + 32 * m)));
+                    }
             }
         }
         amx_end();

@@ -51,6 +51,13 @@ KQUANT_TYPES = frozenset(RECORD_BYTES)
 # smaller where x has outlier channels (a step per 256 k is set by the largest |x| in it, as
 # llama.cpp's Q8_K).
 GEMM_MIN_ROWS = 17
+# From this many rows the many-row product runs on AMX tiles where they run (kquant_gemm_amx:
+# the records dequantized to bf16 a tile at a time, x as it is, fp32 sums). Session 26 (Intel
+# Xeon with AMX, 2 cores), Q4_K/Q5_0/Q6_K/Q8_0 8192x2048 and 2048x8192: ~1000 G multiply-adds a
+# second from 128 rows (2.8x the int8 product's ~360 on that CPU), 0.7x its time at 32 rows,
+# 1.2x at 17 (a 16-row tile of x is padded whole); dequantizing the weights costs ~1 ms a
+# 16M-weight matrix, so up to 16 rows it only ties the per-16 kernel.
+AMX_MIN_ROWS = 24
 # dense_copy_min_rows() of a matrix that has no use for a dense copy
 NO_DENSE_COPY = 2**62
 
@@ -145,10 +152,12 @@ class KQuantMatrix(nn.Module):
         run here."""
         return self._bound("_amx", native_kernels.kquant_gemm_amx)
 
-    def many_rows(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The product calls of GEMM_MIN_ROWS rows or more take: on AMX tiles where they run,
-        else the int8 many-row product."""
-        return self.amx_gemm() or self.gemm()
+    def kernel_for(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The kernel a call of `rows` rows takes: the per-16 kernel below GEMM_MIN_ROWS, AMX
+        tiles from AMX_MIN_ROWS where they run, else the int8 many-row product."""
+        if rows < GEMM_MIN_ROWS:
+            return self.native()
+        return (rows >= AMX_MIN_ROWS and self.amx_gemm()) or self.gemm()
 
     def _bound(self, slot: str, bind: Callable[..., Callable[[torch.Tensor], torch.Tensor] | None]
                ) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -167,9 +176,8 @@ class KQuantMatrix(nn.Module):
         return NO_DENSE_COPY
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] bf16 -> [M, out] bf16: the per-16 kernel up to GEMM_MIN_ROWS - 1 rows,
-        many_rows() from GEMM_MIN_ROWS."""
-        kernel = self.native() if x.shape[0] < GEMM_MIN_ROWS else self.many_rows()
+        """x [M, in] bf16 -> [M, out] bf16 by kernel_for(M)."""
+        kernel = self.kernel_for(x.shape[0])
         assert kernel is not None, "KQuantMatrix needs the K-quant library"
         return kernel(x.contiguous())
 

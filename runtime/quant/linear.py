@@ -387,16 +387,20 @@ class QuantizedLinear(nn.Module):
     def _direct_records(self, matrix: KQuantMatrix) -> Callable[[torch.Tensor], torch.Tensor]:
         """direct() of one K-quant segment: its per-16 kernel or its many-row product (AMX tiles
         where they run) for every call."""
-        forward, native, gemm = self.forward, matrix.native(), matrix.many_rows()
+        forward, native, gemm = self.forward, matrix.native(), matrix.gemm()
         if native is None or gemm is None:
             return forward
+        amx = matrix.amx_gemm()
         gemm_rows = kquant.GEMM_MIN_ROWS
+        amx_rows = kquant.AMX_MIN_ROWS if amx is not None else 2**62
 
         def call(x: torch.Tensor) -> torch.Tensor:
             rows = x.shape[0]
             if rows == 0:
                 return forward(x)
-            return native(x.contiguous()) if rows < gemm_rows else gemm(x.contiguous())
+            if rows < gemm_rows:
+                return native(x.contiguous())
+            return amx(x.contiguous()) if rows >= amx_rows else gemm(x.contiguous())
 
         return call
 
