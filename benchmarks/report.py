@@ -31,7 +31,11 @@ def machine(threads: int | None = None) -> str:
                  if line.startswith("model name")), platform.processor() or platform.machine())
     isa = ("AVX-512" + "".join(f" {f}" for f in ("VNNI", "bf16") if f"avx512_{f.lower()}" in flags)
            if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
-    return f"{name}, {isa}, {threads or torch.get_num_threads()} threads"
+    from forklm.kernels.cpu.bindings import kquant_amx_available
+
+    # AMX as the kernels find it (the tiles granted), not as /proc/cpuinfo lists it
+    amx = ", AMX" if kquant_amx_available() else ", AMX listed, off" if "amx_tile" in flags else ""
+    return f"{name}, {isa}{amx}, {threads or torch.get_num_threads()} threads"
 
 
 def medians(ms: list[Metrics]) -> dict[str, float]:
