@@ -574,17 +574,8 @@ def kquant_gemm(ggml_type: int, records: torch.Tensor, padded_rows: int, out_fea
     lib = kquant_ops()
     if lib is None:
         return None
-    fn, empty, bf16 = lib.kquant_gemm_bf16, torch.empty, torch.bfloat16
-    ptr = records.data_ptr()
-
-    def call(x: torch.Tensor, _keep: torch.Tensor = records) -> torch.Tensor:
-        y = empty(x.shape[0], out_features, dtype=bf16)
-        rc = fn(ggml_type, ptr, padded_rows, out_features, in_features, x.data_ptr(),
-                y.data_ptr(), x.shape[0])
-        assert rc == 0, f"kquant_gemm rejected {tuple(x.shape)} x {out_features}x{in_features}"
-        return y
-
-    return call
+    return _records_product(lib.kquant_gemm_bf16, "kquant_gemm", ggml_type, records, padded_rows,
+                            out_features, in_features)
 
 
 def kquant_gemm_amx(ggml_type: int, records: torch.Tensor, padded_rows: int, out_features: int,
@@ -592,16 +583,24 @@ def kquant_gemm_amx(ggml_type: int, records: torch.Tensor, padded_rows: int, out
     """The many-row product on AMX tiles: contiguous bf16 x [M, in] -> bf16 [M, out], the
     records dequantized to bf16 a tile at a time and multiplied with x as it is (fp32 sums;
     OpenMP threads); None where AMX does not run here (kquant_amx_available)."""
-    if not kquant_amx_available():
+    lib = kquant_ops()
+    if lib is None or not kquant_amx_available():
         return None
-    fn, empty, bf16 = kquant_ops().kquant_gemm_amx_bf16, torch.empty, torch.bfloat16
-    ptr = records.data_ptr()
+    return _records_product(lib.kquant_gemm_amx_bf16, "kquant_gemm_amx", ggml_type, records,
+                            padded_rows, out_features, in_features)
+
+
+def _records_product(fn: Callable[..., int], name: str, ggml_type: int, records: torch.Tensor,
+                     padded_rows: int, out_features: int, in_features: int
+                     ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> y by entry point `fn` (type, records, padded rows, out, in, x, y, M) on the records."""
+    empty, bf16, ptr = torch.empty, torch.bfloat16, records.data_ptr()
 
     def call(x: torch.Tensor, _keep: torch.Tensor = records) -> torch.Tensor:
         y = empty(x.shape[0], out_features, dtype=bf16)
         rc = fn(ggml_type, ptr, padded_rows, out_features, in_features, x.data_ptr(),
                 y.data_ptr(), x.shape[0])
-        assert rc == 0, f"kquant_gemm_amx rejected {tuple(x.shape)} x {out_features}x{in_features}"
+        assert rc == 0, f"{name} rejected {tuple(x.shape)} x {out_features}x{in_features}"
         return y
 
     return call

@@ -1045,26 +1045,22 @@ amx_run(const uint16_t *a0, const uint16_t *a1, int64_t lda, const uint16_t *w0,
     if (two) {
         _tile_loadd(2, acc + 16 * 32, sc);
         _tile_loadd(3, acc + 16 * 32 + 16, sc);
-        for (int64_t t = 0; t < steps; t++) {
-            _tile_loadd(4, a0 + 32 * t, sa);
-            _tile_loadd(6, w0 + 512 * t, 64);
-            _tile_loadd(7, w1 + 512 * t, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
+    }
+    for (int64_t t = 0; t < steps; t++) {
+        _tile_loadd(4, a0 + 32 * t, sa);
+        _tile_loadd(6, w0 + 512 * t, 64);
+        _tile_loadd(7, w1 + 512 * t, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
             _tile_loadd(5, a1 + 32 * t, sa);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+    }
+    if (two) {
         _tile_stored(2, acc + 16 * 32, sc);
         _tile_stored(3, acc + 16 * 32 + 16, sc);
-    } else {
-        for (int64_t t = 0; t < steps; t++) {
-            _tile_loadd(4, a0 + 32 * t, sa);
-            _tile_loadd(6, w0 + 512 * t, 64);
-            _tile_loadd(7, w1 + 512 * t, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
     }
     _tile_stored(0, acc, sc);
     _tile_stored(1, acc + 16, sc);
