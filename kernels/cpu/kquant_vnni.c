@@ -1036,7 +1036,7 @@ static void amx_tiles_of(int type, const uint8_t *records, int64_t blocks, int64
 /* acc (fp32, 32 columns a row) += x rows [a0 + 16 t] (t < n_tiles: 1 or 2, each 16 rows, row
  * stride lda elements) @ the run's weight tiles w0, w1 (steps of 32 k). Tiles 0-3 sum, 4-5 x,
  * 6-7 weights. */
-__attribute__((target("amx-tile,amx-bf16"))) static void
+__attribute__((target("amx-tile,amx-bf16"), noinline)) static void
 amx_run(const uint16_t *a0, const uint16_t *a1, int64_t lda, const uint16_t *w0,
         const uint16_t *w1, int64_t steps, float *acc, int two) {
     const int64_t sa = 2 * lda, sc = 32 * sizeof(float);
@@ -1066,15 +1066,19 @@ amx_run(const uint16_t *a0, const uint16_t *a1, int64_t lda, const uint16_t *w0,
     _tile_stored(1, acc + 16, sc);
 }
 
-__attribute__((target("amx-tile"))) static void amx_begin(void) {
+/* This thread's tile configuration: 8 tiles of 16 rows x 64 bytes. In asm with the whole
+ * configuration as its memory operand: GCC 12's _tile_loadconfig let the stores of all but its
+ * first 33 bytes be dropped (-march=x86-64-v4 with the target attribute), and ldtilecfg faulted
+ * (#GP) on the stack's leftovers. */
+static __attribute__((noinline)) void amx_begin(void) {
     amx_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
 }
 
-__attribute__((target("amx-tile"))) static void amx_end(void) { _tile_release(); }
+static __attribute__((noinline)) void amx_end(void) { __asm__ volatile("tilerelease" ::: "memory"); }
 
 /* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over the records of any type, on AMX tiles (above).
  * Returns 0, or -1 for what it does not take or where AMX does not run (nothing written). */
