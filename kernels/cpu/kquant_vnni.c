@@ -610,38 +610,54 @@ int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t
     free(xq);
     return 0;
 }
+/* A group's codes and the steps that make them weights, for dequantizing it. */
+typedef struct {
+    __m512i c[8];              /* group_codes */
+    __m512 scale[2], offset[2]; /* per half group: w = scale c + offset */
+} group_weights;
+
+static inline __attribute__((always_inline)) void group_weights_of(int type, const uint8_t *r,
+                                                                   int g, __m512 d, __m512 dmin,
+                                                                   group_weights *gw) {
+    group_codes(type, r + header_bytes(type) + g * group_bytes(type), gw->c);
+    __m512 mn;
+    const int mid = group_steps(type, r, d, dmin, g, gw->scale, &mn);
+    for (int h = 0; h < 2; h++) /* w = s c - mn, or s c - mid s (exact: mid a power of 2) */
+        gw->offset[h] = type == KQ_Q4_K || type == KQ_Q5_K
+                            ? _mm512_sub_ps(_mm512_setzero_ps(), mn)
+                            : _mm512_mul_ps(_mm512_set1_ps(-(float)mid), gw->scale[h]);
+}
+
+/* The 16 rows' weights (fp32) at k 8 (q / 2) + 4 (q % 2) + jj of the group: byte jj of c[q]. */
+static inline __attribute__((always_inline)) __m512 weight_at(const group_weights *gw, int q,
+                                                              int jj) {
+    const __m512 code = _mm512_cvtepi32_ps(_mm512_and_si512(
+        _mm512_srli_epi32(gw->c[q], (unsigned)(8 * jj)), _mm512_set1_epi32(0xFF)));
+    return _mm512_fmadd_ps(code, gw->scale[q / 4], gw->offset[q / 4]);
+}
+
 /* Super-block s of block b into wt (bf16 [k, n_out], k-major: rows k 256 s .. 256 s + 255 of
  * the transposed weight, columns 16 b .. 16 b + 15, the last block's cut to n_out). */
 static inline __attribute__((always_inline)) void
 dequantize_record(int type, const uint8_t *records, int64_t b, int64_t s, int64_t k, int64_t n_out,
                   uint16_t *wt) {
     const int rg = record_groups(type);
-    const int64_t sbs = k / record_k(type), gb = group_bytes(type), rec = record_bytes(type);
+    const int64_t sbs = k / record_k(type), rec = record_bytes(type);
     const int64_t row0 = ROWS * b;
     const __mmask16 keep = row0 + ROWS <= n_out ? 0xffff
                            : (__mmask16)((1u << (n_out > row0 ? n_out - row0 : 0)) - 1);
-    const __m512i byte = _mm512_set1_epi32(0xFF);
     const uint8_t *r = records + (b * sbs + s) * rec;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
     const __m512 dmin = record_dmin(type, r);
     for (int g = 0; g < rg; g++) {
-        __m512i c[8];
-        group_codes(type, r + header_bytes(type) + g * gb, c);
-        __m512 scale[2], mn, offset[2];
-        const int mid = group_steps(type, r, d, dmin, g, scale, &mn);
-        for (int h = 0; h < 2; h++) /* w = s c - mn, or s c - mid s (exact: mid a power of 2) */
-            offset[h] = type == KQ_Q4_K || type == KQ_Q5_K
-                            ? _mm512_sub_ps(_mm512_setzero_ps(), mn)
-                            : _mm512_mul_ps(_mm512_set1_ps(-(float)mid), scale[h]);
+        group_weights gw;
+        group_weights_of(type, r, g, d, dmin, &gw);
         const int64_t k0 = (s * rg + g) * GROUP;
         for (int q = 0; q < 8; q++)
             for (int jj = 0; jj < 4; jj++) {
                 const int64_t kk = 8 * (q / 2) + 4 * (q % 2) + jj; /* 16 k per half */
-                const __m512 code = _mm512_cvtepi32_ps(
-                    _mm512_and_si512(_mm512_srli_epi32(c[q], (unsigned)(8 * jj)), byte));
-                const __m512 w = _mm512_fmadd_ps(code, scale[q / 4], offset[q / 4]);
                 _mm256_mask_storeu_epi16(wt + (k0 + kk) * n_out + row0, keep,
-                                         (__m256i)_mm512_cvtneps_pbh(w));
+                                         (__m256i)_mm512_cvtneps_pbh(weight_at(&gw, q, jj)));
             }
     }
 }
@@ -973,27 +989,15 @@ typedef struct {
 static inline __attribute__((always_inline)) void group_tile(int type, const uint8_t *r, int g,
                                                              __m512 d, __m512 dmin,
                                                              uint16_t *tile) {
-    __m512i c[8];
-    group_codes(type, r + header_bytes(type) + g * group_bytes(type), c);
-    __m512 scale[2], mn, offset[2];
-    const int mid = group_steps(type, r, d, dmin, g, scale, &mn);
-    for (int h = 0; h < 2; h++) /* w = s c - mn, or s c - mid s, as dequantize_record */
-        offset[h] = type == KQ_Q4_K || type == KQ_Q5_K
-                        ? _mm512_sub_ps(_mm512_setzero_ps(), mn)
-                        : _mm512_mul_ps(_mm512_set1_ps(-(float)mid), scale[h]);
-    const __m512i byte = _mm512_set1_epi32(0xFF);
+    group_weights gw; /* the weights dequantize_record writes */
+    group_weights_of(type, r, g, d, dmin, &gw);
     /* (w at k 2p of the 16 rows | w at 2p + 1) -> (row 0: 2p, 2p + 1 | row 1: ...) */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                            24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                            16, 0);
     for (int q = 0; q < 8; q++) /* c[q]: k 8 (q / 2) + 4 (q % 2) + jj at byte jj */
         for (int jj = 0; jj < 4; jj += 2) {
-            __m512 w[2];
-            for (int u = 0; u < 2; u++) {
-                const __m512 code = _mm512_cvtepi32_ps(
-                    _mm512_and_si512(_mm512_srli_epi32(c[q], (unsigned)(8 * (jj + u))), byte));
-                w[u] = _mm512_fmadd_ps(code, scale[q / 4], offset[q / 4]);
-            }
+            const __m512 w[2] = {weight_at(&gw, q, jj), weight_at(&gw, q, jj + 1)};
             const int line = (8 * (q / 2) + 4 * (q % 2) + jj) / 2;
             _mm512_storeu_si512((void *)(tile + 32 * line),
                                 _mm512_permutexvar_epi16(pairs,
