@@ -54,8 +54,14 @@ enum { KQ_Q4_0 = 2, KQ_Q5_0 = 6, KQ_Q8_0 = 8, KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_
 #define GROUP 32
 #define CHUNK 8 /* rows of x per pass over a block's records */
 /* Bytes ahead of the one in use that a pass asks the memory system for: a forward streams every
- * matrix from DRAM, and the hardware prefetcher alone leaves the dot products waiting. */
-#define PREFETCH_BYTES 3072
+ * matrix from DRAM, and the hardware prefetcher alone leaves the dot products waiting. They are
+ * asked into L2, not L1 (prefetcht2: locality 1): L1's few fill buffers, taken by prefetcht0,
+ * held a batch-1 stream of the 1B's records at 24 GB/s in 4 KiB pages, L2's more at 26 (2 AVX-512
+ * cores reading at most 29.5; benchmarks/NOTES.md). A thread's first WARM_BYTES are asked for at
+ * once, before its first dot product. */
+#define PREFETCH_BYTES 4096
+#define PREFETCH_LOCALITY 1
+#define WARM_BYTES 8192
 
 /* The legacy types (one fp16 step per block of 32 k, no integer scales) have a record per
  * 16 rows x 32 k: their rows need only be a multiple of 32 long (Qwen2.5-0.5B's 896 is why
@@ -506,7 +512,8 @@ static inline __attribute__((always_inline)) void run_block(const job *j, int64_
         const __m512 dmin = record_dmin(type, r);
         for (int g = 0; g < rg; g++) {
             const uint8_t *body = r + header_bytes(type) + g * gb;
-            for (int l = 0; l < gb; l += 64) __builtin_prefetch(body + PREFETCH_BYTES + l);
+            for (int l = 0; l < gb; l += 64)
+                __builtin_prefetch(body + PREFETCH_BYTES + l, 0, PREFETCH_LOCALITY);
             __m512i c[8];
             group_codes(type, body, c);
             const int64_t gi = s * rg + g; /* the group's index along k */
@@ -599,14 +606,23 @@ int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t
     const int parallel = n_rows * k * M > parallel_work;
     quantize_rows(x, M, k, code_mid(type), xq, xd, xs, sq, parallel && M > 1);
     const int64_t chunks = (M + CHUNK - 1) / CHUNK, blocks = (n_out + ROWS - 1) / ROWS;
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t ch = 0; ch < chunks; ch++) {
-            const int64_t m0 = ch * CHUNK;
-            const job part = {records, xq + m0 * k, xd + 2 * m0 * groups, xs + m0 * groups,
-                              sq + 2 * m0 * groups, y + m0 * n_out, n_out, k};
-            run(&part, b, (int)(M - m0 < CHUNK ? M - m0 : CHUNK));
-        }
+    const int64_t block_stride = k / record_k(type) * record_bytes(type);
+#pragma omp parallel if (parallel)
+    { /* a thread's blocks are one run of the records: it streams them front to back */
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
+        const int64_t warm = (b1 - b0) * block_stride < WARM_BYTES ? (b1 - b0) * block_stride
+                                                                     : WARM_BYTES;
+        for (int64_t l = 0; l < warm; l += 64)
+            __builtin_prefetch(records + b0 * block_stride + l, 0, PREFETCH_LOCALITY);
+        for (int64_t b = b0; b < b1; b++)
+            for (int64_t ch = 0; ch < chunks; ch++) {
+                const int64_t m0 = ch * CHUNK;
+                const job part = {records, xq + m0 * k, xd + 2 * m0 * groups, xs + m0 * groups,
+                                  sq + 2 * m0 * groups, y + m0 * n_out, n_out, k};
+                run(&part, b, (int)(M - m0 < CHUNK ? M - m0 : CHUNK));
+            }
+    }
     free(xq);
     return 0;
 }
