@@ -71,6 +71,13 @@ TORCH_TWINS = {
     "kquant_gemm_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "kquant_gemm_amx_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "greedy_pick": "torch.argmax",
+    # the matmuls in the decode runner's form: the same products as above
+    "kquant_matmul_op": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
+    "int4_gemv_op": "torch.ops.aten._weight_int4pack_mm_for_cpu",
+    "int4_vnni_op": "torch.ops.aten._weight_int4pack_mm_for_cpu",
+    "int8_vnni_op": "torch.ops.aten._weight_int4pack_mm_for_cpu",
+    # a forward's layers: what FusedDecodeLayers' loop runs (tests/test_fused_layers.py)
+    "fused_decode_layers": "forklm.runtime.models.fused_layers.FusedDecodeLayers.run_loop",
 }
 
 _p, _i64, _f32, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -247,6 +254,79 @@ def fused_unavailable_reason() -> str:
     return _load_once("fused native layer steps", _build_and_load_fused).reason
 
 
+def _address(fn: Callable[..., int]) -> int:
+    """A loaded C function's address, for C code that calls it through a pointer."""
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    assert address is not None
+    return address
+
+
+@dataclass(frozen=True)
+class NativeMatmul:
+    """A matmul as C entry points of cpu_kernels.h's matmul_op_fn form, for fused_layer_ops.c's
+    decode runner: bf16 x [rows, in] -> bf16 y [rows, out_features] for 1 <= rows <= max_rows,
+    as the module's own call computes it: each segment's product (fn, args, its out features),
+    side by side, then + bias (bf16) when given."""
+
+    segments: tuple[tuple[int, tuple[int, ...], int], ...]
+    max_rows: int
+    bias: torch.Tensor | None  # bf16 [out_features], contiguous
+    keep: object  # owns what the segments' args point into
+
+    @property
+    def out_features(self) -> int:
+        return sum(out for _, _, out in self.segments)
+
+
+DECODE_MAX_SEGMENTS = 4  # fused_layer_ops.c's
+
+
+class DecodeSegment(ctypes.Structure):
+    """decode_segment in fused_layer_ops.c."""
+
+    _fields_ = [("fn", _p), ("args", _i64 * 6), ("n_out", _i64)]
+
+
+class DecodeMatmul(ctypes.Structure):
+    """decode_matmul in fused_layer_ops.c."""
+
+    _fields_ = [("segments", _i64), ("segment", DecodeSegment * DECODE_MAX_SEGMENTS),
+                ("bias", _p), ("n_out", _i64)]
+
+    @classmethod
+    def of(cls, op: NativeMatmul) -> DecodeMatmul:
+        assert len(op.segments) <= DECODE_MAX_SEGMENTS
+        segments = (DecodeSegment * DECODE_MAX_SEGMENTS)(
+            *(DecodeSegment(fn, (_i64 * 6)(*args), out) for fn, args, out in op.segments))
+        return cls(len(op.segments), segments, 0 if op.bias is None else op.bias.data_ptr(),
+                   op.out_features)
+
+
+class DecodeLayer(ctypes.Structure):
+    """decode_layer in fused_layer_ops.c."""
+
+    _fields_ = [("qkv", DecodeMatmul), ("o", DecodeMatmul), ("gate_up", DecodeMatmul),
+                ("down", DecodeMatmul), ("in_norm", _p), ("post_norm", _p), ("q_norm", _p),
+                ("k_norm", _p), ("k_layer", _p), ("v_layer", _p), ("k_scale", _p),
+                ("v_scale", _p), ("scale", _f32), ("softcap", _f32), ("window", _i64),
+                ("rotary", _i64)]
+
+
+class DecodeStep(ctypes.Structure):
+    """decode_step in fused_layer_ops.c."""
+
+    _fields_ = [("tokens", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64),
+                ("head_dim", _i64), ("eps", _f32), ("offset", _f32), ("kv_dtype", _i64),
+                ("out_slots", _p), ("cos", _p), ("sin", _p), ("attention", _p), ("plan", _p),
+                ("residual", _p), ("normed", _p), ("q", _p), ("attn_out", _p), ("qkv", _p),
+                ("h", _p), ("gate_up", _p), ("act", _p)]
+
+
+def attention_batch_address() -> int:
+    """paged_attention_batch's address (the decode runner calls it per layer)."""
+    return _address(_load_function("paged_attention_batch"))
+
+
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor | None:
     """int64 [B]: each row's argmax, as torch.argmax picks it, of CPU fp32/bf16 logits [B, V]
     whose rows are contiguous; None where the library did not build or the logits are not of
@@ -319,6 +399,8 @@ def _build_and_load_fused() -> _Loaded:
     lib.fused_max_head_dim.restype = _int
     lib.fused_silu_mul.restype = None
     lib.fused_silu_mul.argtypes = [_i64, _i64, _p, _p, _int]
+    lib.fused_decode_layers.restype = _int
+    lib.fused_decode_layers.argtypes = [_p, _p, _i64]
     return _Loaded(lib, "", origin)
 
 
@@ -368,6 +450,7 @@ def int4_gemv(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int
         assert rc == 0, f"int4_gemv_bf16 rejected {tuple(x.shape)} x {rows}x{k} (block {block})"
         return y
 
+    call.native_op = (_address(lib.int4_gemv_op), (address,))  # type: ignore[attr-defined]
     return call
 
 
@@ -458,6 +541,8 @@ def _vnni_call(packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: in
         return y
 
     call.records = records  # type: ignore[attr-defined]  # (for a cache of them)
+    op = lib.int8_vnni_op if eight_bit else lib.int4_vnni_op
+    call.native_op = (_address(op), (address, records_ptr))  # type: ignore[attr-defined]
     return call
 
 
@@ -563,6 +648,8 @@ def kquant_matmul(ggml_type: int, records: torch.Tensor, padded_rows: int, out_f
         assert rc == 0, f"kquant_matmul rejected {tuple(x.shape)} x {out_features}x{in_features}"
         return y
 
+    call.native_op = (_address(lib.kquant_matmul_op),  # type: ignore[attr-defined]
+                      (ggml_type, ptr, padded_rows, out_features, in_features, work))
     return call
 
 

@@ -16,6 +16,11 @@
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2, DTYPE_FP8_E5M2 = 3, DTYPE_FP8_E4M3 = 4,
        DTYPE_INT8 = 5 };
 
+/* A matmul in one form for fused_layer_ops.c's decode runner: y [rows, n_out] bf16 = x [rows, k]
+ * bf16 @ W^T by a kernel library's `*_op` entry point, its matrix given by `args` (each entry
+ * point says what they are). Returns 0, or the kernel's refusal (nonzero; nothing written). */
+typedef int (*matmul_op_fn)(const int64_t *args, const void *x, void *y, int64_t rows);
+
 static inline int64_t dtype_bytes(int dtype) {
     return dtype == DTYPE_F32 ? 4 : dtype >= DTYPE_FP8_E5M2 ? 1 : 2;
 }

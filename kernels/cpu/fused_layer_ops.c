@@ -8,6 +8,7 @@
  * so the only differences from the eager path are the RMS sum's order and exp's last bit. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_kernels.h"
@@ -215,4 +216,120 @@ void fused_silu_mul(int64_t rows, int64_t inter, const void *gate_up, void *out,
         silu_mul(rows, inter, gate_up, out, DTYPE_BF16);
     else
         silu_mul(rows, inter, gate_up, out, DTYPE_F32);
+}
+
+/* The decode runner: every layer of a forward in one call, for batches whose matmuls all have a
+ * matmul_op_fn (the K-quant and int4 kernels, bf16 models). It makes the calls that
+ * runtime/models/fused_layers.py's loop makes, in its order and on the same buffers' contents,
+ * so its results are the loop's bit for bit; what it saves is that loop's Python between them
+ * (~25 us a layer on the default model, ~85 us on a 1B whose matmuls have just evicted the
+ * interpreter from the caches). */
+
+/* One matmul: its segments' products side by side (a weight fused from matrices of different
+ * types: each segment's columns follow the previous one's), then y += bias (bf16 [n_out],
+ * rounded as torch's bf16 y + bias; NULL: none). */
+#define DECODE_MAX_SEGMENTS 4
+typedef struct {
+    matmul_op_fn fn;
+    int64_t args[6];
+    int64_t n_out;
+} decode_segment;
+
+typedef struct {
+    int64_t segments;
+    decode_segment segment[DECODE_MAX_SEGMENTS];
+    const uint16_t *bias;
+    int64_t n_out;
+} decode_matmul;
+
+/* What one layer's calls read besides the step's buffers. */
+typedef struct {
+    decode_matmul qkv, o, gate_up, down;
+    const void *in_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm NULL: none */
+    void *k_layer, *v_layer;
+    float *k_scale, *v_scale; /* int8 pools' row scales, else NULL */
+    float scale, softcap;
+    int64_t window;
+    int64_t rotary; /* its cos/sin tables: index into decode_step's */
+} decode_layer;
+
+/* paged_attention.c's paged_attention_batch, passed in by address (another library). */
+typedef int (*attention_fn)(const void *plan, const void *q, const void *k_pool,
+                            const void *v_pool, void *out, float scale, float softcap,
+                            int64_t window, int dtype, int kv_dtype, const float *alibi,
+                            const float *sinks, const float *k_scale, const float *v_scale);
+
+/* One forward's sizes and bf16 buffers: residual [tokens, hidden] (the embeddings, updated in
+ * place), normed [tokens, hidden], q and attn_out [tokens, heads head_dim], qkv [tokens,
+ * qkv.n_out], h [tokens, hidden] (each block's output), gate_up [tokens, gate_up.n_out], act
+ * [tokens, gate_up.n_out / 2]. */
+typedef struct {
+    int64_t tokens, hidden, heads, kv_heads, head_dim;
+    float eps, offset;
+    int64_t kv_dtype;
+    const int64_t *out_slots;
+    const void *const *cos, *const *sin;
+    attention_fn attention;
+    const void *plan;
+    void *residual, *normed, *q, *attn_out, *qkv, *h, *gate_up, *act;
+} decode_step;
+
+static int run_matmul(const decode_matmul *m, const void *x, void *y, int64_t rows) {
+    uint16_t *out = y;
+    if (m->segments == 1) {
+        const int rc = m->segment[0].fn(m->segment[0].args, x, y, rows);
+        if (rc) return rc;
+    } else { /* one row: the segments write into it in place; more: each through a copy */
+        uint16_t *part = rows > 1 ? malloc(sizeof(uint16_t) * (size_t)(rows * m->n_out)) : NULL;
+        if (rows > 1 && !part) return -1;
+        int64_t col = 0;
+        for (int64_t i = 0; i < m->segments; i++) {
+            const decode_segment *g = m->segment + i;
+            const int rc = g->fn(g->args, x, rows > 1 ? part : out + col, rows);
+            if (rc) {
+                free(part);
+                return rc;
+            }
+            for (int64_t r = 0; rows > 1 && r < rows; r++)
+                memcpy(out + r * m->n_out + col, part + r * g->n_out, sizeof(uint16_t) * g->n_out);
+            col += g->n_out;
+        }
+        free(part);
+    }
+    for (int64_t r = 0; m->bias && r < rows; r++)
+        for (int64_t i = 0; i < m->n_out; i++) {
+            uint16_t *v = out + r * m->n_out + i;
+            *v = bf16_from_f32(f32_from_bf16(*v) + f32_from_bf16(m->bias[i]));
+        }
+    return 0;
+}
+
+/* Runs layers[0 .. n_layers) on s's buffers; afterwards the last layer's output stream is
+ * s->residual + s->h (added by the caller, as torch adds). Returns 0; 1 + the layer's index
+ * times 8 + the step that failed (a matmul or attention refusal), nothing more run. */
+int fused_decode_layers(const decode_step *s, const decode_layer *layers, int64_t n_layers) {
+    const int64_t T = s->tokens, hidden = s->hidden, d = s->head_dim;
+    const int kv = (int)s->kv_dtype;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const decode_layer *L = layers + l;
+        const int64_t fail = 1 + 8 * l;
+        add_rms_norm(T, hidden, s->residual, l ? s->h : NULL, L->in_norm, s->normed, s->eps,
+                     s->offset, DTYPE_BF16);
+        if (run_matmul(&L->qkv, s->normed, s->qkv, T)) return (int)fail;
+        fused_rope_store(T, s->qkv, L->qkv.n_out, s->heads, s->kv_heads, d, s->cos[L->rotary],
+                         s->sin[L->rotary], s->out_slots, L->k_layer, L->v_layer, L->k_scale,
+                         L->v_scale, s->q, L->q_norm, L->k_norm, s->eps, s->offset, DTYPE_BF16,
+                         kv);
+        if (s->attention(s->plan, s->q, L->k_layer, L->v_layer, s->attn_out, L->scale,
+                         L->softcap, L->window, DTYPE_BF16, kv, NULL, NULL, L->k_scale,
+                         L->v_scale))
+            return (int)fail + 1;
+        if (run_matmul(&L->o, s->attn_out, s->h, T)) return (int)fail + 2;
+        add_rms_norm(T, hidden, s->residual, s->h, L->post_norm, s->normed, s->eps, s->offset,
+                     DTYPE_BF16);
+        if (run_matmul(&L->gate_up, s->normed, s->gate_up, T)) return (int)fail + 3;
+        silu_mul(T, L->gate_up.n_out / 2, s->gate_up, s->act, DTYPE_BF16);
+        if (run_matmul(&L->down, s->act, s->h, T)) return (int)fail + 4;
+    }
+    return 0;
 }

@@ -617,3 +617,19 @@ int int8_vnni_bf16(const int4_matrix *w, const uint8_t *records, const uint16_t 
     return -1;
 }
 #endif
+
+/* The three products as matmul_op_fn (cpu_kernels.h): args {the int4_matrix} for int4_gemv_op,
+ * {the int4_matrix, its records} for the VNNI ones. */
+int int4_gemv_op(const int64_t *args, const void *x, void *y, int64_t rows) {
+    return int4_gemv_bf16((const int4_matrix *)(intptr_t)args[0], x, y, rows);
+}
+
+int int4_vnni_op(const int64_t *args, const void *x, void *y, int64_t rows) {
+    return int4_vnni_bf16((const int4_matrix *)(intptr_t)args[0],
+                          (const uint8_t *)(intptr_t)args[1], x, y, rows);
+}
+
+int int8_vnni_op(const int64_t *args, const void *x, void *y, int64_t rows) {
+    return int8_vnni_bf16((const int4_matrix *)(intptr_t)args[0],
+                          (const uint8_t *)(intptr_t)args[1], x, y, rows);
+}

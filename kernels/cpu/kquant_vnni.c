@@ -1205,3 +1205,10 @@ int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n
     return -1;
 }
 #endif
+
+/* kquant_matmul_bf16 as a matmul_op_fn (cpu_kernels.h): args {type, records, n_rows, n_out, k,
+ * parallel_work}. */
+int kquant_matmul_op(const int64_t *args, const void *x, void *y, int64_t rows) {
+    return kquant_matmul_bf16((int)args[0], (const uint8_t *)(intptr_t)args[1], args[2], args[3],
+                              args[4], args[5], x, y, rows);
+}

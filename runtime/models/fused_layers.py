@@ -13,6 +13,7 @@ checks greedy tokens against the eager layers).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -22,13 +23,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from forklm.kernels.cpu import bindings as native_kernels
+from forklm.kernels.cpu.bindings import NativeMatmul
 from forklm.runtime.attention.native import NativeAttention, NativeAttentionMeta
 from forklm.runtime.models.weights import FusedLinear
 
 if TYPE_CHECKING:
     from forklm.runtime.forward.batch import ForwardBatch
     from forklm.runtime.models.decoder import CausalLM, DecoderLayer
-    from forklm.runtime.models.layers import RMSNorm
+    from forklm.runtime.models.layers import RMSNorm, RotaryEmbedding
+    from forklm.runtime.models.spec import ModelSpec
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -92,6 +95,7 @@ class FusedDecodeLayers:
                             attn.kernel_specs[layer.self_attn.layer_id])
                            for layer in self.layers]
         self.pool_ptrs = (attn.pool.k_buffer.data_ptr(), attn.pool.v_buffer.data_ptr())
+        self.runner = NativeDecodeRunner.build(model, attn, self.layer_args)
 
     def takes(self, batch: ForwardBatch, x: torch.Tensor) -> bool:
         return (isinstance(batch.attn_meta, NativeAttentionMeta) and x.dtype in _DTYPES
@@ -99,7 +103,15 @@ class FusedDecodeLayers:
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] embeddings -> the last layer's output stream [T, hidden] (before the
-        final norm), as the eager layers compute it."""
+        final norm), as the eager layers compute it: in one C call where every matmul has a
+        native entry point for T rows (NativeDecodeRunner), else run_loop."""
+        runner = self.runner
+        if runner is not None and x.dtype == torch.bfloat16 and x.shape[0] <= runner.max_rows:
+            return runner.run(x, batch)
+        return self.run_loop(x, batch)
+
+    def run_loop(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """run() as a Python loop over the layers' C steps and matmul calls."""
         meta = batch.attn_meta
         assert isinstance(meta, NativeAttentionMeta)
         spec, attn, lib = self.spec, self.attn, self.lib
@@ -145,6 +157,88 @@ class FusedDecodeLayers:
             silu_mul(num_tokens, act.shape[1], gate_up.data_ptr(), act.data_ptr(), dtype)
             h = down_proj(act).contiguous()
         return residual if h is None else residual + h
+
+
+class NativeDecodeRunner:
+    """FusedDecodeLayers.run_loop as one C call (fused_layer_ops.c's fused_decode_layers), for
+    bf16 models whose every layer matmul has a native entry point (QuantizedLinear's
+    native_matmul: the K-quant and int4 kernels): the same calls in the same order on the same
+    values, without the loop's Python between them (benchmarks/NOTES.md, session 27)."""
+
+    def __init__(self, lib: ctypes.CDLL, layers: ctypes.Array, matmuls: list[NativeMatmul],
+                 rotaries: list[RotaryEmbedding], spec: ModelSpec, attn: NativeAttention):
+        self.lib, self.layers, self.matmuls, self.rotaries = lib, layers, matmuls, rotaries
+        self.spec, self.attn = spec, attn
+        self.max_rows = min(m.max_rows for m in matmuls)
+        self.qkv_width = matmuls[0].out_features
+        self.inter = matmuls[2].out_features // 2
+        self.attention = native_kernels.attention_batch_address()
+
+    @classmethod
+    def build(cls, model: CausalLM, attn: NativeAttention, layer_args: list[tuple]
+              ) -> NativeDecodeRunner | None:
+        """The runner for `model`'s layers (layer_args: FusedDecodeLayers'), or None where a
+        matmul has no native entry point or the model is not bf16."""
+        lib = native_kernels.fused_ops()
+        layers: list[DecoderLayer] = list(model.model.layers)  # type: ignore[arg-type]
+        if lib is None or not layers or attn.pool.dtype != torch.bfloat16:
+            return None
+        matmuls: list[NativeMatmul] = []
+        for layer in layers:
+            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                native = getattr(module, "native_matmul", None)
+                op = native() if callable(native) else None
+                if op is None:
+                    return None
+                matmuls.append(op)
+        if len({(m.out_features) for m in matmuls[0::4]}) != 1 or len(
+                {m.out_features for m in matmuls[2::4]}) != 1:
+            return None  # the step's buffers are sized once
+        rotaries: list[RotaryEmbedding] = []
+        descs = (native_kernels.DecodeLayer * len(layers))()
+        for i, (desc, args) in enumerate(zip(descs, layer_args)):
+            (rotary, in_norm, post_norm, (q_norm, k_norm), k_layer, v_layer,
+             (k_scale, v_scale), (scale, softcap, window)) = args
+            if rotary not in rotaries:
+                rotaries.append(rotary)
+            desc.qkv, desc.o, desc.gate_up, desc.down = (
+                native_kernels.DecodeMatmul.of(m) for m in matmuls[4 * i:4 * i + 4])
+            desc.in_norm, desc.post_norm, desc.q_norm, desc.k_norm = (
+                in_norm, post_norm, q_norm, k_norm)
+            desc.k_layer, desc.v_layer = k_layer, v_layer
+            desc.k_scale, desc.v_scale = k_scale or None, v_scale or None
+            desc.scale, desc.softcap, desc.window = scale, softcap, window
+            desc.rotary = rotaries.index(rotary)
+        return cls(lib, descs, matmuls, rotaries, model.spec, attn)
+
+    def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """FusedDecodeLayers.run for bf16 x [T, hidden], T <= max_rows."""
+        meta = batch.attn_meta
+        assert isinstance(meta, NativeAttentionMeta)
+        attn, spec = self.attn, self.spec
+        tokens, hidden = x.shape
+        out_slots = batch.out_slots.to(torch.int64).contiguous()
+        residual = x.contiguous()  # updated in place: x is this forward's own embedding tensor
+        empty, bf16 = torch.empty, torch.bfloat16
+        heads_width = attn.num_heads * attn.head_dim
+        buffers = (empty(tokens, hidden, dtype=bf16), empty(tokens, heads_width, dtype=bf16),
+                   empty(tokens, heads_width, dtype=bf16), empty(tokens, self.qkv_width, dtype=bf16),
+                   empty(tokens, hidden, dtype=bf16), empty(tokens, 2 * self.inter, dtype=bf16),
+                   empty(tokens, self.inter, dtype=bf16))
+        tables = [rotary.tables_for(batch.rotary_positions, bf16) for rotary in self.rotaries]
+        assert all(t.is_contiguous() for pair in tables for t in pair)
+        cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
+        sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
+        step = native_kernels.DecodeStep(
+            tokens, hidden, attn.num_heads, attn.num_kv_heads, attn.head_dim, spec.norm_eps,
+            spec.norm_offset, attn.kv_dtype_code, out_slots.data_ptr(), ctypes.addressof(cos),
+            ctypes.addressof(sin), self.attention, meta.plan.address, residual.data_ptr(),
+            *(b.data_ptr() for b in buffers))
+        failed = self.lib.fused_decode_layers(ctypes.byref(step), self.layers, len(self.layers))
+        assert failed == 0, (f"fused_decode_layers: layer {(failed - 1) // 8}, step "
+                             f"{(failed - 1) % 8} refused {tokens} rows")
+        return residual + buffers[4]
 
 
 def _ptr_of(h: torch.Tensor | None, residual: torch.Tensor) -> int | None:

@@ -369,9 +369,8 @@ class QuantizedLinear(nn.Module):
         padded = packed.shape[0] != out
         forward, native = self.forward, matrices[0].native()
         int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        # rows at which forward leaves the int4 kernels (the dense copy, or a dequantized GEMM)
-        kernel_rows = self.dense_copy_min_rows() if self.has_dense_copy else DENSE_MIN_ROWS
-        native_rows = min(kernel_rows, native_kernels.INT4_MAX_ROWS + 1) if native else 0
+        kernel_rows = self._int4_kernel_rows()
+        native_rows = self._int4_native_rows() if native else 0
 
         def call(x: torch.Tensor) -> torch.Tensor:
             rows = x.shape[0]
@@ -383,6 +382,42 @@ class QuantizedLinear(nn.Module):
             return y[:, :out] if padded else y
 
         return call
+
+    def _int4_kernel_rows(self) -> int:
+        """Rows at which forward leaves the int4 kernels (the dense copy, or a dequantized GEMM)."""
+        return self.dense_copy_min_rows() if self.has_dense_copy else DENSE_MIN_ROWS
+
+    def _int4_native_rows(self) -> int:
+        """Rows from which forward leaves int4_gemv.c's kernels (while they are on)."""
+        return min(self._int4_kernel_rows(), native_kernels.INT4_MAX_ROWS + 1)
+
+    def native_matmul(self) -> native_kernels.NativeMatmul | None:
+        """forward for bf16 [rows, in] inputs of up to `max_rows` rows as C entry points
+        (kernels/cpu/cpu_kernels.h's matmul_op_fn), for fused_layer_ops.c's decode runner: the
+        kernels forward calls for those rows, each segment's, then the bias as forward adds it.
+        None where forward takes another path (a kernel dtype not the model's bf16, a kernel
+        that did not build or has no such entry point, more segments than the runner takes)."""
+        if self.dtype != torch.bfloat16 or self.kernel_dtype != self.dtype:
+            return None
+        matrices = self.matrices
+        if len(matrices) > native_kernels.DECODE_MAX_SEGMENTS:
+            return None
+        calls, segments, max_rows = [], [], []
+        for matrix in matrices:
+            call = matrix.native()
+            op = getattr(call, "native_op", None)
+            if op is None:
+                return None
+            calls.append(call)
+            segments.append((op[0], op[1], matrix.out_features))
+            max_rows.append(kquant.GEMM_MIN_ROWS - 1 if isinstance(matrix, KQuantMatrix)
+                            else self._int4_native_rows() - 1)
+        if self.has_dense_copy and self.dense_copy_min_rows() <= min(max_rows):
+            max_rows.append(self.dense_copy_min_rows() - 1)  # forward's dense copy from there
+        if min(max_rows) < 1:
+            return None
+        bias = None if self.bias is None else self.bias.to(self.dtype).contiguous()
+        return native_kernels.NativeMatmul(tuple(segments), min(max_rows), bias, keep=calls)
 
     def _direct_records(self, matrix: KQuantMatrix) -> Callable[[torch.Tensor], torch.Tensor]:
         """direct() of one K-quant segment: its per-16 kernel or its many-row product (AMX tiles
