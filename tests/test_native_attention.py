@@ -95,6 +95,40 @@ def test_kernel_matches_float64_reference(dtype, num_heads, num_kv_heads, head_d
     torch.testing.assert_close(out.double(), ref, **TOLERANCES[dtype])
 
 
+def test_a_tokens_result_does_not_depend_on_its_batch_or_threads():
+    """A decode token's output is the same bit for bit alone, in a batch, and on one thread
+    (each (token, kv head) is one work item, its sums in one order), here over 1 to 450 keys
+    with sinks; and a token with no keys gets zeros."""
+    gen = torch.Generator().manual_seed(11)
+    kv_lens = [450, 1, 63, 64, 65, 200]
+    batch, q, k_pool, v_pool = random_case(gen, torch.float32, kv_lens, [1] * len(kv_lens), 8, 2,
+                                           64)
+    tok_req, tok_end = _token_map(batch)
+    sinks = torch.randn(8, generator=gen)
+    together = torch.empty_like(q)
+    native_kernels.paged_attention(q, k_pool, v_pool, together, batch.slot_table, tok_req,
+                                   tok_end, 0.125, None, None, sinks=sinks)
+    ref = attention_ref(q, k_pool, v_pool, batch.slot_table, tok_req, tok_end, 0.125,
+                        sinks=sinks)
+    torch.testing.assert_close(together.double(), ref, **TOLERANCES[torch.float32])
+    threads = torch.get_num_threads()
+    for t in range(len(kv_lens)):
+        alone = torch.empty_like(q[t:t + 1])
+        torch.set_num_threads(1 if t % 2 else threads)
+        try:
+            native_kernels.paged_attention(q[t:t + 1], k_pool, v_pool, alone, batch.slot_table,
+                                           tok_req[t:t + 1], tok_end[t:t + 1], 0.125, None, None,
+                                           sinks=sinks)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(alone[0], together[t]), kv_lens[t]
+    # no keys at all: zeros, as the torch path gives for an empty softmax row
+    empty = torch.full_like(q[:1], 7.0)
+    native_kernels.paged_attention(q[:1], k_pool, v_pool, empty, batch.slot_table, tok_req[:1],
+                                   torch.zeros_like(tok_end[:1]), 0.125, None, None)
+    assert not empty.any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("softcap", "window"), [(30.0, None), (None, 7), (5.0, 50)])
 def test_kernel_softcap_and_sliding_window(dtype, softcap, window):

@@ -169,12 +169,14 @@ static inline v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
  * hardware prefetcher cannot guess the next row. The scores pass asks for the V rows too, so
  * the weighted sum finds them in L2: decode attention is bound by DRAM (batch 16 x 300 keys
  * reads 3.7 MB a layer), and this took batch 16 / 8 to 0.87-0.94x the time (16 keys ahead,
- * K only: 8). */
+ * K only: 8). They are asked into L2 (prefetcht2), whose queue holds more lines in flight than
+ * L1's fill buffers: 0.81x the time at batch 16 x 450 keys, 0.87x at batch 1 (a 1B's 32/8
+ * heads; Intel Xeon, benchmarks/NOTES.md session 27). */
 #define PA_PREFETCH 16
 
 static inline void prefetch_row(const void *base, int64_t i, int dtype, int64_t bytes) {
     const char *p = (const char *)base + i * dtype_bytes(dtype);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
 
 /* One (token, kv head): the group's query heads against keys [start, end) of the token's
