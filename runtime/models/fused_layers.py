@@ -106,7 +106,7 @@ class FusedDecodeLayers:
         final norm), as the eager layers compute it: in one C call where every matmul has a
         native entry point for T rows (NativeDecodeRunner), else run_loop."""
         runner = self.runner
-        if runner is not None and x.dtype == torch.bfloat16 and x.shape[0] <= runner.max_rows:
+        if runner is not None and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= runner.max_rows:
             return runner.run(x, batch)
         return self.run_loop(x, batch)
 
@@ -159,6 +159,11 @@ class FusedDecodeLayers:
         return residual if h is None else residual + h
 
 
+# fused_decode_layers' steps that can refuse, by the code it returns (1 + 8 layer + step)
+_RUNNER_STEPS = ("qkv matmul", "attention", "o matmul", "gate_up matmul", "down matmul", "", "",
+                 "")
+
+
 class NativeDecodeRunner:
     """FusedDecodeLayers.run_loop as one C call (fused_layer_ops.c's fused_decode_layers), for
     bf16 models whose every layer matmul has a native entry point (QuantizedLinear's
@@ -192,7 +197,7 @@ class NativeDecodeRunner:
                 if op is None:
                     return None
                 matmuls.append(op)
-        if len({(m.out_features) for m in matmuls[0::4]}) != 1 or len(
+        if len({m.out_features for m in matmuls[0::4]}) != 1 or len(
                 {m.out_features for m in matmuls[2::4]}) != 1:
             return None  # the step's buffers are sized once
         rotaries: list[RotaryEmbedding] = []
@@ -213,7 +218,7 @@ class NativeDecodeRunner:
         return cls(lib, descs, matmuls, rotaries, model.spec, attn)
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """FusedDecodeLayers.run for bf16 x [T, hidden], T <= max_rows."""
+        """FusedDecodeLayers.run for bf16 x [T, hidden], 1 <= T <= max_rows."""
         meta = batch.attn_meta
         assert isinstance(meta, NativeAttentionMeta)
         attn, spec = self.attn, self.spec
@@ -236,8 +241,8 @@ class NativeDecodeRunner:
             ctypes.addressof(sin), self.attention, meta.plan.address, residual.data_ptr(),
             *(b.data_ptr() for b in buffers))
         failed = self.lib.fused_decode_layers(ctypes.byref(step), self.layers, len(self.layers))
-        assert failed == 0, (f"fused_decode_layers: layer {(failed - 1) // 8}, step "
-                             f"{(failed - 1) % 8} refused {tokens} rows")
+        assert failed == 0, (f"fused_decode_layers: layer {(failed - 1) // 8}'s "
+                             f"{_RUNNER_STEPS[(failed - 1) % 8]} refused {tokens} rows")
         return residual + buffers[4]
 
 
