@@ -400,7 +400,7 @@ class QuantizedLinear(nn.Module):
         if self.dtype != torch.bfloat16 or self.kernel_dtype != self.dtype:
             return None
         matrices = self.matrices
-        if len(matrices) > native_kernels.DECODE_MAX_SEGMENTS:
+        if not 0 < len(matrices) <= native_kernels.DECODE_MAX_SEGMENTS:
             return None
         calls, segments, max_rows = [], [], []
         for matrix in matrices:
