@@ -160,8 +160,7 @@ class FusedDecodeLayers:
 
 
 # fused_decode_layers' steps that can refuse, by the code it returns (1 + 8 layer + step)
-_RUNNER_STEPS = ("qkv matmul", "attention", "o matmul", "gate_up matmul", "down matmul", "", "",
-                 "")
+_RUNNER_STEPS = ("qkv matmul", "attention", "o matmul", "gate_up matmul", "down matmul")
 
 
 class NativeDecodeRunner:

@@ -410,10 +410,9 @@ class QuantizedLinear(nn.Module):
                 return None
             calls.append(call)
             segments.append((op[0], op[1], matrix.out_features))
+            # (an int4 segment's limit includes forward's dense copy; records keep none)
             max_rows.append(kquant.GEMM_MIN_ROWS - 1 if isinstance(matrix, KQuantMatrix)
                             else self._int4_native_rows() - 1)
-        if self.has_dense_copy and self.dense_copy_min_rows() <= min(max_rows):
-            max_rows.append(self.dense_copy_min_rows() - 1)  # forward's dense copy from there
         if min(max_rows) < 1:
             return None
         bias = None if self.bias is None else self.bias.to(self.dtype).contiguous()
