@@ -47,6 +47,21 @@ def test_free_returns_slots():
     assert sorted(again.tolist()) == sorted(slots[:2].tolist())
 
 
+def test_slots_freed_in_any_order_come_back_as_an_ascending_run():
+    """After a busy period the free slots are scattered; once the run of never-used slots is
+    spent, an allocation merges what was freed and takes its lowest slots, in order."""
+    alloc = SlotAllocator(64)
+    slots = alloc.allocate(64)
+    shuffled = slots[torch.randperm(64, generator=torch.Generator().manual_seed(0))]
+    for part in shuffled.split(5):
+        alloc.free(part)
+    assert alloc.allocate(10).tolist() == list(range(10))
+    alloc.free(torch.tensor([3, 1]))
+    assert alloc.allocate(54).tolist() == list(range(10, 64))  # the run lasts; 1 and 3 wait
+    assert alloc.allocate(2).tolist() == [1, 3]
+    alloc.check_invariants()
+
+
 def test_double_free_asserts():
     alloc = SlotAllocator(4)
     slots = alloc.allocate(2)
@@ -346,12 +361,15 @@ CAPACITY = 16
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random allocate/free against a brute-force set of held slots."""
+    """Random allocate/free against a brute-force model of the policy: slots come from a sorted
+    run of free slots; freed ones join it, sorted, when it is too short for an allocation."""
 
     def __init__(self):
         super().__init__()
         self.alloc = SlotAllocator(CAPACITY)
         self.held: list[int] = []
+        self.run = list(range(CAPACITY))
+        self.released: list[int] = []
 
     @rule(n=st.integers(0, CAPACITY + 2))
     def allocate(self, n):
@@ -359,8 +377,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             with pytest.raises(KVCacheFullError):
                 self.alloc.allocate(n)
             return
+        if n > len(self.run):
+            self.run, self.released = sorted(self.run + self.released), []
+        expected, self.run = self.run[:n], self.run[n:]
         slots = self.alloc.allocate(n).tolist()
-        assert len(set(slots)) == n and not set(slots) & set(self.held)
+        assert slots == expected
         self.held += slots
 
     @precondition(lambda self: self.held)
@@ -369,6 +390,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         picked = data.draw(st.lists(st.sampled_from(self.held), min_size=1, unique=True))
         self.alloc.free(torch.tensor(picked))
         self.held = [s for s in self.held if s not in picked]
+        self.released += picked
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
@@ -380,7 +402,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule()
     def reset(self):
         self.alloc.reset()
-        self.held = []
+        self.held, self.run, self.released = [], list(range(CAPACITY)), []
 
     @invariant()
     def matches_model(self):
