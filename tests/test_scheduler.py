@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forklm.runtime.config import EngineConfig
-from forklm.runtime.kvcache.manager import KVCacheManager
+from forklm.runtime.kvcache.manager import DECODE_RUN, KVCacheManager
 from forklm.runtime.kvcache.pool import KVPool
 from forklm.runtime.kvcache.radix_cache import RadixCache
 from forklm.runtime.sampling.params import SamplingParams
@@ -14,11 +14,12 @@ from forklm.runtime.scheduling.request import FinishReason, Req
 from forklm.runtime.scheduling.scheduler import ScheduledBatch, Scheduler
 
 
-def make_scheduler(capacity: int = 4096, **config) -> Scheduler:
+def make_scheduler(capacity: int = 4096, decode_run: int = DECODE_RUN, **config) -> Scheduler:
     cfg = EngineConfig(max_total_tokens=capacity, **config)
     pool = KVPool(num_layers=1, capacity=capacity, num_kv_heads=1, head_dim=4, dtype=torch.float32)
     cache = None if cfg.disable_radix_cache else RadixCache(pool.allocator)
-    kv = KVCacheManager(pool, cache, max_rows=cfg.max_running_requests + 1, max_context=2048)
+    kv = KVCacheManager(pool, cache, max_rows=cfg.max_running_requests + 1, max_context=2048,
+                        decode_run=decode_run)
     return Scheduler(cfg, kv)
 
 
@@ -122,6 +123,62 @@ def test_kv_shortage_retracts_and_everything_finishes(disable_radix_cache):
     assert all(len(r.output_ids) == 40 and r.finish_reason.type == "length" for r in reqs)
     cached = sched.kv.cache.total_size if sched.kv.cache else 0
     assert sched.kv.allocator.num_free + cached == 300
+
+
+def test_decoding_requests_take_their_slots_in_runs():
+    """Four requests decoding together: each one's generated tokens sit in runs of consecutive
+    slots (DECODE_RUN, then what it has left), not interleaved with the others'."""
+    sched = make_scheduler()
+    reqs = [make_req(list(range(i * 1000, i * 1000 + 20)), max_new_tokens=45) for i in range(4)]
+    sched.waiting.extend(reqs)
+    decode_slots: dict[str, list[int]] = {r.rid: [] for r in reqs}
+    while sched.has_work:
+        batch = sched.schedule()
+        assert batch is not None
+        if batch.is_decode:
+            for req in batch.reqs:
+                decode_slots[req.rid].append(int(sched.kv.req_to_token[req.row, req.num_computed - 1]))
+        fake_step(sched, batch)
+    for slots in decode_slots.values():
+        # the first sampled token's slot comes with the prefill; 44 decode steps: runs of 32, 12
+        assert len(slots) == 44
+        runs = [slots[:DECODE_RUN], slots[DECODE_RUN:]]
+        assert all(run == list(range(run[0], run[0] + len(run))) for run in runs)
+    assert sched.kv.runs == {} and sched.kv.num_in_runs == 0
+
+
+@pytest.mark.parametrize("capacity", [130, 150, 170, 200, 260])
+def test_decode_runs_never_cause_a_retraction(capacity):
+    """However tight the pool, taking slots in runs retracts no more than one slot at a time does:
+    a run is only taken when the pool has room for it, and runs are available to everyone."""
+    def retractions(decode_run: int) -> list[int]:
+        sched = make_scheduler(capacity=capacity, decode_run=decode_run, disable_radix_cache=True)
+        reqs = [make_req(list(range(i * 1000, i * 1000 + 30)), max_new_tokens=25)
+                for i in range(5)]
+        run_to_completion_with(sched, reqs)
+        assert all(len(r.output_ids) == 25 for r in reqs)
+        assert sched.kv.allocator.num_free == capacity
+        return [r.num_retractions for r in reqs]
+
+    assert retractions(DECODE_RUN) == retractions(1)
+
+
+def test_a_prefill_takes_back_decode_runs_when_the_pool_is_short():
+    """Slots held in a decode run count as available: a prompt that needs them gets them."""
+    sched = make_scheduler(capacity=64, disable_radix_cache=True)
+    kv = sched.kv
+    a, b = make_req(list(range(10)), max_new_tokens=40), make_req(list(range(100, 130)))
+    kv.admit(a)
+    kv.extend(a, 10)
+    kv.extend_all([a], [1])
+    assert kv.num_in_runs == 31 and kv.allocator.num_free == 64 - 11 - 31
+    assert kv.available_tokens == 64 - 11
+    kv.admit(b)
+    kv.extend(b, 30)  # more than the 22 free slots
+    assert kv.num_in_runs == 0 and kv.allocator.num_free == 64 - 11 - 30
+    kv.extend_all([a, b], [1, 1])  # no room for a run of 31 and one of 7: a slot each
+    assert kv.num_in_runs == 0 and kv.allocator.num_free == 64 - 11 - 30 - 2
+    kv.check_invariants([a, b])
 
 
 def run_to_completion_with(sched: Scheduler, reqs: list[Req]) -> None:

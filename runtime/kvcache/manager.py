@@ -16,14 +16,29 @@ if TYPE_CHECKING:
     from forklm.runtime.scheduling.request import Req
 
 
+# Slots a decoding request takes at once for its next tokens (fewer when it has fewer left to
+# generate): one decode step allocates a slot for every running request, so slots taken one step
+# at a time interleave the batch's requests, and attention then reads each request's keys
+# strided over the pool: 1.8x slower at 16 in flight than from runs (benchmarks/NOTES.md).
+DECODE_RUN = 32
+
+
 class KVCacheManager:
     """Slot ownership: the radix cache owns the slots it holds (a request only locks its path);
-    a request owns the slots of req_to_token[row, prefix_len:num_computed]; the rest are free."""
+    a request owns the slots of req_to_token[row, prefix_len:num_computed] and its decode run
+    (slots taken ahead for its next tokens); the rest are free."""
 
     def __init__(self, pool: KVPool, cache: RadixCache | None, max_rows: int, max_context: int,
-                 pinned_fraction: float = 0.25, pin_idle_s: float = 120.0):
+                 pinned_fraction: float = 0.25, pin_idle_s: float = 120.0,
+                 decode_run: int = DECODE_RUN):
         self.pool, self.cache = pool, cache
         self.allocator = pool.allocator
+        assert decode_run >= 1, f"decode_run must be >= 1, got {decode_run}"
+        self.decode_run = decode_run
+        # row -> the slots its request's next decode tokens take, last one first (pop() order).
+        # They count as available: allocate() takes them back when the pool runs short.
+        self.runs: dict[int, list[int]] = {}
+        self.num_in_runs = 0
         # Sessions' pinned prefixes (session_pins.py); none without a radix cache.
         self.pins = (SessionPins(cache, int(pool.allocator.capacity * pinned_fraction), pin_idle_s)
                      if cache is not None else None)
@@ -32,8 +47,9 @@ class KVCacheManager:
 
     @property
     def available_tokens(self) -> int:
-        """Slots obtainable now: free ones plus what eviction of unlocked cache leaves would give."""
-        return self.allocator.num_free + (self.cache.evictable_size if self.cache else 0)
+        """Slots obtainable now: free ones, requests' decode runs (taken back when short) and what
+        eviction of unlocked cache leaves would give."""
+        return self.allocator.num_free + self.num_in_runs + self._evictable()
 
     def match_len(self, req: Req) -> int:
         """Length of req's prefix found in the cache (no lock taken; may split a node)."""
@@ -54,25 +70,71 @@ class KVCacheManager:
 
     def extend(self, req: Req, num_tokens: int) -> torch.Tensor:
         """Allocate num_tokens slots after req's computed part and record them in its row."""
-        slots = self.allocate(num_tokens)
-        start = req.num_computed
-        self.req_to_token[req.row, start : start + num_tokens] = slots
-        req.num_computed += num_tokens
-        return slots
+        return self.extend_all([req], [num_tokens])
 
-    def extend_all(self, reqs: list[Req], lens: list[int]) -> None:
+    def extend_all(self, reqs: list[Req], lens: list[int]) -> torch.Tensor:
         """extend(req, n) for each pair, with one allocation and one scatter into the rows (a
         decode step of 16 requests: 0.02 ms instead of 0.10-0.16 in 16 rounds of small tensor
-        ops)."""
-        slots = self.allocate(sum(lens))
-        rows: list[int] = []
+        ops). A decode step (one token each) takes each request's slot from its decode run."""
+        rows = [_row(req) for req in reqs]
+        if all(n == 1 for n in lens):
+            slots = self._decode_slots(reqs, rows)
+        else:
+            for row in rows:  # several tokens (a prefill chunk, drafts): fresh slots
+                self._drop_run(row)
+            if sum(lens) > self.allocator.num_free + self._evictable():
+                self._drop_runs()
+            slots = self.allocate(sum(lens))
+        token_rows: list[int] = []
         cols: list[int] = []
-        for req, n in zip(reqs, lens, strict=True):
-            rows += [req.row] * n  # type: ignore[list-item]
+        for req, row, n in zip(reqs, rows, lens, strict=True):
+            token_rows += [row] * n
             cols += range(req.num_computed, req.num_computed + n)
             req.num_computed += n
-        self.req_to_token[torch.tensor(rows, dtype=torch.int64),
+        self.req_to_token[torch.tensor(token_rows, dtype=torch.int64),
                           torch.tensor(cols, dtype=torch.int64)] = slots
+        return slots
+
+    def _decode_slots(self, reqs: list[Req], rows: list[int]) -> torch.Tensor:
+        """One slot for each request, from its decode run. Requests without one get a new run
+        when the pool has room for all of them without taking other requests' runs back; else
+        every run goes back and each request gets one slot."""
+        lengths = {row: self._run_length(req)
+                   for req, row in zip(reqs, rows) if not self.runs.get(row)}
+        if lengths:
+            if sum(lengths.values()) > self.allocator.num_free + self._evictable():
+                self._drop_runs()
+                lengths = dict.fromkeys(rows, 1)
+            fresh = self.allocate(sum(lengths.values())).tolist()
+            start = 0
+            for row, n in lengths.items():
+                self.runs[row] = fresh[start : start + n][::-1]
+                start += n
+            self.num_in_runs += start
+        self.num_in_runs -= len(rows)
+        return torch.tensor([self.runs[row].pop() for row in rows], dtype=torch.int64)
+
+    def _run_length(self, req: Req) -> int:
+        """Slots a new decode run takes: what req may still compute, up to decode_run."""
+        left = min(req.remaining_new_tokens(), self.req_to_token.shape[1] - req.num_computed)
+        return max(1, min(self.decode_run, left))
+
+    def _drop_run(self, row: int) -> None:
+        run = self.runs.pop(row, None)
+        if run:
+            self.num_in_runs -= len(run)
+            self.allocator.free(torch.tensor(run, dtype=torch.int64))
+
+    def _drop_runs(self) -> None:
+        """Every request's decode run back to the free list, in one call."""
+        slots = [slot for run in self.runs.values() for slot in run]
+        self.runs.clear()
+        self.num_in_runs = 0
+        if slots:
+            self.allocator.free(torch.tensor(slots, dtype=torch.int64))
+
+    def _evictable(self) -> int:
+        return self.cache.evictable_size if self.cache is not None else 0
 
     def allocate(self, num_tokens: int) -> torch.Tensor:
         short = num_tokens - self.allocator.num_free
@@ -87,6 +149,7 @@ class KVCacheManager:
         inserted into the cache as if they were the sequence's."""
         assert req.row is not None and req.prefix_len <= num_computed <= req.num_computed, (
             f"request {req.rid}: cannot trim to {num_computed}")
+        self._drop_run(req.row)
         self.allocator.free(self.req_to_token[req.row, num_computed : req.num_computed].clone())
         req.num_computed = num_computed
 
@@ -111,6 +174,7 @@ class KVCacheManager:
         Idempotent: a second call does nothing."""
         if req.row is None:
             return
+        self._drop_run(req.row)
         if req.num_computed > req.fill_len:  # a verify step failed: its draft KV is not fill_ids'
             self.trim(req, max(req.fill_len - 1, req.prefix_len))
         if self.cache is not None:
@@ -144,6 +208,11 @@ class KVCacheManager:
         """free + cached + owned-by-requests == capacity, and no slot is held twice."""
         held = [self.allocator.free_slots()]
         rows = [r.row for r in active if r.row is not None]
+        assert set(self.runs) <= set(rows), "a decode run outlived its request"
+        assert self.num_in_runs == sum(len(run) for run in self.runs.values()), (
+            f"{self.num_in_runs} slots counted in decode runs, "
+            f"{sum(len(run) for run in self.runs.values())} held")
+        held += [torch.tensor(run, dtype=torch.int64) for run in self.runs.values()]
         if self.cache is not None:
             self.cache.check_invariants()
             held.append(self.cache.all_slots())
@@ -164,3 +233,8 @@ class KVCacheManager:
         assert everything.numel() == capacity, (
             f"KV slots accounted {everything.numel()} != capacity {capacity}: leak or double count")
         assert torch.unique(everything).numel() == capacity, "a KV slot is owned twice"
+
+
+def _row(req: Req) -> int:
+    assert req.row is not None, f"request {req.rid} has no row: it was not admitted"
+    return req.row

@@ -282,8 +282,7 @@ class Scheduler:
         reqs = [r for r in batch.reqs if not _last_by_length(r)]
         if not reqs or self.kv.available_tokens < len(reqs):
             return None
-        for req in reqs:
-            self.kv.extend(req, 1)  # the slot of the token being sampled now
+        self.kv.extend_all(reqs, [1] * len(reqs))  # the slots of the tokens being sampled now
         self._decay_new_token_ratio()
         return ScheduledBatch(reqs, [1] * len(reqs), "decode", [True] * len(reqs))
 
