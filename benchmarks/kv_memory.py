@@ -4,7 +4,9 @@ divided by the bytes their tokens need, sampled between engine steps while a wor
 Reserved = every slot out of the free list (held by running requests or by the radix cache) times
 the pool's real bytes per slot (its buffers' size / capacity). Needed = the distinct tokens those
 slots stand for: the cache's tokens plus each running request's computed tokens beyond its cached
-prefix, times the model's K/V bytes per token. Padding to a maximum length, per-request
+prefix, times the model's K/V bytes per token. Slots that decoding requests took ahead for their
+next tokens (decode runs) count as free, as Engine.stats() counts them: any allocation that would
+fall short takes them back. Padding to a maximum length, per-request
 over-allocation or pages only partly filled would all show up as a ratio above 1.
 """
 

@@ -55,7 +55,9 @@ class EngineStats:
     def snapshot(self, sched: Scheduler, kv: KVCacheManager) -> dict[str, Any]:
         """Engine.stats(): requests and KV slots now, and the counters as totals and rates."""
         cached = kv.cache.total_size if kv.cache else 0
-        free = kv.allocator.num_free
+        # Decode runs (slots requests took ahead for their next tokens) count as free: any
+        # allocation that would fall short takes them back (runtime/kvcache/manager.py).
+        free = kv.allocator.num_free + kv.num_in_runs
         return {
             "running": len(sched.running) + (1 if sched.chunked_req else 0),
             "waiting": len(sched.waiting),
@@ -63,6 +65,7 @@ class EngineStats:
             "kv_free": free,
             "kv_cached": cached,
             "kv_used": kv.allocator.capacity - free - cached,
+            "kv_in_decode_runs": kv.num_in_runs,
             # distinct tokens the reserved slots stand for (cache + running requests' own tokens)
             "kv_tokens_needed": cached + sum(r.num_computed - r.prefix_len
                                              for r in sched.active_reqs() if r.row is not None),
