@@ -17,9 +17,10 @@ if TYPE_CHECKING:
 
 
 # Slots a decoding request takes at once for its next tokens (fewer when it has fewer left to
-# generate): one decode step allocates a slot for every running request, so slots taken one step
-# at a time interleave the batch's requests, and attention then reads each request's keys
-# strided over the pool: 1.8x slower at 16 in flight than from runs (benchmarks/NOTES.md).
+# generate), its own free list until it leaves. One decode step allocates a slot for every
+# running request, so slots taken one step at a time interleave the batch's requests, and
+# attention then reads each request's keys strided over the pool: 1.8x slower at 16 in flight
+# than from runs (benchmarks/NOTES.md).
 DECODE_RUN = 32
 
 
@@ -36,7 +37,7 @@ class KVCacheManager:
         assert decode_run >= 1, f"decode_run must be >= 1, got {decode_run}"
         self.decode_run = decode_run
         # row -> the slots its request's next decode tokens take, last one first (pop() order).
-        # They count as available: allocate() takes them back when the pool runs short.
+        # They count as available: an extension that would fall short takes them all back.
         self.runs: dict[int, list[int]] = {}
         self.num_in_runs = 0
         # Sessions' pinned prefixes (session_pins.py); none without a radix cache.
@@ -79,9 +80,7 @@ class KVCacheManager:
         rows = [_row(req) for req in reqs]
         if all(n == 1 for n in lens):
             slots = self._decode_slots(reqs, rows)
-        else:
-            for row in rows:  # several tokens (a prefill chunk, drafts): fresh slots
-                self._drop_run(row)
+        else:  # several tokens for some (a prefill chunk, drafts): fresh slots; runs stay
             if sum(lens) > self.allocator.num_free + self._evictable():
                 self._drop_runs()
             slots = self.allocate(sum(lens))
@@ -149,7 +148,6 @@ class KVCacheManager:
         inserted into the cache as if they were the sequence's."""
         assert req.row is not None and req.prefix_len <= num_computed <= req.num_computed, (
             f"request {req.rid}: cannot trim to {num_computed}")
-        self._drop_run(req.row)
         self.allocator.free(self.req_to_token[req.row, num_computed : req.num_computed].clone())
         req.num_computed = num_computed
 
