@@ -176,7 +176,7 @@ def test_a_prefill_takes_back_decode_runs_when_the_pool_is_short():
     kv.admit(b)
     kv.extend(b, 30)  # more than the 22 free slots
     assert kv.num_in_runs == 0 and kv.allocator.num_free == 64 - 11 - 30
-    kv.extend_all([a, b], [1, 1])  # no room for a run of 31 and one of 7: a slot each
+    kv.extend_all([a, b], [1, 1])  # no room for runs of 32 and 8: a slot each
     assert kv.num_in_runs == 0 and kv.allocator.num_free == 64 - 11 - 30 - 2
     kv.check_invariants([a, b])
 
