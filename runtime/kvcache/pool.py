@@ -85,14 +85,14 @@ class SlotAllocator:
 
     def _merge_released(self) -> None:
         """One sorted run of every free slot, at the start of `_run`."""
-        free = torch.cat([self._run[self._head : self._tail],
-                          self._released[: self._num_released]])
+        free = self.free_slots()
         self._tail = free.numel()
         self._run[: self._tail] = torch.sort(free).values
         self._head = self._num_released = 0
 
     def free_slots(self) -> torch.Tensor:
-        """A copy of the free slots (int64), for invariant checks; not for the hot path."""
+        """A copy of the free slots (int64, the run then the released ones), for merges and
+        invariant checks; not for the hot path."""
         return torch.cat([self._run[self._head : self._tail],
                           self._released[: self._num_released]])
 
