@@ -143,7 +143,9 @@ class ThreadGovernor:
         """Seconds the stepping thread has spent runnable but waiting for a core, so far."""
         if self._schedstat is None:  # opened on the stepping thread: the file is per thread
             self._schedstat = os.open(SCHEDSTAT, os.O_RDONLY)
-            weakref.finalize(self, os.close, self._schedstat)
+            # Closed when the governor goes, but not at interpreter exit: a daemon engine thread
+            # of a script that never shut its engine down still steps while atexit runs.
+            weakref.finalize(self, os.close, self._schedstat).atexit = False
         return _run_delay_s(os.pread(self._schedstat, 128, 0))
 
     def _use(self, threads: int) -> None:

@@ -205,6 +205,23 @@ def test_governor_reads_its_threads_run_queue_delay() -> None:
     assert 0.0 <= first <= gov._waited_s()
 
 
+def test_governor_still_reads_after_the_exit_handlers_ran() -> None:
+    # A script that exits without shutting its engine down: the daemon engine thread keeps
+    # stepping while the interpreter runs its exit handlers (weakref finalizers among them).
+    if not os.path.exists(cpu_threads.SCHEDSTAT):
+        pytest.skip("no scheduler statistics in /proc")
+    code = """
+import atexit
+from forklm.runtime.cpu_threads import ThreadGovernor
+governor = ThreadGovernor(2)
+governor.step_started(); governor.step_finished()
+atexit._run_exitfuncs()
+governor.step_started(); governor.step_finished()
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+
+
 def test_release_lets_the_calling_threads_openmp_workers_go() -> None:
     # In a child: this process's pytest threads and torch state must not count.
     code = """
