@@ -384,6 +384,10 @@ __attribute__((optimize("fp-contract=off"))) int int4_rows_f32(
  * every matrix from DRAM (the model's records outgrow L3), and the hardware prefetcher alone
  * left the dot products waiting: decode forward at batch 16 0.86x the time, at batch 1 0.96x. */
 #define VNNI_PREFETCH_RECORDS 12
+/* Up to VNNI_STREAM_MAX_M rows of x, a thread reads VNNI_STREAMS runs of its blocks at once
+ * (kquant_vnni.c's MAX_STREAMS: one core keeps more lines in flight over several streams). */
+#define VNNI_STREAMS 3
+#define VNNI_STREAM_MAX_M 2
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 int int4_vnni_available(void) { return 1; }
@@ -479,17 +483,23 @@ int int8_vnni_repack(const int4_matrix *w, uint8_t *out) {
     return 0;
 }
 
-/* Block b (16 rows) for M rows of x; M and `eight` (the 8-bit records of int8_vnni_repack, else
- * the int4 ones) are constants in each copy, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void vnni_block(const vnni_job *j, int64_t b, int M,
-                                                             int eight) {
+/* Blocks b, b + gap, ... (S of them, 16 rows each) for M rows of x, their records taken in
+ * turns (S streams from memory at once, as the K-quant kernel's); S, M and `eight` (the 8-bit
+ * records of int8_vnni_repack, else the int4 ones) are constants in each copy, so the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void vnni_blocks(const vnni_job *j, int64_t b,
+                                                              int64_t gap, int S, int M,
+                                                              int eight) {
     const int64_t groups = j->k / GROUP, record = eight ? VNNI8_RECORD : VNNI_RECORD;
-    const uint8_t *rec = j->records + b * groups * record;
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
     const __m512i high_halves = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 y[VNNI_CHUNK];
-    for (int m = 0; m < M; m++) y[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++, rec += record) {
+    __m512 ys[VNNI_STREAMS][VNNI_CHUNK];
+    for (int s = 0; s < S; s++)
+        for (int m = 0; m < M; m++) ys[s][m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++)
+    for (int s = 0; s < S; s++) {
+        const uint8_t *rec = j->records + ((b + s * gap) * groups + g) * record;
+        __m512 *y = ys[s];
         for (int l = 0; l < record; l += 64) __builtin_prefetch(rec + VNNI_PREFETCH_RECORDS * record + l);
         __m512i c[8];
         __m512 scale, zero = _mm512_setzero_ps();
@@ -526,36 +536,47 @@ static inline __attribute__((always_inline)) void vnni_block(const vnni_job *j, 
             if (!eight) y[m] = _mm512_fmadd_ps(zero, _mm512_set1_ps(j->xs[i]), y[m]);
         }
     }
-    const int64_t row0 = 16 * b;
-    const __mmask16 keep = row0 + 16 <= j->n_out ? 0xffff
-                           : (__mmask16)((1u << (j->n_out > row0 ? j->n_out - row0 : 0)) - 1);
-    for (int m = 0; m < M; m++)
-        _mm256_mask_storeu_epi16(j->y + m * j->n_out + row0, keep,
-                                 (__m256i)_mm512_cvtneps_pbh(y[m]));
-}
-
-static inline __attribute__((always_inline)) void vnni_rows(const vnni_job *j, int64_t b, int M,
-                                                            int eight) {
-    switch (M) {
-    case 1: vnni_block(j, b, 1, eight); break;
-    case 2: vnni_block(j, b, 2, eight); break;
-    case 3: vnni_block(j, b, 3, eight); break;
-    case 4: vnni_block(j, b, 4, eight); break;
-    case 5: vnni_block(j, b, 5, eight); break;
-    case 6: vnni_block(j, b, 6, eight); break;
-    case 7: vnni_block(j, b, 7, eight); break;
-    default: vnni_block(j, b, 8, eight); break;
+    for (int s = 0; s < S; s++) {
+        const int64_t row0 = 16 * (b + s * gap);
+        const __mmask16 keep = row0 + 16 <= j->n_out ? 0xffff
+                               : (__mmask16)((1u << (j->n_out > row0 ? j->n_out - row0 : 0)) - 1);
+        for (int m = 0; m < M; m++)
+            _mm256_mask_storeu_epi16(j->y + m * j->n_out + row0, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(ys[s][m]));
     }
 }
 
-static void vnni4_run_block(const vnni_job *j, int64_t b, int M) { vnni_rows(j, b, M, 0); }
-static void vnni8_run_block(const vnni_job *j, int64_t b, int M) { vnni_rows(j, b, M, 1); }
+static inline __attribute__((always_inline)) void vnni_rows(const vnni_job *j, int64_t b,
+                                                            int64_t gap, int S, int M, int eight) {
+    if (S > 1) { /* streams: M <= VNNI_STREAM_MAX_M */
+        if (M == 1) vnni_blocks(j, b, gap, VNNI_STREAMS, 1, eight);
+        else vnni_blocks(j, b, gap, VNNI_STREAMS, 2, eight);
+        return;
+    }
+    switch (M) {
+    case 1: vnni_blocks(j, b, 0, 1, 1, eight); break;
+    case 2: vnni_blocks(j, b, 0, 1, 2, eight); break;
+    case 3: vnni_blocks(j, b, 0, 1, 3, eight); break;
+    case 4: vnni_blocks(j, b, 0, 1, 4, eight); break;
+    case 5: vnni_blocks(j, b, 0, 1, 5, eight); break;
+    case 6: vnni_blocks(j, b, 0, 1, 6, eight); break;
+    case 7: vnni_blocks(j, b, 0, 1, 7, eight); break;
+    default: vnni_blocks(j, b, 0, 1, 8, eight); break;
+    }
+}
+
+static void vnni4_run_block(const vnni_job *j, int64_t b, int64_t gap, int S, int M) {
+    vnni_rows(j, b, gap, S, M, 0);
+}
+static void vnni8_run_block(const vnni_job *j, int64_t b, int64_t gap, int S, int M) {
+    vnni_rows(j, b, gap, S, M, 1);
+}
 
 /* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over `records` (n_rows / 16 blocks, k / 32 records
  * each), every block run by `run_block`. Returns 0, or -1 for what it does not take. */
 static int vnni_matmul(const uint8_t *records, int64_t n_rows, int64_t n_out, int64_t k,
                        int64_t parallel_work, const uint16_t *x, uint16_t *y, int64_t M,
-                       void (*run_block)(const vnni_job *, int64_t, int)) {
+                       void (*run_block)(const vnni_job *, int64_t, int64_t, int, int)) {
     const int64_t groups = k / GROUP;
     if (M < 1 || M > MAX_CALL_ROWS || n_rows % 16 || k <= 0 || k % GROUP || n_out > n_rows)
         return -1;
@@ -575,13 +596,16 @@ static int vnni_matmul(const uint8_t *records, int64_t n_rows, int64_t n_out, in
         rows_of[c] = (int)(M - m0 < VNNI_CHUNK ? M - m0 : VNNI_CHUNK);
     }
     const int64_t blocks = (n_out + 15) / 16;
-    if (n_rows * k * M <= parallel_work) {
-        for (int64_t b = 0; b < blocks; b++)
-            for (int c = 0; c < chunks; c++) run_block(&parts[c], b, rows_of[c]);
-    } else {
-#pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int c = 0; c < chunks; c++) run_block(&parts[c], b, rows_of[c]);
+#pragma omp parallel if (n_rows * k * M > parallel_work)
+    { /* a thread's blocks are one run of the records, read as `streams` runs at once */
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
+        const int streams = M <= VNNI_STREAM_MAX_M && b1 - b0 >= VNNI_STREAMS ? VNNI_STREAMS : 1;
+        const int64_t gap = (b1 - b0) / streams; /* the streams' blocks b0 + i + gap s */
+        for (int64_t i = 0; i < gap; i++)
+            for (int c = 0; c < chunks; c++) run_block(&parts[c], b0 + i, gap, streams, rows_of[c]);
+        for (int64_t b = b0 + streams * gap; b < b1; b++) /* what the streams left over */
+            for (int c = 0; c < chunks; c++) run_block(&parts[c], b, 0, 1, rows_of[c]);
     }
     free(xq);
     return 0;
