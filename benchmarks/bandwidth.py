@@ -12,28 +12,75 @@ Run alone: `python -m benchmarks.bandwidth [--model FILE]` prints both figures a
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
+import os
+import shutil
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from forklm.kernels.cpu.native_build import compile_library
 from forklm.runtime.quant.linear import QuantizedLinear
 
 READ_BYTES = 2**30  # larger than any cache, so every pass reads DRAM
+PROBE_SOURCE = Path(__file__).with_name("read_bandwidth.c")
+PROBE_STREAMS = (1, 2, 3, 4)
 
 
 def read_bandwidth_gbs(repeats: int = 7) -> float:
-    """Median GB/s (10^9 bytes) of a float32 sum over a 1 GiB tensor with torch's threads: the
-    read bandwidth a decode step's matmuls can at best stream weights at."""
+    """The fastest this machine reads memory with torch's threads, in GB/s (10^9 bytes): the best
+    median of a float32 sum over a 1 GiB tensor and of the C probe reading it as 1-4 streams a
+    thread (read_bandwidth.c; skipped without a C compiler). A torch sum reads one stream a
+    thread, which on these VMs leaves ~10-25% of the bandwidth unused (benchmarks/NOTES.md,
+    session 29): a floor from it alone would be too lenient."""
+    return max(read_rates_gbs(repeats).values())
+
+
+def read_rates_gbs(repeats: int = 7) -> dict[str, float]:
+    """Median GB/s of each way read_bandwidth_gbs reads the 1 GiB: "torch sum", "C 1 stream"..."""
     data = torch.ones(READ_BYTES // 4, dtype=torch.float32)
-    data.sum()  # first touch: page faults are not bandwidth
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        data.sum()
-        seconds.append(time.perf_counter() - t0)
-    return READ_BYTES / statistics.median(seconds) / 1e9
+    readers: dict[str, Callable[[], object]] = {"torch sum": data.sum}
+    probe = _read_probe()
+    if probe is not None:
+        for streams in PROBE_STREAMS:
+            readers[f"C {streams} streams"] = functools.partial(
+                probe, data.data_ptr(), READ_BYTES // 8, streams, torch.get_num_threads())
+    rates = {}
+    for name, read in readers.items():
+        read()  # first touch: page faults are not bandwidth
+        seconds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            read()
+            seconds.append(time.perf_counter() - t0)
+        rates[name] = READ_BYTES / statistics.median(seconds) / 1e9
+    return rates
+
+
+@functools.cache
+def _read_probe() -> Callable[[int, int, int, int], int] | None:
+    """read_bandwidth.c's read_streams(address, words, streams, threads), built for this CPU once per
+    process; None without a C compiler or where it fails to build."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="forklm-read-probe-") as folder:
+        target = Path(folder, "read_bandwidth.so")  # loaded before the folder goes
+        try:
+            compile_library(cc, PROBE_SOURCE, ["-O3", "-march=native", "-fopenmp", "-shared",
+                                               "-fPIC", "-std=gnu11"], target)
+            read = ctypes.CDLL(str(target)).read_streams
+        except (RuntimeError, OSError):
+            return None
+    read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    read.restype = ctypes.c_uint64
+    return read
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
@@ -67,7 +114,9 @@ def main() -> None:
     options = {"model_path": args.model} if args.model else {}
     with Engine(max_total_tokens=4096, **options) as engine:
         weight = weight_bytes_per_token(engine.parts.runner.model)
-    gbs = read_bandwidth_gbs()
+    rates = read_rates_gbs()
+    gbs = max(rates.values())
+    print(", ".join(f"{name} {rate:.1f} GB/s" for name, rate in rates.items()))
     print(f"weights read per token {weight / 1e6:.1f} MB, read bandwidth {gbs:.1f} GB/s "
           f"({torch.get_num_threads()} threads): floor {weight / gbs / 1e6:.2f} ms/token")
 

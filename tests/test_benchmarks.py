@@ -162,3 +162,24 @@ def test_synthetic_gguf_of_a_shape_loads_kept_quantized_and_generates(tmp_path, 
         assert out["meta_info"]["completion_tokens"] == 4
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("streams", [1, 2, 3, 4])
+def test_read_probe_reads_every_word_of_its_buffer(streams: int) -> None:
+    # The bandwidth floor's C probe: each thread's part, as `streams` runs, covers every word
+    # (its result is the XOR of all it read).
+    import functools
+    import operator
+
+    import torch
+
+    from benchmarks.bandwidth import _read_probe
+
+    probe = _read_probe()
+    if probe is None:
+        pytest.skip("no C compiler")
+    threads = 2
+    words = threads * streams * 16 * 37  # whole 128-byte lines per run: nothing left over
+    data = torch.randint(0, 2**62, (words,), dtype=torch.int64)
+    expected = functools.reduce(operator.xor, data.tolist())
+    assert probe(data.data_ptr(), words, streams, threads) == expected
