@@ -87,7 +87,7 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow],
     picked = _plain_greedy(logits, rows, params, chosen_logprobs)
     if picked is not None:
         return picked
-    logits = logits.float()
+    logits = writable(logits.float())
     apply_penalties(logits, rows)
     _add_logit_bias(logits, params)
     _mask_min_new_tokens(logits, rows)
@@ -96,6 +96,12 @@ def sample_on_device(logits: torch.Tensor, rows: Sequence[SamplingRow],
     token_ids = _choose_tokens(logprobs, rows, params)  # [B]
     chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     return DeviceSamples(token_ids, chosen, _top_logprobs(logprobs, rows))
+
+
+def writable(logits: torch.Tensor) -> torch.Tensor:
+    """logits, or a copy where they are an inference tensor (a forward's own output), which
+    nothing may modify in place outside inference mode."""
+    return logits.clone() if logits.is_inference() else logits
 
 
 def _plain_greedy(logits: torch.Tensor, rows: Sequence[SamplingRow],
