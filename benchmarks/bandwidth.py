@@ -43,7 +43,8 @@ def read_bandwidth_gbs(repeats: int = 7) -> float:
 
 
 def read_rates_gbs(repeats: int = 7) -> dict[str, float]:
-    """Median GB/s of each way read_bandwidth_gbs reads the 1 GiB: "torch sum", "C 1 stream"..."""
+    """Median GB/s of each way read_bandwidth_gbs reads the 1 GiB: "torch sum", "C 1 streams",
+    ... "C 4 streams" (the probe's, where it builds)."""
     data = torch.ones(READ_BYTES // 4, dtype=torch.float32)
     readers: dict[str, Callable[[], object]] = {"torch sum": data.sum}
     probe = _read_probe()
