@@ -3,7 +3,9 @@ moved into transparent huge pages afterwards, a page per step (kernels/cpu/huge_
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import mmap
 import os
 import pathlib
 
@@ -89,3 +91,74 @@ def test_small_buffers_are_plain() -> None:
     t = streamed_empty((1000, 10), torch.float32)
     assert t.shape == (1000, 10) and t.untyped_storage().nbytes() == 40000
     assert len(huge_pages._pending) == pending  # nothing to move
+
+
+def _anon_huge_bytes(lo: int, hi: int) -> int:
+    """AnonHugePages of this process's mappings that lie inside [lo, hi)."""
+    total, inside = 0, False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start and end <= hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1]) << 10
+    return total
+
+
+@pytest.fixture
+def mapped_file(tmp_path):
+    """A private copy-on-write mapping of a 7.5 MiB file of random bytes, and those bytes."""
+    data = torch.randint(0, 256, (15 * HUGE_PAGE // 2,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "records.bin"
+    path.write_bytes(data.numpy().tobytes())
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), data.numel(), access=mmap.ACCESS_COPY)
+    yield mapping, data
+    with contextlib.suppress(BufferError):  # a view a failed test left
+        mapping.close()
+
+
+@pytest.mark.skipif(not _collapse_supported(),
+                    reason="no transparent huge pages or no MADV_COLLAPSE (Linux < 6.1)")
+def test_mapped_weights_move_into_anonymous_huge_pages_at_the_same_address(mapped_file) -> None:
+    mapping, data = mapped_file
+    view = torch.frombuffer(mapping, dtype=torch.uint8)
+    base = view.data_ptr()
+    # two entries with padding between them (the second starts on a page): their whole 2 MiB
+    # pages move, the one they share included, and nothing outside them
+    lo, hi = 5 * 4096, len(mapping) - 3 * 4096
+    cut = 2 * HUGE_PAGE + 10 * 4096 - base % HUGE_PAGE
+    huge_pages.remember_file_pages(mapping, base + lo, cut - 100 - lo)
+    huge_pages.remember_file_pages(mapping, base + cut, hi - cut)
+    pages = [a for a in range(base + lo + -(base + lo) % HUGE_PAGE, base + hi, HUGE_PAGE)
+             if a + HUGE_PAGE <= base + hi]
+    assert len(pages) >= 2 and _anon_huge_bytes(base, base + len(mapping)) == 0
+    moved = list(collapse_weights())
+    assert moved[-1] == len(pages) * HUGE_PAGE
+    assert _anon_huge_bytes(base, base + len(mapping)) == len(pages) * HUGE_PAGE
+    assert view.data_ptr() == base and torch.equal(view, data)  # the same bytes in place
+    assert not list(collapse_weights())
+
+
+def test_mapped_weights_stay_where_the_page_calls_are_refused(monkeypatch, mapped_file) -> None:
+    mapping, data = mapped_file
+    view = torch.frombuffer(mapping, dtype=torch.uint8)
+    monkeypatch.setattr(huge_pages, "_page_calls", lambda: None)  # no mremap here
+    huge_pages.remember_file_pages(mapping, view.data_ptr(), len(mapping))
+    assert list(collapse_weights()) == []
+    assert torch.equal(view, data)
+
+
+def test_a_mapping_closed_or_gone_before_its_turn_is_skipped(mapped_file, tmp_path) -> None:
+    mapping, _ = mapped_file
+    address = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()  # its view is gone
+    huge_pages.remember_file_pages(mapping, address, len(mapping))
+    mapping.close()  # the range is unmapped: moving it would read unmapped memory
+    with open(tmp_path / "records.bin", "rb") as f:
+        gone = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    huge_pages.remember_file_pages(gone, torch.frombuffer(gone, dtype=torch.uint8).data_ptr(),
+                                   len(gone))
+    del gone
+    assert list(collapse_weights()) == []

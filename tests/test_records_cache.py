@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from forklm.kernels.cpu import bindings as native_kernels
+from forklm.kernels.cpu import huge_pages
+from forklm.kernels.cpu.huge_pages import HUGE_PAGE
 from forklm.runtime.forward.model_parts import build_model
 from forklm.runtime.models import spec_from_config
 from forklm.runtime.models.loader import load_model
@@ -125,6 +127,12 @@ def test_a_later_load_maps_the_records_the_first_one_wrote(gguf, cache_dir, monk
     start = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
     for r in records.values():  # views of the mapped file, not copies
         assert start <= r.data_ptr() < start + len(mapping)
+    # those of a huge page or more wait to be moved into huge pages (tests/test_huge_pages.py)
+    queued = {(p.address, p.nbytes) for p in huge_pages._pending
+              if p.file_backed and p.owner() is mapping}
+    large = {(r.data_ptr(), r.nbytes) for r in records.values() if r.nbytes >= HUGE_PAGE}
+    assert large <= queued and all(n >= HUGE_PAGE for _, n in queued)
+    assert large  # the tied head and embedding is one
 
 
 def test_a_damaged_entry_is_rebuilt_from_the_file(gguf, cache_dir, monkeypatch, caplog):
@@ -207,6 +215,12 @@ def test_an_engine_writes_the_cache_once_idle_and_the_next_one_maps_it(gguf, cac
     BuildCounter(monkeypatch, allowed=False)
     second = Engine(**config)
     try:
+        assert second.generate("The sea is", params)["output_ids"] == expected
+        # once idle, its mapped records move into huge pages under it: the same tokens after
+        deadline = time.monotonic() + IDLE_BUILD_AFTER_S + 30
+        while second.stats()["idle_work_left"]:
+            assert time.monotonic() < deadline, "the idle engine never finished its idle work"
+            time.sleep(0.05)
         assert second.generate("The sea is", params)["output_ids"] == expected
     finally:
         second.shutdown()

@@ -353,7 +353,10 @@ class EngineLoop:
         self.closed = True
 
     def stats_now(self) -> dict[str, Any]:
-        return self.stats.snapshot(self.parts.scheduler, self.parts.kv)
+        # idle_work_left: start-up work (dense copies, the records cache, huge pages) still to
+        # be done in idle time; 0 once the engine runs at its full speed
+        return {**self.stats.snapshot(self.parts.scheduler, self.parts.kv),
+                "idle_work_left": len(self._idle_work)}
 
 
 def _overlaps(parts: EngineParts) -> bool:

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
+from forklm.kernels.cpu import huge_pages
+
 if TYPE_CHECKING:
     from forklm.runtime.quant.gguf_formats import GGUFWeight
 
@@ -100,7 +102,15 @@ class RecordsCache:
         self._entries, self._mapping = index["entries"], mapping
 
     def get(self, key: str, nbytes: int) -> torch.Tensor | None:
-        """The cached bytes of `key` (uint8 [nbytes], a view of the mapped file), or None."""
+        """The cached bytes of `key` (uint8 [nbytes], a view of the mapped file), or None.
+        From a huge page up they are queued to move into huge pages in the engine's idle time
+        (kernels/cpu/huge_pages.py: decode streams them every step), as streamed_empty's are."""
+        records = self._read(key, nbytes)
+        if records is not None and self._mapping is not None and nbytes >= huge_pages.HUGE_PAGE:
+            huge_pages.remember_file_pages(self._mapping, records.data_ptr(), nbytes)
+        return records
+
+    def _read(self, key: str, nbytes: int) -> torch.Tensor | None:
         entry = self._entries.get(key)
         if entry is None or self._mapping is None:
             return None
@@ -141,7 +151,7 @@ class RecordsCache:
         if not built:
             return
         for key in self._used - built.keys():
-            kept = self.get(key, self._entries[key]["bytes"])
+            kept = self._read(key, self._entries[key]["bytes"])
             if kept is not None:
                 built[key] = kept
         layout, end = {}, 0
