@@ -95,8 +95,10 @@ def pools_of(model, slots: int, kv_dtype=None, seed: int = 4) -> list[KVPool]:
     return pools
 
 
-def runner_and_loop(model, pools: list[KVPool], batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch`'s layers by the runner over pools[0] and by run_loop over pools[1]."""
+def runner_and_loop(model, pools: list[KVPool], batch, final_norm=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch`'s layers (and `final_norm`) by the runner over pools[0] and by run_loop over
+    pools[1]."""
     spec = model.spec
     backends = [NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                 model.attention_layers) for pool in pools]
@@ -107,7 +109,8 @@ def runner_and_loop(model, pools: list[KVPool], batch) -> tuple[torch.Tensor, to
         prepared = [backend.prepare(batch) for backend in backends]
         x = model._embed(batch.input_ids)
         assert x.shape[0] <= runner.max_rows
-        return runner.run(x.clone(), prepared[0]), fused[1].run_loop(x.clone(), prepared[1])
+        return (runner.run(x.clone(), prepared[0], final_norm),
+                fused[1].run_loop(x.clone(), prepared[1], final_norm))
 
 
 # (kv_lens, q_lens): one request; three decoding; two verifying several tokens each; 16 decoding
@@ -125,6 +128,24 @@ def test_runner_equals_the_loop_bit_for_bit(models, case):
         assert ran.abs().max() > 0
         for name in ("k_buffer", "v_buffer"):
             assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), (case, name)
+
+
+@pytest.mark.parametrize("case", ["k-quants", "int4-vnni"])
+def test_the_final_norm_in_the_runner_equals_the_loop_and_torch(models, case):
+    """With the model's final norm: the runner and run_loop bit for bit, and torch's RMSNorm of
+    the stream within a bf16 rounding (the C norm sums its squares in another order)."""
+    model = models[case]
+    for kv_lens, q_lens in BATCHES:
+        batch = decode_like_batch(kv_lens, q_lens)
+        stream, _ = runner_and_loop(model, pools_of(model, 1000 * len(kv_lens)), batch)
+        ran, looped = runner_and_loop(model, pools_of(model, 1000 * len(kv_lens)), batch,
+                                      model.model.norm)
+        assert torch.equal(ran, looped), (case, q_lens)
+        with torch.inference_mode():
+            expected = model.model.norm(stream)
+        assert not torch.equal(ran, stream)
+        torch.testing.assert_close(ran, expected, atol=0, rtol=2 ** -7)  # a bf16 step
+        assert (ran != expected).float().mean() < 0.01
 
 
 def test_runner_over_an_int8_pool_writes_the_same_codes_and_scales(models):
@@ -149,7 +170,8 @@ def test_run_takes_the_runner_up_to_its_rows_then_the_loop(models, monkeypatch):
     fused = FusedDecodeLayers(model, backend)
     assert fused.runner is not None
     took = []
-    monkeypatch.setattr(fused.runner, "run", lambda x, batch: took.append(x.shape[0]) or x)
+    monkeypatch.setattr(fused.runner, "run",
+                        lambda x, batch, final_norm: took.append(x.shape[0]) or x)
     with torch.inference_mode():
         for requests in (1, 16, 17):
             batch = backend.prepare(decode_like_batch([50] * requests, [1] * requests))

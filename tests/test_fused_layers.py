@@ -536,3 +536,35 @@ def test_direct_calls_equal_the_modules():
             x = torch.randn(rows, 32, generator=gen).to(dtype)
             with torch.inference_mode():
                 assert torch.equal(call(x), module(x)), (type(module).__name__, rows)
+
+
+def test_a_forward_whose_every_row_has_logits_takes_the_final_norm_from_the_fused_layers(
+        make_engine, monkeypatch):
+    """CausalLM.forward on the default model (fp32): a decode batch (every row's logits) runs
+    the final norm in the fused layers' C call, a batch that wants fewer rows (a verified
+    draft's prompt) in torch; both give the eager forward's logits within float32 noise and
+    its greedy tokens."""
+    model = make_engine().parts.runner.model
+    spec = model.spec
+    for kv_lens, q_lens, rows in [([40, 9, 130], [1, 1, 1], [0, 1, 2]),
+                                  ([30, 12], [5, 3], [4, 7])]:
+        batch = dataclasses.replace(decode_like_batch(kv_lens, q_lens),
+                                    logits_indices=torch.tensor(rows))
+        pools = [KVPool(spec.num_layers, 1000 * len(kv_lens), spec.num_kv_heads, spec.head_dim,
+                        torch.float32) for _ in range(2)]
+        pools[0].k_buffer.normal_(generator=torch.Generator().manual_seed(4))
+        pools[1].k_buffer.copy_(pools[0].k_buffer)
+        backends = [NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                    model.attention_layers) for pool in pools]
+        fused = FusedDecodeLayers(model, backends[1])
+        norms = []
+        run = fused.run
+        monkeypatch.setattr(fused, "run", lambda x, b, final_norm=None: norms.append(
+            final_norm) or run(x, b, final_norm))
+        monkeypatch.setattr(model, "fused_layers", None)
+        eager = model(batch, backends[0])
+        monkeypatch.setattr(model, "fused_layers", fused)
+        logits = model(batch, backends[1])
+        assert norms == [model.model.norm if len(rows) == sum(q_lens) else None]
+        torch.testing.assert_close(logits, eager, atol=1e-4 * float(eager.abs().max()), rtol=0)
+        assert torch.equal(logits.argmax(-1), eager.argmax(-1))

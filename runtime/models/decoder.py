@@ -258,7 +258,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        x = self._last_hidden(batch, attn)
+        batch = attn.prepare(batch)
+        x = self._embedded(batch)
+        fused = self.fused_layers
+        if (fused is not None and batch.deep_values is None and fused.takes(batch, x)
+                and batch.logits_indices.numel() == x.shape[0]):
+            # every row's logits (a decode step: the rows are in order): the final norm in the
+            # layers' C call, not ~7 small torch ops
+            return self._logits(fused.run(x, batch, final_norm=self.model.norm))
+        x = self._run_layers(x, batch, attn)
         return self._logits(self.model.norm(x[batch.logits_indices]))  # norm is per-row
 
     @torch.inference_mode()
@@ -273,13 +281,17 @@ class CausalLM(nn.Module):
     def _last_hidden(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Embeddings and decoder layers: [T, hidden], before the final norm."""
         batch = attn.prepare(batch)
+        return self._run_layers(self._embedded(batch), batch, attn)
+
+    def _embedded(self, batch: ForwardBatch) -> torch.Tensor:
+        """The layers' input [T, hidden]: token embeddings, image features, learned positions."""
         x = self._embed(batch.input_ids)  # [T, hidden]
         if batch.embed_rows is not None:  # image tokens: their features, not their embedding
             assert batch.embed_values is not None
             x = x.index_copy(0, batch.embed_rows, batch.embed_values.to(x.dtype))
         if self.spec.position_embeddings:  # GPT-2's learned absolute positions
             x = x + _rows(self.model.embed_positions, batch.positions)
-        return self._run_layers(x, batch, attn)
+        return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The head on final-normed rows [num_logits, hidden] -> fp32 [num_logits, vocab]."""

@@ -101,16 +101,19 @@ class FusedDecodeLayers:
         return (isinstance(batch.attn_meta, NativeAttentionMeta) and x.dtype in _DTYPES
                 and x.dtype == self.attn.pool.dtype and x.device.type == "cpu")
 
-    def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, x: torch.Tensor, batch: ForwardBatch, final_norm: RMSNorm | None = None
+            ) -> torch.Tensor:
         """x [T, hidden] embeddings -> the last layer's output stream [T, hidden] (before the
         final norm), as the eager layers compute it: in one C call where every matmul has a
-        native entry point for T rows (NativeDecodeRunner), else run_loop."""
+        native entry point for T rows (NativeDecodeRunner), else run_loop. With `final_norm`
+        (the model's, an RMSNorm like the layers'): that norm of it, by the layers' C norm."""
         runner = self.runner
         if runner is not None and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= runner.max_rows:
-            return runner.run(x, batch)
-        return self.run_loop(x, batch)
+            return runner.run(x, batch, final_norm)
+        return self.run_loop(x, batch, final_norm)
 
-    def run_loop(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def run_loop(self, x: torch.Tensor, batch: ForwardBatch, final_norm: RMSNorm | None = None
+                 ) -> torch.Tensor:
         """run() as a Python loop over the layers' C steps and matmul calls."""
         meta = batch.attn_meta
         assert isinstance(meta, NativeAttentionMeta)
@@ -156,6 +159,10 @@ class FusedDecodeLayers:
             act = gate_up.new_empty(num_tokens, gate_up.shape[1] // 2)
             silu_mul(num_tokens, act.shape[1], gate_up.data_ptr(), act.data_ptr(), dtype)
             h = down_proj(act).contiguous()
+        if final_norm is not None:
+            add_rms_norm(num_tokens, hidden, res_ptr, _ptr_of(h, residual),
+                         _norm_weight(final_norm, x.dtype), normed_ptr, eps, offset, dtype)
+            return normed
         return residual if h is None else residual + h
 
 
@@ -216,7 +223,8 @@ class NativeDecodeRunner:
             desc.rotary = rotaries.index(rotary)
         return cls(lib, descs, matmuls, rotaries, model.spec, attn)
 
-    def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, x: torch.Tensor, batch: ForwardBatch, final_norm: RMSNorm | None = None
+            ) -> torch.Tensor:
         """FusedDecodeLayers.run for bf16 x [T, hidden], 1 <= T <= max_rows."""
         meta = batch.attn_meta
         assert isinstance(meta, NativeAttentionMeta)
@@ -242,7 +250,13 @@ class NativeDecodeRunner:
         failed = self.lib.fused_decode_layers(ctypes.byref(step), self.layers, len(self.layers))
         assert failed == 0, (f"fused_decode_layers: layer {(failed - 1) // 8}'s "
                              f"{_RUNNER_STEPS[(failed - 1) % 8]} refused {tokens} rows")
-        return residual + buffers[4]
+        if final_norm is None:
+            return residual + buffers[4]
+        normed = buffers[0]  # the step's norm buffer, free once the layers are done
+        self.lib.fused_add_rms_norm(tokens, hidden, residual.data_ptr(), buffers[4].data_ptr(),
+                                    _norm_weight(final_norm, bf16), normed.data_ptr(),
+                                    spec.norm_eps, spec.norm_offset, _DTYPES[bf16])
+        return normed
 
 
 def _ptr_of(h: torch.Tensor | None, residual: torch.Tensor) -> int | None:
