@@ -557,10 +557,13 @@ def test_a_forward_whose_every_row_has_logits_takes_the_final_norm_from_the_fuse
         backends = [NativeAttention(pool, spec.num_heads, spec.num_kv_heads, spec.head_dim,
                                     model.attention_layers) for pool in pools]
         fused = FusedDecodeLayers(model, backends[1])
-        norms = []
-        run = fused.run
-        monkeypatch.setattr(fused, "run", lambda x, b, final_norm=None: norms.append(
-            final_norm) or run(x, b, final_norm))
+        norms: list = []
+
+        def run(x, b, final_norm=None, run=fused.run, norms=norms):
+            norms.append(final_norm)
+            return run(x, b, final_norm)
+
+        monkeypatch.setattr(fused, "run", run)
         monkeypatch.setattr(model, "fused_layers", None)
         eager = model(batch, backends[0])
         monkeypatch.setattr(model, "fused_layers", fused)
