@@ -645,11 +645,11 @@ int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
         const int streams = M <= STREAM_MAX_M && b1 - b0 >= MAX_STREAMS ? MAX_STREAMS : 1;
-        const int64_t gap = (b1 - b0) / streams; /* the streams' blocks b0 + i + gap t */
+        const int64_t gap = (b1 - b0) / streams; /* the streams' blocks b0 + i + gap s */
         const int64_t warm = gap * block_stride < WARM_BYTES ? gap * block_stride : WARM_BYTES;
-        for (int t = 0; t < streams; t++)
+        for (int s = 0; s < streams; s++)
             for (int64_t l = 0; l < warm; l += 64)
-                __builtin_prefetch(records + (b0 + t * gap) * block_stride + l, 0,
+                __builtin_prefetch(records + (b0 + s * gap) * block_stride + l, 0,
                                    PREFETCH_LOCALITY);
         for (int64_t i = 0; i < gap; i++) run_chunks(run, &whole, M, b0 + i, gap, streams);
         for (int64_t b = b0 + streams * gap; b < b1; b++) /* what the streams left over */
