@@ -17,7 +17,7 @@ them in its own time.
 
 Weights mapped from a file (the records cache, runtime/quant/records_cache.py) are page cache,
 which this kernel maps in 4 KiB pages and cannot collapse (no read-only THP for ext4): the 1B's
-decode ran at 33.6-33.9 ms a token from the mapped cache against 31.6-31.9 in collapsed
+decode ran at 33.6-34.0 ms a token from the mapped cache against 31.6-31.9 in collapsed
 anonymous pages. `remember_file_pages` queues such ranges too: each of their whole 2 MiB pages
 is copied into an anonymous huge page that mremap then puts at the same address, so the
 pointers the kernels keep stay valid. The cost is the cache's sharing between processes: each
