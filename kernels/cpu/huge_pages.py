@@ -205,8 +205,8 @@ def _copy_to_huge_page(address: int, madvise: ctypes._CFuncPtr) -> bool:  # type
             moved = mremap(page, HUGE_PAGE, HUGE_PAGE, _MREMAP_MAYMOVE | _MREMAP_FIXED,
                            address) == address
     finally:  # the reservation's margins, and the page itself where it did not move
-        for start, end in ((raw, page), (page + HUGE_PAGE, raw + 2 * HUGE_PAGE)) if moved else (
-                (raw, raw + 2 * HUGE_PAGE),):
+        moved_away = HUGE_PAGE if moved else 0  # mremap took it: no longer ours to unmap
+        for start, end in ((raw, page), (page + moved_away, raw + 2 * HUGE_PAGE)):
             if end > start:
                 munmap(start, end - start)
     return moved

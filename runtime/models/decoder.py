@@ -260,9 +260,8 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         batch = attn.prepare(batch)
         x = self._embedded(batch)
-        fused = self.fused_layers
-        if (fused is not None and batch.deep_values is None and fused.takes(batch, x)
-                and batch.logits_indices.numel() == x.shape[0]):
+        fused = self._fused_for(batch, x)
+        if fused is not None and batch.logits_indices.numel() == x.shape[0]:
             # every row's logits (a decode step: the rows are in order): the final norm in the
             # layers' C call, not ~7 small torch ops
             return self._logits(fused.run(x, batch, final_norm=self.model.norm))
@@ -303,9 +302,10 @@ class CausalLM(nn.Module):
     def _run_layers(self, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend
                     ) -> torch.Tensor:
         """The decoder layers: embeddings [T, hidden] -> last hidden states [T, hidden]."""
+        fused = self._fused_for(batch, x)
+        if fused is not None:
+            return fused.run(x, batch)
         deep = batch.deep_values  # Qwen3-VL: added to the image rows after the first layers
-        if deep is None and self.fused_layers is not None and self.fused_layers.takes(batch, x):
-            return self.fused_layers.run(x, batch)
         with self._layer_steps(batch) as steps:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, batch, attn, steps)
@@ -313,6 +313,13 @@ class CausalLM(nn.Module):
                     assert batch.embed_rows is not None
                     x = x.index_add(0, batch.embed_rows, deep[i].to(x.dtype))
         return x
+
+    def _fused_for(self, batch: ForwardBatch, x: torch.Tensor) -> FusedDecodeLayers | None:
+        """The fused layers where they take this batch (never with deepstack features)."""
+        fused = self.fused_layers
+        if fused is None or batch.deep_values is not None or not fused.takes(batch, x):
+            return None
+        return fused
 
     def _layer_steps(self, batch: ForwardBatch) -> contextlib.AbstractContextManager[LayerSteps]:
         if self.compiled_steps is None:
