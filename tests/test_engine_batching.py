@@ -325,3 +325,45 @@ def test_cancelled_async_generate_aborts_its_request(make_engine):
         engine.abort("cancelled")
         while engine.stats()["running"]:
             time.sleep(0.05)
+
+
+def test_decode_build_fast_path_equals_the_general_build(make_engine, tokenizer, monkeypatch):
+    """Every plain decode step's ForwardBatch and layout from ModelRunner._build_decode equal
+    what the general _build makes for it: requests of different lengths decoding together, one
+    joining mid-way, one wanting prompt logprobs (which takes the general path)."""
+    import dataclasses
+
+    import torch
+
+    engine = make_engine()
+    runner = engine.parts.runner
+    fast, general, compared = runner._build_decode, runner._build_general, []
+
+    def checked(batch, input_ids=None):
+        fb, layout = fast(batch, input_ids)
+        want_fb, want_layout = general(batch, input_ids)
+        for field in dataclasses.fields(fb):
+            got, want = getattr(fb, field.name), getattr(want_fb, field.name)
+            if isinstance(want, torch.Tensor):
+                assert got.dtype == want.dtype and torch.equal(got, want), field.name
+            else:
+                assert got == want, field.name
+        assert layout == want_layout
+        compared.append(len(batch.reqs))
+        return fb, layout
+
+    monkeypatch.setattr(runner, "_build_decode", checked)
+    prompts = [chat_prompt(tokenizer, q) for q in ("Name a color.", "Count to five, slowly.",
+                                                   "Write one long sentence about rivers.")]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (6, 12, 20)]
+    expected = [engine.generate(p, s)["output_ids"] for p, s in zip(prompts, params)]
+    late = threading.Timer(0.05, lambda: results.append(engine.generate(
+        prompts[0], params[0], return_logprob=True, logprob_start_len=0)))
+    results: list = []
+    late.start()
+    outs = engine.generate(prompts, params)
+    late.join()
+    assert [o["output_ids"] for o in outs] == expected
+    assert results[0]["output_ids"] == expected[0]
+    assert max(compared) >= 3 and 1 in compared  # steps of the whole batch and of one alone
+    assert_idle_and_clean(engine)

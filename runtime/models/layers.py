@@ -122,6 +122,9 @@ class RotaryEmbedding(nn.Module):
                                    bool(rope.get("mrope_interleaved")))
                 self.section = torch.cat((axis, axis))  # [rotary_dim]
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # The tables rounded to a forward's dtype, kept per dtype: a decode step then gathers its
+        # rows in that dtype (2 small ops) instead of gathering fp32 rows and rounding them (6).
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [T, heads, d], k [T, kv_heads, d] -> rotated copies (the first rotary_dim dims), with
@@ -139,17 +142,28 @@ class RotaryEmbedding(nn.Module):
         """cos/sin rows [T, 1, d] for this forward's positions ([T], or [T, 3] M-RoPE positions:
         ForwardBatch.rotary_positions), looked up once for all layers."""
         if self._rows is None or self._rows[0] is not positions:
-            if self.cos.device != positions.device:  # the tables follow the model's device
-                self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+            cos_table, sin_table = self._tables_in(dtype, positions.device)
             if positions.dim() == 1:
-                cos, sin = self.cos[positions], self.sin[positions]
+                cos, sin = cos_table[positions], sin_table[positions]
             else:  # column j read at the position of its axis: [T, d] rows of the same tables
                 assert self.section is not None, "3-D positions for a model without M-RoPE"
                 section = self.section.to(positions.device)
                 at = positions[:, section]  # [T, rotary_dim]
-                cos, sin = self.cos.gather(0, at), self.sin.gather(0, at)
-            self._rows = (positions, cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :])
+                cos, sin = cos_table.gather(0, at), sin_table.gather(0, at)
+            self._rows = (positions, cos[:, None, :], sin[:, None, :])
         return self._rows[1], self._rows[2]
+
+    def _tables_in(self, dtype: torch.dtype, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin tables on `device` rounded to `dtype` (rounding commutes with the gather:
+        the rows are the fp32 rows rounded)."""
+        if self.cos.device != device:  # the tables follow the model's device
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+            self._typed.clear()
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return typed
 
 
 def _mrope_axes(sections: list[int], half: int, interleaved: bool) -> torch.Tensor:
