@@ -66,7 +66,10 @@ class DeviceSamples(NamedTuple):
     top_logprobs: list[list[tuple[float, int]]]
 
     def to_host(self) -> SampleResult:
-        """Ids and logprobs in one device-to-host copy (float64 holds every token id exactly)."""
+        """Ids and logprobs in one device-to-host copy (float64 holds every token id exactly); on
+        the CPU each read as it is (no copy to make, and 4 small ops cost ~40 us of a step)."""
+        if self.token_ids.device.type == "cpu":
+            return SampleResult(self.token_ids.tolist(), self.logprobs.tolist(), self.top_logprobs)
         ids, logprobs = torch.stack([self.token_ids.double(), self.logprobs.double()]).tolist()
         return SampleResult([int(t) for t in ids], logprobs, self.top_logprobs)
 
