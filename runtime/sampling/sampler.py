@@ -68,7 +68,7 @@ class DeviceSamples(NamedTuple):
     def to_host(self) -> SampleResult:
         """Ids and logprobs in one device-to-host copy (float64 holds every token id exactly); on
         the CPU each read as it is (no copy to make, and 4 small ops cost ~40 us of a step)."""
-        if self.token_ids.device.type == "cpu":
+        if _host_reads_are_free(self.token_ids):
             return SampleResult(self.token_ids.tolist(), self.logprobs.tolist(), self.top_logprobs)
         ids, logprobs = torch.stack([self.token_ids.double(), self.logprobs.double()]).tolist()
         return SampleResult([int(t) for t in ids], logprobs, self.top_logprobs)
