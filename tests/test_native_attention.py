@@ -765,3 +765,24 @@ def test_unavailable_reasons(monkeypatch, tmp_path):
     state = native_kernels._build_and_load()
     assert state.lib is None and "failed" in state.reason
     assert not list(tmp_path.glob("*.so"))  # no partial file left in the cache
+
+
+@pytest.mark.parametrize(("where", "value", "message"),
+                         [("out_slots", -1, "slot outside the pool"),
+                          ("out_slots", "past", "slot outside the pool"),
+                          ("slot_table", "past", "slot outside the pool"),
+                          ("kv_lens", "width", "kv_lens past the slot table")])
+def test_native_backend_refuses_a_batch_outside_its_pool(where, value, message):
+    """The kernels trust the slot table and out_slots: prepare refuses a batch that would read
+    or write outside the pool or past a table row, naming which."""
+    gen = torch.Generator().manual_seed(7)
+    kv_lens, capacity = [7, 1, 30], 80
+    batch = make_forward_batch(gen, kv_lens, [1, 1, 1], capacity)
+    pool = KVPool(1, capacity, 3, 64, torch.float32)
+    backend = create_attention_backend("native", pool, 9, 3, 64, [AttentionLayerSpec()])
+    assert isinstance(backend.prepare(batch).attn_meta, NativeAttentionMeta)  # as built: fine
+    past = pool.k_buffer.shape[1]  # the first slot past the pool (its scratch slot included)
+    bad = {"past": past, "width": batch.slot_table.shape[1] + 1}.get(value, value)
+    getattr(batch, where).view(-1)[-1] = bad
+    with pytest.raises(AssertionError, match=message):
+        backend.prepare(batch)
