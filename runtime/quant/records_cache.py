@@ -105,10 +105,12 @@ class RecordsCache:
 
     def get(self, key: str, nbytes: int) -> torch.Tensor | None:
         """The cached bytes of `key` (uint8 [nbytes], a view of the mapped file), or None.
-        From a huge page up they are queued to move into huge pages in the engine's idle time
-        (kernels/cpu/huge_pages.py: decode streams them every step), as streamed_empty's are."""
+        They are queued to move into huge pages in the engine's idle time (kernels/cpu/
+        huge_pages.py: decode streams them every step), as streamed_empty's are. Entries of
+        any size: adjacent ones join, so a model of small matrices (the default model's are all
+        under 2 MiB) moves too."""
         records = self._read(key, nbytes)
-        if records is not None and self._mapping is not None and nbytes >= huge_pages.HUGE_PAGE:
+        if records is not None and self._mapping is not None:
             huge_pages.remember_file_pages(self._mapping, records.data_ptr(), nbytes)
         return records
 
