@@ -230,7 +230,6 @@ class ModelRunner:
         )
         return fb, layout
 
-
     def _build_decode(self, batch: ScheduledBatch, input_ids: torch.Tensor | None
                       ) -> tuple[ForwardBatch, list[LogitsRows]]:
         """_build for a plain decode step (one token per request, each sampled; no images,
