@@ -9,9 +9,10 @@ engine writes them in its idle time to `records-v<FORMAT_VERSION>.bin` in the GG
 folder, with an index; a later
 load maps that file copy-on-write (nothing is ever written to it) and each matrix's records are
 a view of the mapping. Its pages are the kernel's page cache, which this kernel maps in 4 KiB
-pages: once the engine is idle, the entries of a huge page or more are copied into anonymous
-2 MiB pages at the same addresses (kernels/cpu/huge_pages.py; the 1B decoded 6% faster), so
-from then on each process holds its own copy of them, as it does of weights it repacked.
+pages: once the engine is idle, the entries (adjacent ones joined) are copied into anonymous
+2 MiB pages at the same addresses (kernels/cpu/huge_pages.py; the 1B decoded 6% faster, the
+default model's layers 3%), so from then on each process holds its own copy of them, as it does
+of weights it repacked.
 
 The folder is named by the GGUF's path, size and mtime (gguf_loader._cache_dir_for), so a
 changed file gets a new one. A matrix's entry is named by its tensors, type and shape, and a
