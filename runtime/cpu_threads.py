@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib.util
+import logging
 import os
 import sys
 import time
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forklm.kernels.cpu.openmp import threads_spin
+
+logger = logging.getLogger(__name__)
 
 # libgomp spins this many pause loops (libgomp reckons 100 per microsecond: about 0.3 ms) before a
 # waiting thread sleeps: longer than the gap between two ops of a forward, shorter than a
@@ -93,7 +96,16 @@ class ThreadGovernor:
     Not a count of preemptions: a server's event loop and its client wake for every token and
     preempt a spinning thread for a fraction of a millisecond, 100-300 times a second, while a
     busy neighbour preempts it less often (80-100 a second) for whole slices (benchmarks/NOTES.md,
-    http_overhead)."""
+    http_overhead).
+
+    It also counts how often the thread is put back on its core (the same file's time slices):
+    a thread whose OpenMP team spins runs a step through, 0-5 times a step (~400 a second at
+    most), but once libgomp manages more OpenMP threads than there are cores (another thread of
+    the process ran torch work and keeps its team) every barrier sleeps: ~120 times a batch-1
+    step, ~9000 a second, 3x the time a token. Past `max_sleeps_per_s` the steps continue on
+    one thread, which has no barriers (1.9x faster than the throttled pair at batch 1, 0.9x at
+    batch 16: benchmarks/NOTES.md, session 31), with the same back-off, and a warning says
+    what to do about it once."""
 
     max_threads: int
     window_s: float = 0.2
@@ -101,6 +113,8 @@ class ThreadGovernor:
     # serving over HTTP with the client beside it (a 0.2 s window reached 9%); 35-49% beside
     # another's busy processes (10-17% even on one thread).
     max_wait_fraction: float = 0.15
+    # Times a second of step time the thread may be put back on its core (see above).
+    max_sleeps_per_s: float = 2000.0
     first_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     threads: int = field(init=False)
@@ -109,8 +123,10 @@ class ThreadGovernor:
     _retry_at: float = field(default=0.0, init=False)
     _wall: float = field(default=0.0, init=False)
     _waited: float = field(default=0.0, init=False)
+    _slices: int = field(default=0, init=False)
     _step_t0: float = field(default=0.0, init=False)
-    _step_waited0: float = field(default=0.0, init=False)
+    _step_sched0: tuple[float, int] = field(default=(0.0, 0), init=False)
+    _warned: bool = field(default=False, init=False)
     _schedstat: int | None = field(default=None, init=False)  # fd: the stepping thread's file
 
     def __post_init__(self) -> None:
@@ -118,41 +134,53 @@ class ThreadGovernor:
         self._backoff_s = self.first_backoff_s
 
     def step_started(self) -> None:
-        self._step_t0, self._step_waited0 = time.perf_counter(), self._waited_s()
+        self._step_t0, self._step_sched0 = time.perf_counter(), self._sched()
 
     def step_finished(self) -> None:
         now = time.perf_counter()
+        waited, slices = self._sched()
         self._wall += now - self._step_t0
-        self._waited += self._waited_s() - self._step_waited0
+        self._waited += waited - self._step_sched0[0]
+        self._slices += slices - self._step_sched0[1]
         if self.threads == 1:
             if now >= self._retry_at:
                 self._use(self.max_threads)  # probe: are the cores free again?
             return
         if self._wall < self.window_s:
             return
-        fraction = self._waited / self._wall
-        self._wall, self._waited = 0.0, 0.0
-        if fraction > self.max_wait_fraction:
+        contended = self._waited / self._wall > self.max_wait_fraction
+        throttled = self._slices / self._wall > self.max_sleeps_per_s
+        self._wall, self._waited, self._slices = 0.0, 0.0, 0
+        if contended or throttled:
+            if throttled and not self._warned:
+                self._warned = True
+                logger.warning(
+                    "the engine's OpenMP threads sleep at every barrier: libgomp manages more "
+                    "threads than there are cores, because another thread of this process ran "
+                    "torch work and keeps its OpenMP team. Decoding continues on one thread "
+                    "(about half the batch-1 speed of two). Call forklm.runtime.cpu_threads."
+                    "release_openmp_threads() on that thread when its work is done.")
             self._retry_at = now + self._backoff_s
             self._backoff_s = min(2 * self._backoff_s, self.max_backoff_s)
             self._use(1)
         else:
             self._backoff_s = self.first_backoff_s
 
-    def _waited_s(self) -> float:
-        """Seconds the stepping thread has spent runnable but waiting for a core, so far."""
+    def _sched(self) -> tuple[float, int]:
+        """(seconds the stepping thread has spent runnable but waiting for a core, times it has
+        been put on a core), so far."""
         if self._schedstat is None:  # opened on the stepping thread: the file is per thread
             self._schedstat = os.open(SCHEDSTAT, os.O_RDONLY)
             # Closed when the governor goes, but not at interpreter exit: a daemon engine thread
             # of a script that never shut its engine down still steps while atexit runs.
             weakref.finalize(self, os.close, self._schedstat).atexit = False
-        return _run_delay_s(os.pread(self._schedstat, 128, 0))
+        return _parse_schedstat(os.pread(self._schedstat, 128, 0))
 
     def _use(self, threads: int) -> None:
         import torch
 
         self.threads = threads
-        self._wall, self._waited = 0.0, 0.0
+        self._wall, self._waited, self._slices = 0.0, 0.0, 0
         self.switches += 1
         torch.set_num_threads(threads)
 
@@ -160,8 +188,10 @@ class ThreadGovernor:
 SCHEDSTAT = "/proc/thread-self/schedstat"  # "<cpu ns> <run-queue delay ns> <time slices>"
 
 
-def _run_delay_s(schedstat: bytes) -> float:
-    return int(schedstat.split()[1]) / 1e9
+def _parse_schedstat(schedstat: bytes) -> tuple[float, int]:
+    """(run-queue delay in seconds, time slices) of a schedstat line."""
+    fields = schedstat.split()
+    return int(fields[1]) / 1e9, int(fields[2])
 
 
 def release_openmp_threads() -> bool:

@@ -135,6 +135,7 @@ class _Clock:
     def __init__(self) -> None:
         self.now = 100.0
         self.waited = 0.0  # seconds the stepping thread was runnable but off its core
+        self.slices = 0  # times it was put on a core
 
     def perf_counter(self) -> float:
         return self.now
@@ -144,18 +145,21 @@ class _Clock:
 def clock(monkeypatch: pytest.MonkeyPatch):
     fake = _Clock()
     monkeypatch.setattr(cpu_threads.time, "perf_counter", fake.perf_counter)
-    monkeypatch.setattr(ThreadGovernor, "_waited_s", lambda self: fake.waited)
+    monkeypatch.setattr(ThreadGovernor, "_sched", lambda self: (fake.waited, fake.slices))
     threads = torch.get_num_threads()
     yield fake
     torch.set_num_threads(threads)
 
 
-def _steps(gov: ThreadGovernor, clock: _Clock, n: int, step_s: float, waited: float) -> None:
-    """n steps of step_s seconds, each with `waited` of it spent waiting for a core (a share)."""
+def _steps(gov: ThreadGovernor, clock: _Clock, n: int, step_s: float, waited: float,
+           sleeps: int = 0) -> None:
+    """n steps of step_s seconds, each with `waited` of it spent waiting for a core (a share)
+    and put back on its core `sleeps` times."""
     for _ in range(n):
         gov.step_started()
         clock.now += step_s
         clock.waited += waited * step_s
+        clock.slices += sleeps
         gov.step_finished()
 
 
@@ -196,13 +200,40 @@ def test_short_waits_do_not_count_as_contention(clock: _Clock) -> None:
     assert gov.threads == 2 and gov.switches == 0
 
 
-def test_governor_reads_its_threads_run_queue_delay() -> None:
-    assert cpu_threads._run_delay_s(b"124962855 13707521 9\n") == pytest.approx(0.013707521)
+def test_governor_reads_its_threads_run_queue_delay_and_time_slices() -> None:
+    waited, slices = cpu_threads._parse_schedstat(b"124962855 13707521 9\n")
+    assert waited == pytest.approx(0.013707521) and slices == 9
     gov = ThreadGovernor(2)
     if not os.path.exists(cpu_threads.SCHEDSTAT):
         pytest.skip("no scheduler statistics in /proc")
-    first = gov._waited_s()
-    assert 0.0 <= first <= gov._waited_s()
+    first = gov._sched()
+    later = gov._sched()
+    assert 0.0 <= first[0] <= later[0] and 0 <= first[1] <= later[1]
+
+
+def test_governor_drops_to_one_thread_when_its_openmp_barriers_sleep(
+        clock: _Clock, caplog: pytest.LogCaptureFixture) -> None:
+    # libgomp throttled (another thread's OpenMP team): ~120 sleeps a 12 ms batch-1 step, no
+    # run-queue delay. One thread, a warning once, and the same probes back as under contention.
+    gov = ThreadGovernor(2, window_s=0.2, first_backoff_s=1.0)
+    with caplog.at_level("WARNING", logger="forklm.runtime.cpu_threads"):
+        _steps(gov, clock, 20, 0.012, 0, sleeps=120)
+        assert gov.threads == 1 and torch.get_num_threads() == 1
+        _steps(gov, clock, 90, 0.012, 0)  # past the back-off: both threads again
+        assert gov.threads == 2
+        _steps(gov, clock, 20, 0.012, 0, sleeps=120)  # still throttled
+        assert gov.threads == 1
+    warnings = [r for r in caplog.records if "release_openmp_threads" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_a_servers_wake_ups_are_not_a_throttled_spin(clock: _Clock) -> None:
+    # Streaming in process or over HTTP puts the engine thread back on its core 0-5 times a
+    # step, a few hundred times a second; a prefill step waiting on the GIL, ~130 in a long step.
+    gov = ThreadGovernor(2, window_s=0.2)
+    _steps(gov, clock, 200, 0.004, 0.02, sleeps=2)  # 500 a second
+    _steps(gov, clock, 3, 0.5, 0.02, sleeps=130)  # 260 a second
+    assert gov.threads == 2 and gov.switches == 0
 
 
 def test_governor_still_reads_after_the_exit_handlers_ran() -> None:
