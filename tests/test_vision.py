@@ -280,3 +280,19 @@ def test_http_generate_and_chat_with_images(engine, vlm, image_host):
         assert path.status_code == 400 and "not a data URL or base64" in path.text
     finally:
         server.stop()
+
+
+def test_an_image_request_leaves_its_thread_no_openmp_team(engine):
+    """The vision tower runs on the thread that prepares the request (here this one): the
+    OpenMP team it starts would make libgomp throttle the engine threads' spin, so the intake
+    lets it go (runtime/cpu_threads.py)."""
+    import os
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    engine.generate(PLAIN, GREEDY)  # text only: no team to start
+    before = threads()
+    engine.flush_cache()  # the image is encoded again, not taken from the cache
+    engine.generate(ONE, GREEDY, image_data=data_url(picture(21, 36, 28)))
+    assert threads() == before

@@ -223,7 +223,10 @@ class Engine:
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
         """Load the PEFT adapter folder `lora_path` as `lora_name` (SGLang's names); requests
         name it in lora_path. Raises InvalidArgumentError naming what is wrong."""
-        self._lora_registry().load(lora_name, lora_path)
+        try:
+            self._lora_registry().load(lora_name, lora_path)
+        finally:  # the load's torch work must not leave this thread a team (see __init__)
+            release_openmp_threads()
 
     def unload_lora_adapter(self, lora_name: str) -> None:
         """Stop serving `lora_name`; requests already running with it finish with it."""

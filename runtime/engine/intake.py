@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from forklm.runtime.config import POOLING_MODES
+from forklm.runtime.cpu_threads import release_openmp_threads
 from forklm.runtime.engine.detokenizer import IncrementalDetokenizer
 from forklm.runtime.engine.engine_request import EngineRequest, LogprobOptions
 from forklm.runtime.errors import InvalidArgumentError
@@ -126,6 +127,10 @@ class RequestIntake:
                 ids, mm = self._token_ids(p, name), None
             prompts.append(ids)
             mms.append(mm)
+        if any(images):
+            # The vision tower ran on this thread (a server's worker, the caller's): the OpenMP
+            # team it leaves would make libgomp throttle the engine threads' spin.
+            release_openmp_threads()
         for ids, params in zip(prompts, params_list):
             self._check_prompt(ids, params, logprobs)
         reqs: list[Req] = []
