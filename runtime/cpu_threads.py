@@ -99,13 +99,15 @@ class ThreadGovernor:
     http_overhead).
 
     It also counts how often the thread is put back on its core (the same file's time slices):
-    a thread whose OpenMP team spins runs a step through, 0-5 times a step (~400 a second at
-    most), but once libgomp manages more OpenMP threads than there are cores (another thread of
-    the process ran torch work and keeps its team) every barrier sleeps: ~120 times a batch-1
-    step, ~9000 a second, 3x the time a token. Past `max_sleeps_per_s` the steps continue on
-    one thread, which has no barriers (1.9x faster than the throttled pair at batch 1, 0.9x at
-    batch 16: benchmarks/NOTES.md, session 31), with the same back-off, and a warning says
-    what to do about it once."""
+    a thread whose OpenMP team spins runs a step through, 0-5 times a step while it streams
+    (up to ~660 a second over HTTP at batch 1 on 2 cores), but once libgomp manages more OpenMP
+    threads than there are cores (another thread of the process ran torch work and keeps its
+    team) every barrier sleeps: ~120 times a batch-1 step of the default model, ~9000 a second,
+    3x the time a token. Past both `max_sleeps_per_s` and `max_sleeps_per_step` (a fast
+    machine's short steps reach the first alone, a large batch's GIL waits the second) the
+    steps continue on one thread, which has no barriers (1.9x faster than the throttled pair
+    at batch 1, 0.9x at batch 16: benchmarks/NOTES.md, session 31), with the same back-off,
+    and a warning says what to do about it once."""
 
     max_threads: int
     window_s: float = 0.2
@@ -113,8 +115,10 @@ class ThreadGovernor:
     # serving over HTTP with the client beside it (a 0.2 s window reached 9%); 35-49% beside
     # another's busy processes (10-17% even on one thread).
     max_wait_fraction: float = 0.15
-    # Times a second of step time the thread may be put back on its core (see above).
+    # Times the thread may be put back on its core, a second of step time and a step, before
+    # its OpenMP barriers count as sleeping (see above).
     max_sleeps_per_s: float = 2000.0
+    max_sleeps_per_step: float = 30.0
     first_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     threads: int = field(init=False)
@@ -124,6 +128,7 @@ class ThreadGovernor:
     _wall: float = field(default=0.0, init=False)
     _waited: float = field(default=0.0, init=False)
     _slices: int = field(default=0, init=False)
+    _steps: int = field(default=0, init=False)
     _step_t0: float = field(default=0.0, init=False)
     _step_sched0: tuple[float, int] = field(default=(0.0, 0), init=False)
     _warned: bool = field(default=False, init=False)
@@ -142,6 +147,7 @@ class ThreadGovernor:
         self._wall += now - self._step_t0
         self._waited += waited - self._step_sched0[0]
         self._slices += slices - self._step_sched0[1]
+        self._steps += 1
         if self.threads == 1:
             if now >= self._retry_at:
                 self._use(self.max_threads)  # probe: are the cores free again?
@@ -149,8 +155,9 @@ class ThreadGovernor:
         if self._wall < self.window_s:
             return
         contended = self._waited / self._wall > self.max_wait_fraction
-        throttled = self._slices / self._wall > self.max_sleeps_per_s
-        self._wall, self._waited, self._slices = 0.0, 0.0, 0
+        throttled = (self._slices / self._wall > self.max_sleeps_per_s
+                     and self._slices / self._steps > self.max_sleeps_per_step)
+        self._wall, self._waited, self._slices, self._steps = 0.0, 0.0, 0, 0
         if contended or throttled:
             if throttled and not self._warned:
                 self._warned = True
@@ -180,7 +187,7 @@ class ThreadGovernor:
         import torch
 
         self.threads = threads
-        self._wall, self._waited, self._slices = 0.0, 0.0, 0
+        self._wall, self._waited, self._slices, self._steps = 0.0, 0.0, 0, 0
         self.switches += 1
         torch.set_num_threads(threads)
 

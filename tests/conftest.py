@@ -16,7 +16,6 @@ import pytest
 import torch
 import transformers
 
-from forklm.runtime.cpu_threads import release_openmp_threads
 from forklm.runtime.engine.engine import Engine
 from forklm.runtime.models.loader import LoadedModel, load_model
 
@@ -110,28 +109,15 @@ def chat_prompt(tokenizer, question: str) -> str:
                                          add_generation_prompt=True)
 
 
-@pytest.fixture(autouse=True)
-def _no_openmp_team_on_the_test_thread():
-    """Torch work on the test thread (transformers' references, tensors built for a check)
-    leaves it an OpenMP team, and libgomp then throttles the engine threads' spin: they would
-    decode 3x slower at batch 1, or on one thread once their governor notices
-    (runtime/cpu_threads.py). Released around each test, as an application should (README)."""
-    release_openmp_threads()
-    yield
-    release_openmp_threads()
-
-
 @torch.inference_mode()
 def hf_greedy(hf_model, input_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy decoding with its KV cache, never stopping at EOS (like ignore_eos);
-    the OpenMP team it leaves on this thread is released (see above)."""
+    """transformers' greedy decoding with its KV cache, never stopping at EOS (like ignore_eos)."""
     out = hf_model(torch.tensor([input_ids]), use_cache=True)
     tokens: list[int] = []
     for _ in range(max_new_tokens):
         tokens.append(int(out.logits[0, -1].argmax()))
         out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
                        use_cache=True)
-    release_openmp_threads()
     return tokens
 
 

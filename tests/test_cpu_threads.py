@@ -229,10 +229,13 @@ def test_governor_drops_to_one_thread_when_its_openmp_barriers_sleep(
 
 def test_a_servers_wake_ups_are_not_a_throttled_spin(clock: _Clock) -> None:
     # Streaming in process or over HTTP puts the engine thread back on its core 0-5 times a
-    # step, a few hundred times a second; a prefill step waiting on the GIL, ~130 in a long step.
+    # step, a few hundred times a second; a prefill step waiting on the GIL, ~130 in a long step;
+    # a faster machine's 1 ms steps, thousands of times a second but a few a step.
     gov = ThreadGovernor(2, window_s=0.2)
-    _steps(gov, clock, 200, 0.004, 0.02, sleeps=2)  # 500 a second
+    _steps(gov, clock, 200, 0.004, 0.02, sleeps=3)  # 750 a second
     _steps(gov, clock, 3, 0.5, 0.02, sleeps=130)  # 260 a second
+    _steps(gov, clock, 600, 0.001, 0.02, sleeps=3)  # 3000 a second, 3 a step
+    _steps(gov, clock, 10, 0.05, 0.02, sleeps=60)  # a large batch's GIL waits: 1200 a second
     assert gov.threads == 2 and gov.switches == 0
 
 
