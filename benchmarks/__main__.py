@@ -327,7 +327,8 @@ def _read_bandwidth_now() -> None:
 def _bandwidth_floor(runners: dict[str, Any], runs: report.Runs) -> dict[str, Any]:
     """S1's ms/token over its memory-bandwidth floor (benchmarks/bandwidth.py), with the mean
     of the read bandwidths measured around forklm's S1 runs."""
-    from benchmarks.bandwidth import kv_bytes_per_token, weight_bytes_per_token
+    from benchmarks.bandwidth import weight_bytes_per_token
+    from forklm.runtime.kvcache.pool import KVPool
 
     s1 = runs.get(("S1 single stream", "forklm"))
     if "forklm" not in runners or not s1 or not _S1_BANDWIDTHS:
@@ -343,7 +344,9 @@ def _bandwidth_floor(runners: dict[str, Any], runs: report.Runs) -> dict[str, An
     requests = sum(m.requests_per_s * m.wall_s for m in s1)
     context = (sum(m.prompt_tokens_sent for m in s1)
                + sum(m.output_tokens_per_s * m.wall_s for m in s1) / 2) / requests
-    kv = kv_bytes_per_token(engine.parts.kv.pool) * context
+    pool = engine.parts.kv.pool  # decode attention reads a token's K and V in every layer
+    kv = KVPool.bytes_per_token(pool.num_layers, pool.num_kv_heads, pool.head_dim,
+                                pool.kv_dtype) * context
     with_kv_ms = (weight + kv) / gbs / 1e6
     return {f"S1 ms/token, forklm / its bandwidth floor ({weight / 1e6:.0f} MB of weights a "
             f"token / {gbs:.1f} GB/s read, the mean of {around} around S1 = {floor_ms:.1f} ms)":

@@ -21,7 +21,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -104,15 +103,6 @@ def weight_bytes_per_token(model: nn.Module) -> int:
     elif isinstance(head, torch.Tensor):
         total += head.numel() * head.element_size()
     return total
-
-
-def kv_bytes_per_token(pool: Any) -> int:
-    """Bytes one cached token takes in a KV pool (runtime/kvcache/pool.py): its K and V in every
-    layer, with an int8 pool's row scales. Decode attention reads them for every token of
-    context, which the weights-only floor leaves out (at S1's ~430 tokens on the default model,
-    ~10 MB a step beside 97 MB of weights)."""
-    buffers = [pool.k_buffer, pool.v_buffer, pool.k_scale, pool.v_scale]
-    return sum(b.numel() // b.shape[1] * b.element_size() for b in buffers if b is not None)
 
 
 def main() -> None:

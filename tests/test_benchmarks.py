@@ -184,17 +184,3 @@ def test_read_probe_reads_every_word_of_its_buffer(streams: int) -> None:
     expected = functools.reduce(operator.xor, data.tolist())
     assert probe(data.data_ptr(), words, streams, threads) == expected
 
-
-@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
-def test_kv_bytes_per_token_counts_every_layers_k_and_v(kv_dtype: str) -> None:
-    # 3 layers x (K + V) x 2 heads x 64 dims: 2 bytes a value in bf16; 1 byte and a float32
-    # scale per row (token and head) in int8.
-    import torch
-
-    from benchmarks.bandwidth import kv_bytes_per_token
-    from forklm.runtime.kvcache.pool import KVPool
-
-    kv = None if kv_dtype == "auto" else torch.int8
-    pool = KVPool(3, 40, 2, 64, torch.bfloat16, kv_dtype=kv)
-    want = 3 * 2 * 2 * 64 * 2 if kv is None else 3 * 2 * 2 * (64 + 4)
-    assert kv_bytes_per_token(pool) == want

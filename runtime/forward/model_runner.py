@@ -245,7 +245,7 @@ class ModelRunner:
         everyone = torch.from_numpy(np.arange(n))
         if input_ids is None:
             input_ids = torch.from_numpy(np.fromiter(
-                (req.fill_slice(k - 1, k)[0] for req, k in zip(reqs, kv_lens.tolist())),
+                (req.fill_slice(req.num_computed - 1, req.num_computed)[0] for req in reqs),
                 np.int64, n))
         fb = ForwardBatch(
             input_ids=input_ids, positions=torch.from_numpy(positions),
