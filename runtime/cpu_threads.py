@@ -107,7 +107,12 @@ class ThreadGovernor:
     machine's short steps reach the first alone, a large batch's GIL waits the second) the
     steps continue on one thread, which has no barriers (1.9x faster than the throttled pair
     at batch 1, 0.9x at batch 16: benchmarks/NOTES.md, session 31), with the same back-off,
-    and a warning says what to do about it once."""
+    and a warning says what to do about it once.
+
+    A window is judged once it holds `min_steps` steps, on all of them but its longest: a
+    burst of this process's own work (a batch of requests arriving, tokenized on the caller's
+    thread) can crowd one long step, 250-320 ms with ~1000 slices and a quarter of it waited on
+    AMD EPYC (session 32), and one such step is not a trend worth a second on one thread."""
 
     max_threads: int
     window_s: float = 0.2
@@ -119,6 +124,7 @@ class ThreadGovernor:
     # its OpenMP barriers count as sleeping (see above).
     max_sleeps_per_s: float = 2000.0
     max_sleeps_per_step: float = 30.0
+    min_steps: int = 4
     first_backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     threads: int = field(init=False)
@@ -129,6 +135,7 @@ class ThreadGovernor:
     _waited: float = field(default=0.0, init=False)
     _slices: int = field(default=0, init=False)
     _steps: int = field(default=0, init=False)
+    _longest: tuple[float, float, int] = field(default=(0.0, 0.0, 0), init=False)  # its step
     _step_t0: float = field(default=0.0, init=False)
     _step_sched0: tuple[float, int] = field(default=(0.0, 0), init=False)
     _warned: bool = field(default=False, init=False)
@@ -144,20 +151,25 @@ class ThreadGovernor:
     def step_finished(self) -> None:
         now = time.perf_counter()
         waited, slices = self._sched()
-        self._wall += now - self._step_t0
-        self._waited += waited - self._step_sched0[0]
-        self._slices += slices - self._step_sched0[1]
+        step = (now - self._step_t0, waited - self._step_sched0[0], slices - self._step_sched0[1])
+        self._wall += step[0]
+        self._waited += step[1]
+        self._slices += step[2]
         self._steps += 1
+        if step[0] > self._longest[0]:
+            self._longest = step
         if self.threads == 1:
             if now >= self._retry_at:
                 self._use(self.max_threads)  # probe: are the cores free again?
             return
-        if self._wall < self.window_s:
+        if self._wall < self.window_s or self._steps < self.min_steps:
             return
-        contended = self._waited / self._wall > self.max_wait_fraction
-        throttled = (self._slices / self._wall > self.max_sleeps_per_s
-                     and self._slices / self._steps > self.max_sleeps_per_step)
-        self._wall, self._waited, self._slices, self._steps = 0.0, 0.0, 0, 0
+        longest = self._longest  # the window is judged on its other steps
+        wall, slices, steps = self._wall - longest[0], self._slices - longest[2], self._steps - 1
+        contended = (self._waited - longest[1]) / wall > self.max_wait_fraction
+        throttled = (slices / wall > self.max_sleeps_per_s
+                     and slices / steps > self.max_sleeps_per_step)
+        self._reset_window()
         if contended or throttled:
             if throttled and not self._warned:
                 self._warned = True
@@ -183,11 +195,15 @@ class ThreadGovernor:
             weakref.finalize(self, os.close, self._schedstat).atexit = False
         return _parse_schedstat(os.pread(self._schedstat, 128, 0))
 
+    def _reset_window(self) -> None:
+        self._wall, self._waited, self._slices, self._steps = 0.0, 0.0, 0, 0
+        self._longest = (0.0, 0.0, 0)
+
     def _use(self, threads: int) -> None:
         import torch
 
         self.threads = threads
-        self._wall, self._waited, self._slices, self._steps = 0.0, 0.0, 0, 0
+        self._reset_window()
         self.switches += 1
         torch.set_num_threads(threads)
 

@@ -239,6 +239,21 @@ def test_a_servers_wake_ups_are_not_a_throttled_spin(clock: _Clock) -> None:
     assert gov.threads == 2 and gov.switches == 0
 
 
+def test_one_crowded_step_is_not_a_trend(clock: _Clock) -> None:
+    # A burst of requests tokenized on the caller's thread crowds the first prefill step: 320 ms,
+    # a quarter of it off the core, ~1000 slices (AMD EPYC, session 32). Alone it decides nothing.
+    gov = ThreadGovernor(2, window_s=0.2)
+    _steps(gov, clock, 1, 0.32, 0.26, sleeps=1000)
+    _steps(gov, clock, 100, 0.004, 0.02, sleeps=2)
+    assert gov.threads == 2 and gov.switches == 0
+    # The same steps again and again are a trend: a busy neighbour, or a throttled spin.
+    _steps(gov, clock, 6, 0.32, 0.26)
+    assert gov.threads == 1
+    gov = ThreadGovernor(2, window_s=0.2)
+    _steps(gov, clock, 6, 0.32, 0, sleeps=1000)
+    assert gov.threads == 1
+
+
 def test_governor_still_reads_after_the_exit_handlers_ran() -> None:
     # A script that exits without shutting its engine down: the daemon engine thread keeps
     # stepping while the interpreter runs its exit handlers (weakref finalizers among them).
