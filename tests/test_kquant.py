@@ -171,6 +171,31 @@ def test_a_rows_result_does_not_depend_on_its_call(ggml_type):
         assert torch.equal(matrix.gemm()(big)[260:], matrix.gemm()(big[260:]))
 
 
+@pytest.mark.parametrize("ggml_type", [T.Q4_K, T.Q6_K, T.Q5_0])
+def test_streams_and_one_stream_give_the_same_bits(ggml_type):
+    """The per-16 product reads a thread's blocks as 3 streams (on Intel CPUs) or as one: the same
+    blocks and sums in another order, so the same result. 400 rows: 13 blocks a thread."""
+    weight = weight_of(ggml_type, 400, seed=2)
+    kernel, lib = KQuantMatrix.from_gguf([weight]).native(), native_kernels.kquant_ops()
+    x = torch.randn(2, 512).bfloat16()
+    try:
+        results = []
+        for streams in (1, 0):
+            lib.kquant_use_streams(streams)
+            results.append((kernel(x[:1]), kernel(x)))
+    finally:
+        lib.kquant_use_streams(int(native_kernels.read_streams()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_streams_are_read_on_intel_cpus_unless_the_environment_decides():
+    assert native_kernels.read_streams("GenuineIntel", {})
+    assert not native_kernels.read_streams("AuthenticAMD", {})
+    assert not native_kernels.read_streams("", {})
+    assert native_kernels.read_streams("AuthenticAMD", {"FORKLM_READ_STREAMS": "1"})
+    assert not native_kernels.read_streams("GenuineIntel", {"FORKLM_READ_STREAMS": "0"})
+
+
 def reference_gemm(x: torch.Tensor, weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """What the many-row product computes, in float64: x quantized per 256 k for the K-quants,
     per 32 for the legacy types (d = max|x| / 127, xq = rint(x / d)), times the exact weight;

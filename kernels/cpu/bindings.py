@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -568,6 +568,20 @@ def _build_and_load_int4() -> _Loaded:
     return _Loaded(lib, "", origin)
 
 
+def read_streams(vendor: str | None = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether kquant_vnni.c's per-16 product reads a thread's blocks as several streams at once
+    for 1-2 rows of x. Measured faster on an Intel Xeon (the 1B's records 5-7%, session 29) and
+    much slower on AMD Zen 5 (the 1B's batch-1 forward 22.4 ms against 13.2 with one stream, the
+    0.5B's 7.5 against 6.6, session 32: benchmarks/NOTES.md), so on Intel CPUs only;
+    FORKLM_READ_STREAMS=0/1 decides instead. (int4_gemv.c's records keep their streams: there
+    they were faster on both, the default model's forward 0.93-0.95x on Zen 5.)"""
+    environ = os.environ if environ is None else environ
+    chosen = environ.get("FORKLM_READ_STREAMS", "")
+    if chosen in ("0", "1"):
+        return chosen == "1"
+    return (native_build.cpu_vendor() if vendor is None else vendor) == "GenuineIntel"
+
+
 def kquant_ops() -> ctypes.CDLL | None:
     """The K-quant library (kquant_vnni.c), or None when it did not build, FORKLM_NATIVE_INT4=0,
     or the CPU lacks AVX512-VNNI/BW/BF16 (its matmul needs them; the row lookup alone is no use
@@ -596,6 +610,9 @@ def _build_and_load_kquant() -> _Loaded:
     lib.kquant_gemm_amx_bf16.restype = _int
     lib.kquant_gemm_amx_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p, _p, _i64]
     lib.kquant_amx_available.restype = _int
+    lib.kquant_use_streams.restype = None
+    lib.kquant_use_streams.argtypes = [_int]
+    lib.kquant_use_streams(int(read_streams()))
     return _Loaded(lib, "", origin)
 
 

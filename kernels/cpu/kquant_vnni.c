@@ -69,6 +69,11 @@ enum { KQ_Q4_0 = 2, KQ_Q5_0 = 6, KQ_Q8_0 = 8, KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_
 #define MAX_STREAMS 3
 #define STREAM_MAX_M 2
 #define STREAM_PREFETCH_BYTES 2048
+/* Whether the streams are used: set once at load (bindings.py's read_streams). They were
+ * measured faster on an Intel Xeon only; on AMD Zen 5 one stream a thread is faster (the 1B's
+ * batch-1 forward 13.2 ms against 22.4). */
+static int use_streams = 1;
+void kquant_use_streams(int on) { use_streams = on; }
 
 /* The legacy types (one fp16 step per block of 32 k, no integer scales) have a record per
  * 16 rows x 32 k: their rows need only be a multiple of 32 long (Qwen2.5-0.5B's 896 is why
@@ -644,7 +649,8 @@ int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t
     { /* a thread's blocks are one run of the records, read front to back as `streams` runs */
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t b0 = blocks * t / threads, b1 = blocks * (t + 1) / threads;
-        const int streams = M <= STREAM_MAX_M && b1 - b0 >= MAX_STREAMS ? MAX_STREAMS : 1;
+        const int streams =
+            use_streams && M <= STREAM_MAX_M && b1 - b0 >= MAX_STREAMS ? MAX_STREAMS : 1;
         const int64_t gap = (b1 - b0) / streams; /* the streams' blocks b0 + i + gap s */
         const int64_t warm = gap * block_stride < WARM_BYTES ? gap * block_stride : WARM_BYTES;
         for (int s = 0; s < streams; s++)

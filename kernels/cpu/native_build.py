@@ -85,12 +85,22 @@ def source_key(source: Path, target: tuple[str, ...] | list[str]) -> str:
 
 
 def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo_field(("flags", "Features")).split())
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where it has none)."""
+    return _cpuinfo_field(("vendor_id",)).strip()
+
+
+def _cpuinfo_field(names: tuple[str, ...]) -> str:
+    """The value of the first /proc/cpuinfo line naming one of `names` ("" without one)."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
+            line = next((ln for ln in f if ln.startswith(names)), "")
     except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+        return ""
+    return line.partition(":")[2]
 
 
 def best_level(flags: frozenset[str] | None = None) -> Level | None:
