@@ -45,6 +45,9 @@ ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the abl
     "forklm-deterministic": {"enable_deterministic_inference": True},
     # Each layer's dense steps compiled by inductor (runtime/forward/torch_compile.py)
     "forklm-compile": {"enable_torch_compile": True},
+    # Decode steps back to back before the scheduler looks again (SGLang's flag)
+    "forklm-cds4": {"num_continuous_decode_steps": 4},
+    "forklm-cds8": {"num_continuous_decode_steps": 8},
 }
 LLAMA_SERVER_SLOTS = {"llama-server-np8": 8, "llama-server-np16": 16}
 HTTP_SYSTEMS = ("http", "forklm-http", "llamacpp", *LLAMA_SERVER_SLOTS)

@@ -118,6 +118,14 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     debug_eager_cuda_graph: bool = False
+    # SGLang's --num-continuous-decode-steps: decode steps run back to back before the
+    # scheduler looks again (new requests, aborts), with each step's tokens applied, checked
+    # and streamed after the last. Saves the per-step scheduling and output work, a large share
+    # of a small model's CPU step (benchmarks/NOTES.md, session 32); a request arriving meanwhile
+    # waits up to that many steps. Steps run one at a time while requests wait to be prefilled
+    # and for requests whose next token depends on the one before outside the model: a grammar,
+    # penalties, a pending min_new_tokens, images, drafts (runtime/scheduling/scheduler.py).
+    num_continuous_decode_steps: int = 1
     # SGLang's --disable-overlap-schedule: with the overlap scheduler consecutive decode steps
     # pipeline (the next forward runs while this step's samples are applied; runtime/engine/overlap.py;
     # same tokens). None = on with a GPU, off on the CPU, where the forward thread competes with
@@ -197,6 +205,8 @@ class EngineConfig:
                "expected 'cpu' or 'cuda[:N]'")
         check_field(self.max_total_tokens is None or self.max_total_tokens >= 16, "max_total_tokens",
                self.max_total_tokens, "need at least 16 KV slots")
+        check_field(1 <= self.num_continuous_decode_steps <= 64, "num_continuous_decode_steps",
+                    self.num_continuous_decode_steps, "expected 1 (one step at a time) to 64")
         check_field(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests,
                "must be >= 1")
         check_field(self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,

@@ -25,6 +25,7 @@ from forklm.runtime.engine.output_processor import (
     fail,
     finish,
     process_logits,
+    run_decode_steps,
     sample_step,
 )
 from forklm.runtime.engine.overlap import ForwardResult, ForwardWorker, InFlight
@@ -221,6 +222,9 @@ class EngineLoop:
             self._emit_aborted()
             if batch is None:
                 return
+            if batch.steps > 1:  # continuous decode steps chain their forwards themselves
+                self._finish_plainly(batch, time.perf_counter())
+                return
             self._in_flight = worker.launch(batch, None)
         current, self._in_flight = self._in_flight, None
         # Requests that finished after the step was scheduled (aborted while its forward ran, or
@@ -281,6 +285,9 @@ class EngineLoop:
         aborted, so one request's bad input cannot take its batch neighbours down."""
         try:
             t1 = time.perf_counter()
+            if batch.steps > 1:  # forwards and sampling, then the requests take the tokens
+                tokens = run_decode_steps(self.parts.runner, batch, self.parts.grammar)
+                return tokens, time.perf_counter() - t1
             logits, layout = self.parts.runner.forward(batch)
             forward_s = time.perf_counter() - t1
             return process_logits(batch, logits, layout, self.parts.grammar), forward_s
@@ -289,7 +296,7 @@ class EngineLoop:
         except Exception as e:
             if len(batch.reqs) == 1:
                 logger.exception("request %s failed its engine step", batch.reqs[0].rid)
-                self._fail_alone(batch.reqs[0], batch.extend_lens[0], e)
+                self._fail_alone(batch.reqs[0], batch.extend_lens[0] * batch.steps, e)
                 return StepTokens(0, 0, 0, 0), 0.0
             logger.warning("a step of %d requests failed (%r); rerunning it in halves",
                            len(batch.reqs), e)

@@ -19,7 +19,7 @@ from forklm.runtime.sampling.sampler import (
 from forklm.runtime.scheduling.request import FinishReason, Req, ReqOutput
 
 if TYPE_CHECKING:
-    from forklm.runtime.forward.model_runner import LogitsRows
+    from forklm.runtime.forward.model_runner import LogitsRows, ModelRunner
     from forklm.runtime.sampling.constraints import GrammarBackend
     from forklm.runtime.sampling.params import SamplingParams
     from forklm.runtime.scheduling.scheduler import ScheduledBatch
@@ -62,6 +62,45 @@ def process_logits(batch: ScheduledBatch, logits: torch.Tensor, layout: list[Log
     request takes its results (apply_step), and one whose own update raises is aborted alone
     (`fail`)."""
     return apply_step(batch, layout, sample_step(batch, logits, layout, grammar), grammar)
+
+
+def run_decode_steps(runner: ModelRunner, batch: ScheduledBatch,
+                     grammar: GrammarBackend | None = None) -> StepTokens:
+    """Run `batch.steps` continuous decode steps (num_continuous_decode_steps): each step's
+    samples feed the next forward where they are, and the requests take them one step after
+    another once the last has run. A request that finishes on a step (a stop token or string,
+    its length) takes nothing after it; releasing it drops the KV computed past its end
+    (KVCacheManager.release). If a step raises, no request has changed, and the seeded generators are
+    rewound, so the caller may rerun the batch or its parts (as process_logits)."""
+    seeded = [(req.generator, req.generator.get_state()) for req in batch.reqs
+              if req.generator is not None and req.sampling_params.seed is not None
+              and not req.sampling_params.is_greedy]
+    ids, results = None, []
+    try:
+        for i in range(batch.steps):
+            step = batch.step_of_run(i)
+            logits, layout = runner.forward(step, ids)
+            on_device = sample_step(step, logits, layout, grammar).on_device
+            assert on_device is not None, "a decode step samples every request"
+            results.append(on_device)
+            ids = on_device.token_ids
+    except Exception:
+        for generator, state in seeded:
+            generator.set_state(state)
+        raise
+    generated = 0
+    for on_device in results:
+        result = on_device.to_host()
+        for k, req in enumerate(batch.reqs):
+            if req.finished:
+                continue
+            try:
+                _append_sampled(req, result, k)
+                generated += 1
+            except Exception as e:
+                logger.exception("request %s failed in its step", req.rid)
+                fail(req, f"engine error: {e!r}")
+    return StepTokens(generated, 0, 0, 0)
 
 
 def sample_step(batch: ScheduledBatch, logits: torch.Tensor, layout: list[LogitsRows],

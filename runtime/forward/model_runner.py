@@ -139,6 +139,7 @@ class ModelRunner:
         if batch.is_decode and all(req.mm is None and req.pooling is None
                                    and not req.wants_input_logprobs for req in batch.reqs):
             return self._build_decode(batch, input_ids)
+        assert batch.behind == 0, "a step of a continuous run is a plain decode step"
         return self._build_general(batch, input_ids)
 
     def _build_general(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
@@ -235,18 +236,22 @@ class ModelRunner:
         """_build for a plain decode step (one token per request, each sampled; no images,
         pooling or prompt logprobs): the same ForwardBatch and layout, its index tensors made
         in numpy over the slot rows (KVCacheManager.req_to_token_np) instead of by ~10 small
-        torch ops, and without the general loop's per-request bookkeeping."""
+        torch ops, and without the general loop's per-request bookkeeping. A step of a
+        continuous run computes each request's token `batch.behind` before its last slot."""
         reqs = batch.reqs
         n = len(reqs)
         rows = np.fromiter((req.row for req in reqs), np.int64, n)
         kv_lens = np.fromiter((req.num_computed for req in reqs), np.int64, n)
+        if batch.behind:
+            kv_lens -= batch.behind
         positions = kv_lens - 1
         slot_rows = self.kv.req_to_token_np
         everyone = torch.from_numpy(np.arange(n))
         if input_ids is None:
+            back = batch.behind + 1
             input_ids = torch.from_numpy(np.fromiter(
-                (req.fill_slice(req.num_computed - 1, req.num_computed)[0] for req in reqs),
-                np.int64, n))
+                (req.fill_slice(req.num_computed - back, req.num_computed - back + 1)[0]
+                 for req in reqs), np.int64, n))
         fb = ForwardBatch(
             input_ids=input_ids, positions=torch.from_numpy(positions),
             out_slots=torch.from_numpy(slot_rows[rows, positions]),

@@ -47,6 +47,12 @@ class ScheduledBatch:
     # Per request: the speculative draft tokens computed after its last token (their KV is the
     # tail of extend_lens); empty when no request in the batch has one.
     draft_ids: list[list[int]] = field(default_factory=list)
+    # Decode steps run back to back (num_continuous_decode_steps): each request's KV slots are
+    # taken for all of them, and its tokens are applied after the last.
+    steps: int = 1
+    # Tokens the requests' computed counts run ahead of this forward: one step of a run of
+    # `steps` computes each request's token at num_computed - 1 - behind.
+    behind: int = 0
 
     @classmethod
     def prefill(cls, reqs: list[Req], extend_lens: list[int]) -> ScheduledBatch:
@@ -66,7 +72,13 @@ class ScheduledBatch:
         return ScheduledBatch([self.reqs[i] for i in indices],
                               [self.extend_lens[i] for i in indices], self.phase,
                               [self.samples[i] for i in indices],
-                              [self.draft_ids[i] for i in indices] if self.draft_ids else [])
+                              [self.draft_ids[i] for i in indices] if self.draft_ids else [],
+                              self.steps, self.behind)
+
+    def step_of_run(self, i: int) -> ScheduledBatch:
+        """Step i (from 0) of a batch of `steps` continuous decode steps, as one decode step."""
+        return ScheduledBatch(self.reqs, self.extend_lens, self.phase, self.samples,
+                              behind=self.steps - 1 - i)
 
 
 class Scheduler:
@@ -257,10 +269,30 @@ class Scheduler:
         drafts = self._propose_drafts(self.kv.available_tokens - sum(lens))
         if drafts:
             lens = [n + len(d) for n, d in zip(lens, drafts)]
-        self.kv.extend_all(self.running, lens)
-        self._decay_new_token_ratio()
         phase: Phase = "decode" if all(n == 1 for n in lens) else "catch_up"
-        return ScheduledBatch(list(self.running), lens, phase, [True] * len(lens), drafts)
+        steps = self._continuous_steps() if phase == "decode" else 1
+        for _ in range(steps):  # one slot a step, from each request's decode run
+            self.kv.extend_all(self.running, lens)
+            self._decay_new_token_ratio()
+        return ScheduledBatch(list(self.running), lens, phase, [True] * len(lens), drafts, steps)
+
+    def _continuous_steps(self) -> int:
+        """How many decode steps to run back to back (num_continuous_decode_steps): 1 while
+        requests wait to be prefilled, or where a request's next token depends on its last one
+        outside the model (a grammar's mask, penalties, a min_new_tokens ban still pending,
+        images' rotary rows, drafts); else as many as every request may still take and the
+        free KV slots allow."""
+        steps = self.config.num_continuous_decode_steps
+        if (steps == 1 or self.waiting or self.chunked_req is not None
+                or self.drafter is not None):
+            return 1
+        for req in self.running:
+            params = req.sampling_params
+            if (req.grammar is not None or req.mm is not None or params.uses_penalties
+                    or len(req.output_ids) < params.min_new_tokens):
+                return 1
+            steps = min(steps, req.remaining_new_tokens(), req.max_total_len - req.fill_len)
+        return max(1, min(steps, self.kv.available_tokens // len(self.running)))
 
     def _decay_new_token_ratio(self) -> None:
         self.new_token_ratio = max(
