@@ -10,8 +10,9 @@ from pathlib import Path
 
 from forklm.kernels.cpu import bindings
 
-# Entry points that answer a question about the build instead of computing a tensor.
-QUERY = re.compile(r"_(threads|supports|available|repack)$|^fused_max_head_dim$")
+# Entry points that answer a question about the build, or set how a kernel reads its weights,
+# instead of computing a tensor.
+QUERY = re.compile(r"_(threads|supports|available|repack|use_streams)$|^fused_max_head_dim$")
 EXPORTED = re.compile(r"^(?:__attribute__\S*\s+)?(?:int|void|int64_t)\s+(\w+)\(", re.M)
 
 

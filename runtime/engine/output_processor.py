@@ -70,8 +70,8 @@ def run_decode_steps(runner: ModelRunner, batch: ScheduledBatch,
     samples feed the next forward where they are, and the requests take them one step after
     another once the last has run. A request that finishes on a step (a stop token or string,
     its length) takes nothing after it; releasing it drops the KV computed past its end
-    (KVCacheManager.release). If a step raises, no request has changed, and the seeded generators are
-    rewound, so the caller may rerun the batch or its parts (as process_logits)."""
+    (KVCacheManager.release). If a step raises, no request has changed and the seeded
+    generators are rewound, so the caller may rerun the batch or its parts (as process_logits)."""
     seeded = [(req.generator, req.generator.get_state()) for req in batch.reqs
               if req.generator is not None and req.sampling_params.seed is not None
               and not req.sampling_params.is_greedy]
