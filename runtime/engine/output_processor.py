@@ -72,9 +72,7 @@ def run_decode_steps(runner: ModelRunner, batch: ScheduledBatch,
     its length) takes nothing after it; releasing it drops the KV computed past its end
     (KVCacheManager.release). If a step raises, no request has changed and the seeded
     generators are rewound, so the caller may rerun the batch or its parts (as process_logits)."""
-    seeded = [(req.generator, req.generator.get_state()) for req in batch.reqs
-              if req.generator is not None and req.sampling_params.seed is not None
-              and not req.sampling_params.is_greedy]
+    seeded = _seeded_states(batch.reqs)
     ids, results = None, []
     try:
         for i in range(batch.steps):
@@ -85,8 +83,7 @@ def run_decode_steps(runner: ModelRunner, batch: ScheduledBatch,
             results.append(on_device)
             ids = on_device.token_ids
     except Exception:
-        for generator, state in seeded:
-            generator.set_state(state)
+        _rewind(seeded)
         raise
     generated = 0
     for on_device in results:
@@ -155,10 +152,7 @@ def _sample(to_sample: list[tuple[Req, int, list[int]]], logits: torch.Tensor,
     rows = [r for _, row, d in to_sample for r in range(row, row + len(d) + 1)]
     sampling_rows = [v for req, _, d in to_sample for v in _verify_rows(req, d)]
     states = [_generator_state(req, d) for req, _, d in to_sample]
-    # Unseeded requests need no rewind: a rerun just draws other random numbers.
-    seeded = [(req.generator, req.generator.get_state()) for req, _, _ in to_sample
-              if req.generator is not None and req.sampling_params.seed is not None
-              and not req.sampling_params.is_greedy]
+    seeded = _seeded_states([req for req, _, _ in to_sample])
     try:
         rows_logits = _rows_of(logits, rows)
         if any(req.grammar is not None for req, _, _ in to_sample):
@@ -169,9 +163,21 @@ def _sample(to_sample: list[tuple[Req, int, list[int]]], logits: torch.Tensor,
         chosen_logprobs = any(req.return_logprob for req, _, _ in to_sample)
         return sample_on_device(rows_logits, sampling_rows, chosen_logprobs), states
     except Exception:
-        for generator, state in seeded:
-            generator.set_state(state)
+        _rewind(seeded)
         raise
+
+
+def _seeded_states(reqs: list[Req]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    """The generator states a failed step rewinds to: seeded sampled requests' only (unseeded
+    ones need no rewind: a rerun just draws other random numbers)."""
+    return [(req.generator, req.generator.get_state()) for req in reqs
+            if req.generator is not None and req.sampling_params.seed is not None
+            and not req.sampling_params.is_greedy]
+
+
+def _rewind(seeded: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    for generator, state in seeded:
+        generator.set_state(state)
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -179,3 +179,7 @@ class Req:
 
     def remaining_new_tokens(self) -> int:
         return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    def tokens_left(self) -> int:
+        """Tokens it may still sample: within max_new_tokens and the context length."""
+        return min(self.remaining_new_tokens(), self.max_total_len - self.fill_len)

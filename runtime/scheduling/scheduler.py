@@ -291,7 +291,7 @@ class Scheduler:
             if (req.grammar is not None or req.mm is not None or params.uses_penalties
                     or len(req.output_ids) < params.min_new_tokens):
                 return 1
-            steps = min(steps, req.remaining_new_tokens(), req.max_total_len - req.fill_len)
+            steps = min(steps, req.tokens_left())
         return max(1, min(steps, self.kv.available_tokens // len(self.running)))
 
     def _decay_new_token_ratio(self) -> None:
@@ -311,7 +311,7 @@ class Scheduler:
         `cancel_ahead` returns its slot."""
         if self.waiting or self.chunked_req is not None or batch.draft_ids:
             return None
-        reqs = [r for r in batch.reqs if not _last_by_length(r)]
+        reqs = [r for r in batch.reqs if r.tokens_left() > 1]
         if not reqs or self.kv.available_tokens < len(reqs):
             return None
         self.kv.extend_all(reqs, [1] * len(reqs))  # the slots of the tokens being sampled now
@@ -386,9 +386,3 @@ class Scheduler:
         if req is self.chunked_req:
             self.chunked_req = None
         self.kv.release(req)
-
-
-def _last_by_length(req: Req) -> bool:
-    """Whether the token req is sampling now is its last: max_new_tokens or the context length."""
-    return (len(req.output_ids) + 1 >= req.sampling_params.max_new_tokens
-            or req.fill_len + 1 >= req.max_total_len)
