@@ -32,6 +32,7 @@ from benchmarks import report
 from benchmarks.runners import EngineRunner, HFRunner, Metrics
 from benchmarks.workloads import WORKLOADS, Workload
 from forklm.runtime.cpu_threads import release_openmp_threads
+from forklm.runtime.process_heap import tune_heap
 
 ENGINE_SYSTEMS: dict[str, dict[str, Any]] = {  # name -> Engine options (the ablations)
     "forklm": {},
@@ -267,6 +268,9 @@ def _argv() -> list[str]:
 
 
 def main() -> None:
+    # glibc's malloc as `forklm serve` sets it, before a second thread exists: the in-process
+    # engines run as served (runtime/process_heap.py)
+    tune_heap()
     args = _parse_args()
     systems, names = args.systems.split(","), args.workloads.split(",")
     runs: report.Runs = {}

@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["serve"], ["run"], ["generate"], ["bench"]):
+        from forklm.runtime.process_heap import tune_heap
+
+        tune_heap()  # before a second thread exists (runtime/process_heap.py)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
     # the collector off while the commands' modules load (the parser's flags import the server
