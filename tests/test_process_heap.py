@@ -7,6 +7,7 @@ own mapping, and a second thread allocates from the main heap rather than an are
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -54,7 +55,7 @@ print(json.dumps({"tuned": tuned, "mapped_blocks": mapped, "thread_on_main_heap"
 
 
 def _probe(mode: str, env: dict[str, str] | None = None) -> dict:
-    clean = {k: v for k, v in __import__("os").environ.items()
+    clean = {k: v for k, v in os.environ.items()
              if not k.startswith("MALLOC_") and k != "FORKLM_HEAP_TUNING"}
     done = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True,
                           env={**clean, **(env or {})}, timeout=120)
