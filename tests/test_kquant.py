@@ -152,12 +152,13 @@ def test_matmul_computes_the_int8_product(ggml_type, out_features, parallel):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_its_call(ggml_type):
     """Alone, among 40 rows, or split over threads: bit-identical within each kernel (radix-cached
-    prefixes and batched requests must see the same logits as a lone one), the per-16 kernel and
-    the K-quants' many-row product alike."""
+    prefixes and batched requests must see the same logits as a lone one), the decode kernel
+    (the K-quants' fine product, the legacy types' per-16 kernel) and the many-row product
+    alike."""
     weight = weight_of(ggml_type, 200, seed=1)
     matrix = KQuantMatrix.from_gguf([weight])
     serial = native_kernels.kquant_matmul(int(ggml_type), matrix.records, matrix.padded_rows,
-                                          200, 512, 2**62)
+                                          200, 512, 2**62, fine=ggml_type not in LEGACY)
     x = torch.randn(40, 512).bfloat16()
     for kernel in (matrix.native(), serial, matrix.gemm()):
         if kernel is None:  # the legacy types have no many-row product
@@ -196,15 +197,27 @@ def test_streams_are_read_on_intel_cpus_unless_the_environment_decides():
     assert not native_kernels.read_streams("GenuineIntel", {"FORKLM_READ_STREAMS": "0"})
 
 
-def reference_gemm(x: torch.Tensor, weight: GGUFWeight) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_gemm(x: torch.Tensor, weight: GGUFWeight, fine: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the many-row product computes, in float64: x quantized per 256 k for the K-quants,
     per 32 for the legacy types (d = max|x| / 127, xq = rint(x / d)), times the exact weight;
-    and the sum of the terms' magnitudes."""
+    and the sum of the terms' magnitudes. `fine`: each group of 32 of a super-block in the
+    finest step d / 2^sh (sh <= 3) its own max |x| fits in 127 of."""
     w = torch.from_numpy(dequantize(weight.data, weight.ggml_type)).double()
     xf = x.float().view(x.shape[0], -1, 32 if weight.ggml_type in LEGACY else 256)
     amax = xf.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    x_int8 = (torch.round(xf * inv) * (amax / 127.0)).view(x.shape).double()
+    step = (amax / 127.0).expand_as(xf)
+    if fine:
+        groups = xf.view(x.shape[0], -1, 8, 32)
+        group_max = groups.abs().amax(-1, keepdim=True)
+        top = amax[..., None]
+        sh = torch.zeros_like(group_max)
+        for _ in range(3):
+            sh += (sh < 3) & (group_max * 2.0 ** (sh + 1) <= top)
+        inv = (inv[..., None] * 2.0**sh).expand_as(groups).reshape(xf.shape)
+        step = (step.view(groups.shape) / 2.0**sh).reshape(xf.shape)
+    x_int8 = (torch.round(xf * inv).double() * step.double()).view(x.shape)
     terms = x_int8[:, None, :] * w[None]
     return terms.sum(-1), terms.abs().sum(-1)
 
@@ -234,6 +247,59 @@ def test_many_row_product_computes_the_int8_product(ggml_type, out_features, in_
         reference = x.double() @ exact.T
         rms = reference.pow(2).mean(-1, keepdim=True).sqrt().clamp(min=1e-9)
         assert ((y.double() - reference).abs() / rms).mean() < 4e-2, rows  # measured ~2e-2
+
+
+K_TYPES = [t for t in TYPES if t not in LEGACY]
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 256), (200, 2560)])
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_fine_product_computes_the_int8_product(ggml_type, out_features, in_features, parallel):
+    """kquant_gemm_fine_bf16 (the K-quants' decode kernel): the many-row product's exact integer
+    sums with each group of 32 of x in the finest power-of-two step under its super-block's,
+    shifted into that step's units; what reference_gemm(fine=True) computes, for 1 to 17 rows,
+    a zero row, groups 8 and more times below their super-block's largest |x|."""
+    weight = weight_of(ggml_type, out_features, in_features, seed=out_features,
+                       realistic=False)
+    matrix = KQuantMatrix.from_gguf([weight])
+    fine = native_kernels.kquant_matmul(int(ggml_type), matrix.records, matrix.padded_rows,
+                                        out_features, in_features, 0 if parallel else 2**62,
+                                        fine=True)
+    gen = torch.Generator().manual_seed(in_features)
+    for rows in (1, 2, 9, 17):
+        x = torch.randn(rows, in_features, generator=gen).bfloat16()
+        x[:, 3] *= 50  # an outlier channel: the other groups of its super-block take finer steps
+        x[:, 40:64] *= 4  # a group between: a step 2^1 or 2^2 under the super-block's
+        x[rows // 2] = 0
+        y = fine(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        expected, magnitude = reference_gemm(x, weight, fine=True)
+        err = (y.double() - expected).abs()
+        assert (err <= 2.0**-8 * expected.abs() + 2.0**-20 * magnitude).all(), rows
+        assert not y[rows // 2].any()
+
+
+@pytest.mark.parametrize("ggml_type", K_TYPES, ids=lambda t: t.name)
+def test_fine_steps_keep_the_per_16_accuracy_where_x_has_outliers(ggml_type):
+    """Against the exact product, where one channel in 256 of x is 50 times the rest: the
+    many-row product's one step per 256 k loses the small channels' precision (rms error 0.101
+    here), the fine steps keep most of it (0.039; the per-16 kernel 0.025-0.027)."""
+    weight = weight_of(ggml_type, 64, 2048, seed=3)
+    matrix = KQuantMatrix.from_gguf([weight])
+    exact = torch.from_numpy(dequantize(weight.data, ggml_type)).double()
+    x = torch.randn(8, 2048, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x[:, 5::256] *= 50
+    reference = x.double() @ exact.T
+
+    def error(kernel) -> float:
+        return float((kernel(x).double() - reference).pow(2).mean().sqrt())
+
+    args = (int(ggml_type), matrix.records, matrix.padded_rows, 64, 2048, 2**62)
+    per_16 = error(native_kernels.kquant_matmul(*args))
+    fine = error(native_kernels.kquant_matmul(*args, fine=True))
+    coarse = error(matrix.gemm())
+    assert fine < 1.75 * per_16 and coarse > 2 * fine, (per_16, fine, coarse)
 
 
 @pytest.mark.parametrize("ggml_type", LEGACY, ids=lambda t: t.name)

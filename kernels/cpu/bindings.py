@@ -69,10 +69,12 @@ TORCH_TWINS = {
     "kquant_rows_f32": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
     "kquant_dequantize_t_bf16": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
     "kquant_gemm_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
+    "kquant_gemm_fine_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "kquant_gemm_amx_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "greedy_pick": "torch.argmax",
     # the matmuls in the decode runner's form: the same products as above
     "kquant_matmul_op": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
+    "kquant_gemm_fine_op": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "int4_gemv_op": "torch.ops.aten._weight_int4pack_mm_for_cpu",
     "int4_vnni_op": "torch.ops.aten._weight_int4pack_mm_for_cpu",
     "int8_vnni_op": "torch.ops.aten._weight_int4pack_mm_for_cpu",
@@ -607,6 +609,8 @@ def _build_and_load_kquant() -> _Loaded:
     lib.kquant_dequantize_t_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p]
     lib.kquant_gemm_bf16.restype = _int
     lib.kquant_gemm_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p, _p, _i64]
+    lib.kquant_gemm_fine_bf16.restype = _int
+    lib.kquant_gemm_fine_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _i64, _p, _p, _i64]
     lib.kquant_gemm_amx_bf16.restype = _int
     lib.kquant_gemm_amx_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p, _p, _i64]
     lib.kquant_amx_available.restype = _int
@@ -647,14 +651,18 @@ def kquant_repack(ggml_type: int, row_addresses: torch.Tensor, out_features: int
 
 
 def kquant_matmul(ggml_type: int, records: torch.Tensor, padded_rows: int, out_features: int,
-                  in_features: int, parallel_work: int | None = None
+                  in_features: int, parallel_work: int | None = None, fine: bool = False
                   ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """y = x @ W^T over `records` for contiguous bf16 x [M, in] (any M >= 1) -> bf16 [M, out],
-    x quantized per group of 32 to int8 on each call; None where the library is off."""
+    """y = x @ W^T over `records` for contiguous bf16 x [M, in] (any M >= 1) -> bf16 [M, out]:
+    the per-16 kernel (x quantized per 16 k to int8 on each call), or with `fine` the fine
+    product (K-quants only: x per 256 k in a power-of-two step per 32); OpenMP threads above
+    parallel_work multiply-adds. None where the library is off."""
     lib = kquant_ops()
     if lib is None:
         return None
-    fn, empty, bf16 = lib.kquant_matmul_bf16, torch.empty, torch.bfloat16
+    fn = lib.kquant_gemm_fine_bf16 if fine else lib.kquant_matmul_bf16
+    op = lib.kquant_gemm_fine_op if fine else lib.kquant_matmul_op
+    empty, bf16 = torch.empty, torch.bfloat16
     ptr = records.data_ptr()
     work = PARALLEL_WORK if parallel_work is None else parallel_work
 
@@ -665,7 +673,7 @@ def kquant_matmul(ggml_type: int, records: torch.Tensor, padded_rows: int, out_f
         assert rc == 0, f"kquant_matmul rejected {tuple(x.shape)} x {out_features}x{in_features}"
         return y
 
-    call.native_op = (_address(lib.kquant_matmul_op),  # type: ignore[attr-defined]
+    call.native_op = (_address(op),  # type: ignore[attr-defined]
                       (ggml_type, ptr, padded_rows, out_features, in_features, work))
     return call
 

@@ -763,6 +763,7 @@ int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, i
 #define GEMM_RUN_K 2048
 #define GEMM_CHUNK 256
 #define GEMM_STORE_BLOCKS 4
+#define FINE_SHIFT 3
 
 /* acc += a . b per pair of int16 in each 32-bit lane, b the int32 at p broadcast (vpdpwssd's
  * memory operand, as dot_broadcast). */
@@ -775,23 +776,63 @@ typedef struct {
     const uint8_t *records;
     const int8_t *xq;   /* [M, k] */
     const float *xd;    /* [M, k / 256] steps (legacy types: [M, k / 32]) */
-    const int16_t *xs;  /* [M, k / 16] (Q6_K) or [M, k / 32]: sums of xq */
+    const int16_t *xs;  /* [M, k / 16] (Q6_K) or [M, k / 32]: sums of xq (fine: shifted) */
     const int32_t *sq;  /* legacy types: [M, k / 32], -mid sum xq */
+    const int32_t *xl;  /* fine: [M, k / 32], each group's left shift (0..FINE_SHIFT) */
     int64_t k, sums;    /* sums: the xs per row */
 } gemm_job;
 
-/* x rows quantized per 256 k: xq, xd, and the sums of xq per `per` k (16 or 32) into xs. */
+/* One super-block of x (256 k at p) in fine steps: the super-block's step D = max|x| / 127,
+ * and for each group of 32 the finest D / 2^sh (sh <= FINE_SHIFT) its largest |x| fits in 127
+ * of: q = rint(x 2^sh 127 / max|x|), shift[g] = FINE_SHIFT - sh, sums16 the codes' sums per 16.
+ * Returns D / 2^FINE_SHIFT, the unit every shifted sum is in. */
+static inline float quantize_fine(const uint16_t *p, int8_t *q, int32_t *sums16,
+                                  int32_t *shift) {
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    __m512 v[16];
+    float amax[16], top = 0.0f;
+    for (int u = 0; u < 16; u++) {
+        v[u] = f32x16_from_bf16(p + 16 * u);
+        amax[u] = _mm512_reduce_max_ps(_mm512_and_ps(v[u], abs_mask));
+        top = amax[u] > top ? amax[u] : top;
+    }
+    const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+    for (int g = 0; g < 8; g++) {
+        const float group_max = amax[2 * g] > amax[2 * g + 1] ? amax[2 * g] : amax[2 * g + 1];
+        int sh = 0;
+        while (sh < FINE_SHIFT && group_max * (float)(2 << sh) <= top) sh++;
+        const __m512 scale = _mm512_set1_ps(inv * (float)(1 << sh)); /* exact: a power of 2 */
+        for (int u = 2 * g; u < 2 * g + 2; u++) {
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[u], scale)); /* |c| <= 127 */
+            _mm_storeu_si128((__m128i *)(q + 16 * u), _mm512_cvtsepi32_epi8(c));
+            sums16[u] = _mm512_reduce_add_epi32(c);
+        }
+        shift[g] = FINE_SHIFT - sh;
+    }
+    return top / 127.0f / (float)(1 << FINE_SHIFT);
+}
+
+/* x rows quantized per 256 k: xq, xd, and the sums of xq per `per` k (16 or 32) into xs; with
+ * xl, in fine steps (quantize_fine: xl the groups' shifts, xs the sums shifted). */
 static void quantize_rows_256(const uint16_t *x, int64_t M, int64_t k, int per, int8_t *xq,
-                              float *xd, int16_t *xs) {
+                              float *xd, int16_t *xs, int32_t *xl) {
     const int64_t sbs = k / QK;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; m++)
         for (int64_t s = 0; s < sbs; s++) {
-            int32_t sum16[16];
-            xd[m * sbs + s] = quantize_int8(x + m * k + s * QK, 16, xq + m * k + s * QK, sum16);
+            int32_t sum16[16], shift[8] = {0};
+            const uint16_t *p = x + m * k + s * QK;
+            int8_t *q = xq + m * k + s * QK;
+            if (xl) {
+                xd[m * sbs + s] = quantize_fine(p, q, sum16, shift);
+                memcpy(xl + m * (k / GROUP) + s * 8, shift, sizeof(shift));
+            } else {
+                xd[m * sbs + s] = quantize_int8(p, 16, q, sum16);
+            }
             int16_t *o = xs + m * (k / per) + s * (QK / per);
             for (int u = 0; u < 16; u += per / 16) /* per 16, or pairs of them */
-                o[u * 16 / per] = (int16_t)(per == 16 ? sum16[u] : sum16[u] + sum16[u + 1]);
+                o[u * 16 / per] = (int16_t)((per == 16 ? sum16[u] : sum16[u] + sum16[u + 1])
+                                            << shift[u / 2]);
         }
 }
 
@@ -836,12 +877,15 @@ static inline __attribute__((always_inline)) void gemm_legacy_record(const gemm_
  * product for the record's 16 weight rows. T and type constants in each copy. */
 static inline __attribute__((always_inline)) void gemm_record(const gemm_job *j, const uint8_t *r,
                                                               int64_t s, int64_t m0, int T,
-                                                              int type, __m512 *y) {
-    const int64_t gb = group_bytes(type), k = j->k;
+                                                              int type, int fine, __m512 *y) {
+    const int64_t gb = group_bytes(type), k = j->k, groups = k / GROUP;
     __m512i isum[GEMM_TILE];
     for (int m = 0; m < T; m++) isum[m] = _mm512_setzero_si512();
     for (int g = 0; g < 8; g++) {
         const uint8_t *body = r + header_bytes(type) + g * gb;
+        if (fine) /* decode: the records stream from memory once, as in the per-16 kernel */
+            for (int l = 0; l < gb; l += 64)
+                __builtin_prefetch(body + PREFETCH_BYTES + l, 0, PREFETCH_LOCALITY);
         __m512i c[8];
         group_codes(type, body, c);
         if (type == KQ_Q6_K) { /* an integer scale per half group (16 k) */
@@ -852,8 +896,10 @@ static inline __attribute__((always_inline)) void gemm_record(const gemm_job *j,
                 __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
                 for (int q = 0; q < 4; q++) a0 = dot_broadcast(a0, c[q], x4 + q);
                 for (int q = 4; q < 8; q++) a1 = dot_broadcast(a1, c[q], x4 + q);
-                isum[m] = _mm512_add_epi32(isum[m], _mm512_add_epi32(_mm512_mullo_epi32(a0, s0),
-                                                                     _mm512_mullo_epi32(a1, s1)));
+                __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(a0, s0), _mm512_mullo_epi32(a1, s1));
+                if (fine) /* into the super-block's finest step */
+                    t = _mm512_sllv_epi32(t, _mm512_set1_epi32(j->xl[(m0 + m) * groups + s * 8 + g]));
+                isum[m] = _mm512_add_epi32(isum[m], t);
             }
         } else {
             const __m512i sc = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 64 + 16 * g)));
@@ -864,7 +910,10 @@ static inline __attribute__((always_inline)) void gemm_record(const gemm_job *j,
                     a = dot_broadcast(a, c[q], x4 + q);
                     a2 = dot_broadcast(a2, c[q + 1], x4 + q + 1);
                 }
-                isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(_mm512_add_epi32(a, a2), sc));
+                a = _mm512_add_epi32(a, a2);
+                if (fine) /* into the super-block's finest step */
+                    a = _mm512_sllv_epi32(a, _mm512_set1_epi32(j->xl[(m0 + m) * groups + s * 8 + g]));
+                isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(a, sc));
             }
         }
     }
@@ -899,7 +948,8 @@ static inline __attribute__((always_inline)) void gemm_record(const gemm_job *j,
  * += their part. */
 static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *j, int64_t b,
                                                             int64_t s0, int64_t s1, int64_t m0,
-                                                            int T, int type, float *acc) {
+                                                            int T, int type, int fine,
+                                                            float *acc) {
     const int64_t sbs = j->k / record_k(type), rec = record_bytes(type);
     __m512 y[GEMM_TILE];
     for (int m = 0; m < T; m++) y[m] = _mm512_loadu_ps(acc + 16 * m);
@@ -907,37 +957,50 @@ static inline __attribute__((always_inline)) void gemm_tile(const gemm_job *j, i
         if (is_legacy(type))
             gemm_legacy_record(j, j->records + (b * sbs + s) * rec, s, m0, T, type, y);
         else
-            gemm_record(j, j->records + (b * sbs + s) * rec, s, m0, T, type, y);
+            gemm_record(j, j->records + (b * sbs + s) * rec, s, m0, T, type, fine, y);
     for (int m = 0; m < T; m++) _mm512_storeu_ps(acc + 16 * m, y[m]);
 }
 
-#define GEMM_TILE_CASES(TYPE)                                                                  \
+#define GEMM_TILE_CASES(TYPE, FINE)                                                            \
     switch (T) {                                                                               \
-    case 1: gemm_tile(j, b, s0, s1, m0, 1, TYPE, acc); break;                                  \
-    case 2: gemm_tile(j, b, s0, s1, m0, 2, TYPE, acc); break;                                  \
-    case 3: gemm_tile(j, b, s0, s1, m0, 3, TYPE, acc); break;                                  \
-    case 4: gemm_tile(j, b, s0, s1, m0, 4, TYPE, acc); break;                                  \
-    case 5: gemm_tile(j, b, s0, s1, m0, 5, TYPE, acc); break;                                  \
-    case 6: gemm_tile(j, b, s0, s1, m0, 6, TYPE, acc); break;                                  \
-    case 7: gemm_tile(j, b, s0, s1, m0, 7, TYPE, acc); break;                                  \
-    default: gemm_tile(j, b, s0, s1, m0, GEMM_TILE, TYPE, acc); break;                         \
+    case 1: gemm_tile(j, b, s0, s1, m0, 1, TYPE, FINE, acc); break;                            \
+    case 2: gemm_tile(j, b, s0, s1, m0, 2, TYPE, FINE, acc); break;                            \
+    case 3: gemm_tile(j, b, s0, s1, m0, 3, TYPE, FINE, acc); break;                            \
+    case 4: gemm_tile(j, b, s0, s1, m0, 4, TYPE, FINE, acc); break;                            \
+    case 5: gemm_tile(j, b, s0, s1, m0, 5, TYPE, FINE, acc); break;                            \
+    case 6: gemm_tile(j, b, s0, s1, m0, 6, TYPE, FINE, acc); break;                            \
+    case 7: gemm_tile(j, b, s0, s1, m0, 7, TYPE, FINE, acc); break;                            \
+    default: gemm_tile(j, b, s0, s1, m0, GEMM_TILE, TYPE, FINE, acc); break;                   \
     }
 
 typedef void (*gemm_runner)(const gemm_job *, int64_t, int64_t, int64_t, int64_t, int, float *);
 static void gemm_q4(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
-                    float *acc) { GEMM_TILE_CASES(KQ_Q4_K) }
+                    float *acc) { GEMM_TILE_CASES(KQ_Q4_K, 0) }
 static void gemm_q5(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
-                    float *acc) { GEMM_TILE_CASES(KQ_Q5_K) }
+                    float *acc) { GEMM_TILE_CASES(KQ_Q5_K, 0) }
 static void gemm_q6(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
-                    float *acc) { GEMM_TILE_CASES(KQ_Q6_K) }
+                    float *acc) { GEMM_TILE_CASES(KQ_Q6_K, 0) }
 static void gemm_q4_0(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
-                      float *acc) { GEMM_TILE_CASES(KQ_Q4_0) }
+                      float *acc) { GEMM_TILE_CASES(KQ_Q4_0, 0) }
 static void gemm_q5_0(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
-                      float *acc) { GEMM_TILE_CASES(KQ_Q5_0) }
+                      float *acc) { GEMM_TILE_CASES(KQ_Q5_0, 0) }
 static void gemm_q8_0(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0, int T,
-                      float *acc) { GEMM_TILE_CASES(KQ_Q8_0) }
+                      float *acc) { GEMM_TILE_CASES(KQ_Q8_0, 0) }
 
-static gemm_runner gemm_runner_of(int type) {
+static void gemm_q4_fine(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0,
+                         int T, float *acc) { GEMM_TILE_CASES(KQ_Q4_K, 1) }
+static void gemm_q5_fine(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0,
+                         int T, float *acc) { GEMM_TILE_CASES(KQ_Q5_K, 1) }
+static void gemm_q6_fine(const gemm_job *j, int64_t b, int64_t s0, int64_t s1, int64_t m0,
+                         int T, float *acc) { GEMM_TILE_CASES(KQ_Q6_K, 1) }
+
+static gemm_runner gemm_runner_of(int type, int fine) {
+    if (fine) switch (type) {
+        case KQ_Q4_K: return gemm_q4_fine;
+        case KQ_Q5_K: return gemm_q5_fine;
+        case KQ_Q6_K: return gemm_q6_fine;
+        default: return NULL;
+        }
     switch (type) {
     case KQ_Q4_0: return gemm_q4_0;
     case KQ_Q5_0: return gemm_q5_0;
@@ -950,27 +1013,32 @@ static gemm_runner gemm_runner_of(int type) {
 }
 
 /* y[M, n_out] bf16 = x[M, k] bf16 @ W^T over the records of any type, x quantized per 256 k
- * (K-quants) or per 32 (legacy types; above). Returns 0, or -1 for what it does not take
- * (nothing written). */
-int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out, int64_t k,
-                     const uint16_t *x, uint16_t *y, int64_t M) {
-    const gemm_runner run = gemm_runner_of(type);
+ * (K-quants; with `fine`, in the fine steps of quantize_fine) or per 32 (legacy types; above),
+ * on OpenMP threads where `parallel`. Returns 0, or -1 for what it does not take (nothing
+ * written). */
+static int records_product(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
+                           int64_t k, const uint16_t *x, uint16_t *y, int64_t M, int fine,
+                           int parallel) {
+    const gemm_runner run = gemm_runner_of(type, fine);
     if (!run || M < 1 || k <= 0 || k % record_k(type) || n_rows % ROWS || n_out > n_rows)
         return -1;
     const int legacy = is_legacy(type), per = type == KQ_Q6_K ? 16 : 32;
     const int64_t steps = k / record_k(type), sums = legacy ? 0 : k / per;
-    /* the int8 rows, then the steps, then the sums (legacy: -mid sum xq, int32) */
+    /* the int8 rows, then the steps, then the sums (legacy: -mid sum xq, int32), then the
+     * fine steps' shifts */
+    const size_t shifts = fine ? (size_t)(M * (k / GROUP)) : 0;
     int8_t *xq = malloc((size_t)(M * k) + sizeof(float) * (size_t)(M * steps) +
-                        sizeof(int32_t) * (size_t)(M * (legacy ? steps : sums)));
+                        sizeof(int32_t) * ((size_t)(M * (legacy ? steps : sums)) + shifts));
     if (!xq) return -1;
     float *xd = (float *)(xq + M * k); /* M k is a multiple of 32: aligned */
     int16_t *xs = (int16_t *)(xd + M * steps);
     int32_t *sq = (int32_t *)(xd + M * steps);
+    int32_t *xl = fine ? sq + M * (legacy ? steps : sums) : NULL;
     if (legacy)
         quantize_rows_32(x, M, k, code_mid(type), xq, xd, sq);
     else
-        quantize_rows_256(x, M, k, per, xq, xd, xs);
-    const gemm_job j = {records, xq, xd, xs, sq, k, sums};
+        quantize_rows_256(x, M, k, per, xq, xd, xs, xl);
+    const gemm_job j = {records, xq, xd, xs, sq, xl, k, sums};
     const int64_t run_records = GEMM_RUN_K / record_k(type);
     const int64_t blocks = (n_out + ROWS - 1) / ROWS;
     const int threads = omp_get_max_threads();
@@ -984,7 +1052,7 @@ int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n
         free(xq);
         return -1;
     }
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (parallel)
     {
         float *const mine = accs + (size_t)omp_get_thread_num() * 16 * GEMM_STORE_BLOCKS * GEMM_CHUNK;
         for (int64_t c0 = 0; c0 < M; c0 += GEMM_CHUNK) {
@@ -1019,6 +1087,20 @@ int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n
     free(accs);
     free(xq);
     return 0;
+}
+
+int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out, int64_t k,
+                     const uint16_t *x, uint16_t *y, int64_t M) {
+    return records_product(type, records, n_rows, n_out, k, x, y, M, 0, 1);
+}
+
+/* The fine product (K-quants only): y[M, n_out] bf16 = x[M, k] bf16 @ W^T, x in fine steps,
+ * on OpenMP threads above parallel_work multiply-adds (n_rows k M). */
+int kquant_gemm_fine_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
+                          int64_t k, int64_t parallel_work, const uint16_t *x, uint16_t *y,
+                          int64_t M) {
+    return records_product(type, records, n_rows, n_out, k, x, y, M, 1,
+                           n_rows * k * M > parallel_work);
 }
 /* ---- The many-row product on AMX tiles: kquant_gemm_amx_bf16 ----
  * Where the CPU runs AMX (and the kernel grants this process the tile state), each 16-row
@@ -1266,6 +1348,13 @@ int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n
     (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)x, (void)y, (void)M;
     return -1;
 }
+int kquant_gemm_fine_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
+                          int64_t k, int64_t parallel_work, const uint16_t *x, uint16_t *y,
+                          int64_t M) {
+    (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)parallel_work;
+    (void)x, (void)y, (void)M;
+    return -1;
+}
 #endif
 
 /* kquant_matmul_bf16 as a matmul_op_fn (cpu_kernels.h): args {type, records, n_rows, n_out, k,
@@ -1273,4 +1362,10 @@ int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n
 int kquant_matmul_op(const int64_t *args, const void *x, void *y, int64_t rows) {
     return kquant_matmul_bf16((int)args[0], (const uint8_t *)(intptr_t)args[1], args[2], args[3],
                               args[4], args[5], x, y, rows);
+}
+
+/* kquant_gemm_fine_bf16 as a matmul_op_fn: args as kquant_matmul_op's. */
+int kquant_gemm_fine_op(const int64_t *args, const void *x, void *y, int64_t rows) {
+    return kquant_gemm_fine_bf16((int)args[0], (const uint8_t *)(intptr_t)args[1], args[2],
+                                 args[3], args[4], args[5], x, y, rows);
 }

@@ -17,6 +17,7 @@ AVX512-VNNI (kquant_available) and the model runs bf16 with int8 activations all
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -137,9 +138,11 @@ class KQuantMatrix(nn.Module):
         return torch.bfloat16
 
     def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """kquant_vnni.c's per-16 kernel on this matrix (decode batches): contiguous bf16 x
+        """The decode kernel on this matrix (batches below GEMM_MIN_ROWS): kquant_vnni.c's fine
+        product for the K-quants, its per-16 kernel for the legacy types; contiguous bf16 x
         [M, in], any M >= 1 -> bf16 [M, out]."""
-        return self._bound("_native", native_kernels.kquant_matmul)
+        return self._bound("_native", functools.partial(
+            native_kernels.kquant_matmul, fine=self.ggml_type in _K_TYPES))
 
     def gemm(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """kquant_vnni.c's many-row product on this matrix: contiguous bf16 x [M, in] -> bf16
