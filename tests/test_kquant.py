@@ -1,8 +1,8 @@
 """quant/kquant.py's KQuantMatrix and kernels/cpu/kquant_vnni.c (K-quants, and the legacy Q4_0, Q5_0
 and Q8_0 in records of 32 k): the records hold the file's weight
-exactly (rows equal gguf-py's dequantization), the matmul computes what it promises (x quantized
-per 16 to int8, exact integer sums, fp32 scaling, one bf16 rounding) for any number of
-rows, a row's result does not depend on the call it is in, and QuantizedLinear and a whole
+exactly (rows equal gguf-py's dequantization), each matmul computes what it promises (x quantized
+to int8 per 16, per 256 in fine steps, per 256 or per 32; exact integer sums, fp32 scaling, one
+bf16 rounding) for any number of rows, a row's result does not depend on the call it is in, and QuantizedLinear and a whole
 engine use the records for K-quant GGUF matrices."""
 
 from __future__ import annotations
@@ -152,21 +152,28 @@ def test_matmul_computes_the_int8_product(ggml_type, out_features, parallel):
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_its_call(ggml_type):
     """Alone, among 40 rows, or split over threads: bit-identical within each kernel (radix-cached
-    prefixes and batched requests must see the same logits as a lone one), the decode kernel
-    (the K-quants' fine product, the legacy types' per-16 kernel) and the many-row product
-    alike."""
+    prefixes and batched requests must see the same logits as a lone one): the per-16 kernel,
+    the K-quants' fine product and the many-row product. The decode kernel (native()) is the
+    first for the legacy types, the second for the K-quants."""
     weight = weight_of(ggml_type, 200, seed=1)
     matrix = KQuantMatrix.from_gguf([weight])
-    serial = native_kernels.kquant_matmul(int(ggml_type), matrix.records, matrix.padded_rows,
-                                          200, 512, 2**62, fine=ggml_type not in LEGACY)
+    args = (int(ggml_type), matrix.records, matrix.padded_rows, 200, 512)
+    per_16, per_16_serial = (native_kernels.kquant_matmul(*args, work) for work in (0, 2**62))
+    fine, fine_serial = (None, None) if ggml_type in LEGACY else (
+        native_kernels.kquant_matmul(*args, work, entry="kquant_gemm_fine") for work in (0, 2**62))
     x = torch.randn(40, 512).bfloat16()
-    for kernel in (matrix.native(), serial, matrix.gemm()):
-        if kernel is None:  # the legacy types have no many-row product
+    for kernel in (per_16, fine, matrix.gemm()):
+        if kernel is None:  # the legacy types have no fine product
             continue
         together = kernel(x)
         assert torch.equal(together, torch.cat([kernel(x[i:i + 1]) for i in range(40)]))
         assert torch.equal(together[5:22], kernel(x[5:22]))
-    assert torch.equal(matrix.native()(x), serial(x))
+    assert torch.equal(per_16(x), per_16_serial(x))
+    batches = per_16 if fine is None else fine
+    if fine is not None:
+        assert torch.equal(fine(x), fine_serial(x))
+    assert torch.equal(matrix.native()(x[:1]), batches(x[:1]))
+    assert torch.equal(matrix.native()(x), batches(x))
     big = torch.randn(300, 512).bfloat16()  # two chunks of the many-row product's rows
     if matrix.gemm() is not None:
         assert torch.equal(matrix.gemm()(big)[260:], matrix.gemm()(big[260:]))
@@ -265,7 +272,7 @@ def test_fine_product_computes_the_int8_product(ggml_type, out_features, in_feat
     matrix = KQuantMatrix.from_gguf([weight])
     fine = native_kernels.kquant_matmul(int(ggml_type), matrix.records, matrix.padded_rows,
                                         out_features, in_features, 0 if parallel else 2**62,
-                                        fine=True)
+                                        entry="kquant_gemm_fine")
     gen = torch.Generator().manual_seed(in_features)
     for rows in (1, 2, 9, 17):
         x = torch.randn(rows, in_features, generator=gen).bfloat16()
@@ -297,7 +304,7 @@ def test_fine_steps_keep_the_per_16_accuracy_where_x_has_outliers(ggml_type):
 
     args = (int(ggml_type), matrix.records, matrix.padded_rows, 64, 2048, 2**62)
     per_16 = error(native_kernels.kquant_matmul(*args))
-    fine = error(native_kernels.kquant_matmul(*args, fine=True))
+    fine = error(native_kernels.kquant_matmul(*args, entry="kquant_gemm_fine"))
     coarse = error(matrix.gemm())
     assert fine < 1.75 * per_16 and coarse > 2 * fine, (per_16, fine, coarse)
 
@@ -447,7 +454,7 @@ def test_an_engine_serves_a_k_quant_gguf_from_records(case, tokenizer, tmp_path,
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 def test_calls_above_16_rows_take_the_many_row_product(ggml_type):
-    """Decode batches up to 16 rows keep the per-16 kernel; from GEMM_MIN_ROWS rows the
+    """Decode batches up to 16 rows take the decode kernel (native()); from GEMM_MIN_ROWS rows the
     many-row product, direct() as forward, and record layers plan no dense bf16 copy (the
     product is as fast as one or faster)."""
     from forklm.runtime.models.onednn_linear import plan_dense_copies

@@ -70,11 +70,13 @@ TORCH_TWINS = {
     "kquant_dequantize_t_bf16": "forklm.runtime.quant.gguf_formats.GroupCodes.dequantize",
     "kquant_gemm_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "kquant_gemm_fine_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
+    "kquant_decode_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "kquant_gemm_amx_bf16": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "greedy_pick": "torch.argmax",
     # the matmuls in the decode runner's form: the same products as above
     "kquant_matmul_op": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "kquant_gemm_fine_op": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
+    "kquant_decode_op": "forklm.runtime.quant.kquant.KQuantMatrix.torch_matmul",
     "int4_gemv_op": "torch.ops.aten._weight_int4pack_mm_for_cpu",
     "int4_vnni_op": "torch.ops.aten._weight_int4pack_mm_for_cpu",
     "int8_vnni_op": "torch.ops.aten._weight_int4pack_mm_for_cpu",
@@ -609,8 +611,9 @@ def _build_and_load_kquant() -> _Loaded:
     lib.kquant_dequantize_t_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p]
     lib.kquant_gemm_bf16.restype = _int
     lib.kquant_gemm_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p, _p, _i64]
-    lib.kquant_gemm_fine_bf16.restype = _int
-    lib.kquant_gemm_fine_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _i64, _p, _p, _i64]
+    for entry in (lib.kquant_gemm_fine_bf16, lib.kquant_decode_bf16):
+        entry.restype = _int
+        entry.argtypes = [_int, _p, _i64, _i64, _i64, _i64, _p, _p, _i64]
     lib.kquant_gemm_amx_bf16.restype = _int
     lib.kquant_gemm_amx_bf16.argtypes = [_int, _p, _i64, _i64, _i64, _p, _p, _i64]
     lib.kquant_amx_available.restype = _int
@@ -651,17 +654,17 @@ def kquant_repack(ggml_type: int, row_addresses: torch.Tensor, out_features: int
 
 
 def kquant_matmul(ggml_type: int, records: torch.Tensor, padded_rows: int, out_features: int,
-                  in_features: int, parallel_work: int | None = None, fine: bool = False
-                  ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """y = x @ W^T over `records` for contiguous bf16 x [M, in] (any M >= 1) -> bf16 [M, out]:
-    the per-16 kernel (x quantized per 16 k to int8 on each call), or with `fine` the fine
-    product (K-quants only: x per 256 k in a power-of-two step per 32); OpenMP threads above
-    parallel_work multiply-adds. None where the library is off."""
+                  in_features: int, parallel_work: int | None = None,
+                  entry: str = "kquant_matmul") -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """y = x @ W^T over `records` for contiguous bf16 x [M, in] (any M >= 1) -> bf16 [M, out] by
+    kquant_vnni.c's `entry`: kquant_matmul, the per-16 kernel (x quantized per 16 k to int8 on
+    each call); kquant_gemm_fine, the fine product (K-quants only: x per 256 k in a power-of-two
+    step per 32); kquant_decode, the first for the legacy types, the second for the K-quants.
+    OpenMP threads above parallel_work multiply-adds. None where the library is off."""
     lib = kquant_ops()
     if lib is None:
         return None
-    fn = lib.kquant_gemm_fine_bf16 if fine else lib.kquant_matmul_bf16
-    op = lib.kquant_gemm_fine_op if fine else lib.kquant_matmul_op
+    fn, op = getattr(lib, f"{entry}_bf16"), getattr(lib, f"{entry}_op")
     empty, bf16 = torch.empty, torch.bfloat16
     ptr = records.data_ptr()
     work = PARALLEL_WORK if parallel_work is None else parallel_work

@@ -48,9 +48,11 @@ KQUANT_TYPES = frozenset(RECORD_BYTES)
 # kernel's time at 16 rows, 0.5x dequantize + bf16 GEMM's at 512 (~650 G multiply-adds a second
 # against oneDNN's ~430 in bf16); Q6_K 0.85-1.0x at 16 rows, 0.57-0.61x at 512. Q4_0/Q5_0/Q8_0,
 # 4864x896 and 896x4864: 0.9-1.0x the per-16 kernel, 0.37-0.69x the packed bf16 copy at 8-64
-# rows and 0.9-1.1x at 256-512, 0.7-0.9x dequantize + GEMM. Decode batches up to 16 rows keep the per-16 steps, whose error is 3-4x
-# smaller where x has outlier channels (a step per 256 k is set by the largest |x| in it, as
-# llama.cpp's Q8_K).
+# rows and 0.9-1.1x at 256-512, 0.7-0.9x dequantize + GEMM. Decode batches up to 16 rows take
+# native(): for the K-quants the fine product (the same loop with each group of 32 of x in a
+# power-of-two step under its super-block's), whose error is 2.6x smaller where x has outlier
+# channels (a step per 256 k is set by the largest |x| in it, as llama.cpp's Q8_K); for the
+# legacy types the per-16 kernel.
 GEMM_MIN_ROWS = 17
 # From this many rows the many-row product runs on AMX tiles where they run (kquant_gemm_amx:
 # the records dequantized to bf16 a tile at a time, x as it is, fp32 sums). Session 26 (Intel
@@ -84,7 +86,7 @@ class KQuantMatrix(nn.Module):
         self.register_buffer("records", records)
         self.ggml_type, self.out_features, self.in_features = ggml_type, out_features, in_features
         self.padded_rows = out_features + -out_features % ROWS
-        # (records.data_ptr(), the matmul on them), built on first use: the per-16 kernel and
+        # (records.data_ptr(), the matmul on them), built on first use: the decode kernel and
         # the many-row product
         self._native: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
         self._gemm: tuple[int, Callable[[torch.Tensor], torch.Tensor] | None] | None = None
@@ -138,11 +140,11 @@ class KQuantMatrix(nn.Module):
         return torch.bfloat16
 
     def native(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The decode kernel on this matrix (batches below GEMM_MIN_ROWS): kquant_vnni.c's fine
-        product for the K-quants, its per-16 kernel for the legacy types; contiguous bf16 x
-        [M, in], any M >= 1 -> bf16 [M, out]."""
-        return self._bound("_native", functools.partial(
-            native_kernels.kquant_matmul, fine=self.ggml_type in _K_TYPES))
+        """The decode kernel on this matrix (batches below GEMM_MIN_ROWS, kquant_decode_bf16):
+        kquant_vnni.c's fine product for the K-quants, its per-16 kernel for the legacy types;
+        contiguous bf16 x [M, in], any M >= 1 -> bf16 [M, out]."""
+        return self._bound("_native", functools.partial(native_kernels.kquant_matmul,
+                                                         entry="kquant_decode"))
 
     def gemm(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """kquant_vnni.c's many-row product on this matrix: contiguous bf16 x [M, in] -> bf16
@@ -156,8 +158,9 @@ class KQuantMatrix(nn.Module):
         return self._bound("_amx", native_kernels.kquant_gemm_amx)
 
     def kernel_for(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The kernel a call of `rows` rows takes: the per-16 kernel below GEMM_MIN_ROWS, AMX
-        tiles from AMX_MIN_ROWS where they run, else the int8 many-row product."""
+        """The kernel a call of `rows` rows takes: the decode kernel (native()) below
+        GEMM_MIN_ROWS, AMX tiles from AMX_MIN_ROWS where they run, else the int8 many-row
+        product."""
         if rows < GEMM_MIN_ROWS:
             return self.native()
         return (rows >= AMX_MIN_ROWS and self.amx_gemm()) or self.gemm()

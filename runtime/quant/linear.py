@@ -419,7 +419,7 @@ class QuantizedLinear(nn.Module):
         return native_kernels.NativeMatmul(tuple(segments), min(max_rows), bias, keep=calls)
 
     def _direct_records(self, matrix: KQuantMatrix) -> Callable[[torch.Tensor], torch.Tensor]:
-        """direct() of one K-quant segment: its per-16 kernel or its many-row product (AMX tiles
+        """direct() of one K-quant segment: its decode kernel or its many-row product (AMX tiles
         where they run) for every call."""
         forward, native, gemm = self.forward, matrix.native(), matrix.gemm()
         if native is None or gemm is None:
