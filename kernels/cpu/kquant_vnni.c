@@ -772,10 +772,13 @@ int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, i
  * same units. One vpsllvd per row and group. Bounds with FINE_SHIFT 3: Q6_K's |isum| < 16 halves
  * x 16 x 63 x 127 x 128 x 8 < 2^31, the sums of xq per 32 < 32 x 127 x 8 < 2^15 (int16). With one
  * channel in 256 at 50 times the rest, the rms error against the exact product was 0.039 against
- * the per-16 kernel's 0.025-0.027 and the per-256 step's 0.101 (tests/test_kquant.py). Records
- * stream from memory once per call here, so each group asks for the bytes PREFETCH_BYTES ahead (as
- * the per-16 kernel): without it the product at 4 rows of x ran at half the per-16 kernel's speed
- * on a 78 MB matrix. */
+ * the per-16 kernel's 0.025-0.027 and the per-256 step's 0.101 (tests/test_kquant.py). It costs
+ * 8-17% over the plain product's time at 16-128 rows where the records are in cache.
+ *
+ * Both products: the first tile of a run asks for the records' bytes PREFETCH_BYTES ahead (as
+ * the per-16 kernel), since they come from memory once per chunk. Without it, on a 78 MB Q4_K
+ * matrix, the product ran at half the per-16 kernel's speed at 4-8 rows, and 26.2 against 28.6 ms
+ * at 128 rows, 7.1 against 9.8 at 32. */
 #define GEMM_TILE 8
 #define GEMM_RUN_K 2048
 #define GEMM_CHUNK 256
@@ -797,6 +800,7 @@ typedef struct {
     const int32_t *sq;  /* legacy types: [M, k / 32], -mid sum xq */
     const int32_t *xl;  /* fine: [M, k / 32], each group's left shift (0..FINE_SHIFT) */
     int64_t k, sums;    /* sums: the xs per row */
+    int ahead;          /* ask for the records' bytes PREFETCH_BYTES ahead (a run's first tile) */
 } gemm_job;
 
 /* One super-block of x (256 k at p) in fine steps: the super-block's step D = max|x| / 127,
@@ -900,7 +904,7 @@ static inline __attribute__((always_inline)) void gemm_record(const gemm_job *j,
     for (int m = 0; m < T; m++) isum[m] = _mm512_setzero_si512();
     for (int g = 0; g < 8; g++) {
         const uint8_t *body = r + header_bytes(type) + g * gb;
-        if (fine) /* decode: the records stream from memory once, as in the per-16 kernel */
+        if (j->ahead) /* the run's records come from memory: ask ahead, as the per-16 kernel */
             for (int l = 0; l < gb; l += 64)
                 __builtin_prefetch(body + PREFETCH_BYTES + l, 0, PREFETCH_LOCALITY);
         __m512i c[8];
@@ -1055,7 +1059,8 @@ static int records_product(int type, const uint8_t *records, int64_t n_rows, int
         quantize_rows_32(x, M, k, code_mid(type), xq, xd, sq);
     else
         quantize_rows_256(x, M, k, per, xq, xd, xs, xl);
-    const gemm_job j = {records, xq, xd, xs, sq, xl, k, sums};
+    const gemm_job first = {records, xq, xd, xs, sq, xl, k, sums, 1}, rest = {
+        records, xq, xd, xs, sq, xl, k, sums, 0};
     const int64_t run_records = GEMM_RUN_K / record_k(type);
     const int64_t blocks = (n_out + ROWS - 1) / ROWS;
     const int threads = omp_get_max_threads();
@@ -1085,7 +1090,7 @@ static int records_product(int type, const uint8_t *records, int64_t n_rows, int
                         const int64_t s1 = s0 + run_records < steps ? s0 + run_records : steps;
                         for (int64_t m = 0; m < rows; m += GEMM_TILE) {
                             const int T = (int)(rows - m < GEMM_TILE ? rows - m : GEMM_TILE);
-                            run(&j, b0 + i, s0, s1, c0 + m, T, acc + 16 * m);
+                            run(m ? &rest : &first, b0 + i, s0, s1, c0 + m, T, acc + 16 * m);
                         }
                     }
                 }
