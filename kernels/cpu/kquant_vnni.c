@@ -1371,30 +1371,20 @@ int kquant_dequantize_t_bf16(int type, const uint8_t *records, int64_t n_rows, i
     (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)wt;
     return -1;
 }
-int kquant_matmul_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
-                       int64_t k, int64_t parallel_work, const uint16_t *x, uint16_t *y,
-                       int64_t M) {
-    (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)parallel_work;
-    (void)x, (void)y, (void)M;
-    return -1;
-}
+/* The entry points of kquant_matmul_bf16's form, refusing in this build. */
+#define REFUSED_MATMUL(name)                                                                    \
+    int name(int type, const uint8_t *records, int64_t n_rows, int64_t n_out, int64_t k,        \
+             int64_t parallel_work, const uint16_t *x, uint16_t *y, int64_t M) {                \
+        (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)parallel_work;     \
+        (void)x, (void)y, (void)M;                                                              \
+        return -1;                                                                              \
+    }
+REFUSED_MATMUL(kquant_matmul_bf16)
+REFUSED_MATMUL(kquant_gemm_fine_bf16)
+REFUSED_MATMUL(kquant_decode_bf16)
 int kquant_gemm_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out, int64_t k,
                      const uint16_t *x, uint16_t *y, int64_t M) {
     (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)x, (void)y, (void)M;
-    return -1;
-}
-int kquant_gemm_fine_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
-                          int64_t k, int64_t parallel_work, const uint16_t *x, uint16_t *y,
-                          int64_t M) {
-    (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)parallel_work;
-    (void)x, (void)y, (void)M;
-    return -1;
-}
-int kquant_decode_bf16(int type, const uint8_t *records, int64_t n_rows, int64_t n_out,
-                       int64_t k, int64_t parallel_work, const uint16_t *x, uint16_t *y,
-                       int64_t M) {
-    (void)type, (void)records, (void)n_rows, (void)n_out, (void)k, (void)parallel_work;
-    (void)x, (void)y, (void)M;
     return -1;
 }
 #endif
